@@ -1,0 +1,102 @@
+"""The `batchinfer` command: argparse subcommands, Hydra overrides passed through."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional
+
+from batchinfer.errors import BatchinferError
+
+log = logging.getLogger("batchinfer")
+
+
+def _add_overrides(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. input.path=data.jsonl sampling.max_tokens=64")
+    p.add_argument("--cfg", choices=["job"], help="print the resolved config and exit")
+    p.add_argument("--config-dir", help="a folder of extra config groups / presets (Hydra searchpath)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(prog="batchinfer", description="Batch LLM inference with exactly-once output.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_overrides(sub.add_parser("run", help="run every shard here with one engine, then merge"))
+    p = sub.add_parser("worker", help="run the shards of one array task")
+    p.add_argument("dir")
+    p.add_argument("task", type=int)
+    p = sub.add_parser("merge", help="verify every shard is complete and write the output")
+    p.add_argument("dir")
+    return parser
+
+
+def _compose(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from batchinfer.config import compose
+
+    return compose(args.overrides, config_dir=args.config_dir)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """`batchinfer run`."""
+    from omegaconf import OmegaConf
+
+    cfg = _compose(args)
+    if args.cfg:
+        print(OmegaConf.to_yaml(cfg), end="")
+        return 0
+    from batchinfer.launch import run_local
+
+    run_local(cfg)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """`batchinfer worker DIR TASK`."""
+    from batchinfer.launch import run_task
+
+    run_task(args.dir, args.task)
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    """`batchinfer merge DIR`."""
+    from batchinfer.merge import merge
+    from batchinfer.store import RunDir
+
+    stats = merge(RunDir(args.dir))
+    print(f"merged {stats['rows']} rows into {RunDir(args.dir).output_path}")
+    return 0
+
+
+def setup_logging() -> None:
+    """Plain timestamped lines on stderr for batchinfer's own logger (vLLM keeps its own)."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[batchinfer %(asctime)s] %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+COMMANDS = {"run": cmd_run, "worker": cmd_worker, "merge": cmd_merge}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of the console script."""
+    args = build_parser().parse_args(argv)
+    setup_logging()
+    from batchinfer.worker import Stopped
+
+    try:
+        return COMMANDS[args.command](args)
+    except BatchinferError as e:
+        print(f"batchinfer: error: {e}", file=sys.stderr)
+        return 2
+    except Stopped as e:
+        print(f"batchinfer: {e}; committed rows are safe, run the same command again to finish", file=sys.stderr)
+        return 128 + e.signum
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""Config schemas (registered in Hydra's ConfigStore), composition and the fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from batchinfer.errors import ConfigError
+
+
+def conf_dir() -> Path:
+    """The packaged conf/ (batchinfer.conf in the wheel; the repo's conf/ in a checkout)."""
+    try:
+        import batchinfer.conf as packaged
+
+        return Path(packaged.__file__).resolve().parent
+    except ImportError:
+        return Path(__file__).resolve().parent.parent / "conf"
+
+
+DEFAULT_ROWS_PER_SHARD = 10000
+# Values typed in a shell that Hydra's grammar would reject or interpolate ({ and ${).
+LITERAL_KEYS = ("prompt.template", "prompt.system")
+
+
+@dataclass
+class InputConfig:
+    path: Optional[str] = None
+    format: Optional[str] = None
+    id_column: Optional[str] = None
+    columns: Optional[list[str]] = None
+
+
+@dataclass
+class PromptConfig:
+    template: str = "{text}"
+    template_file: Optional[str] = None
+    system: Optional[str] = None
+    mode: str = "chat"
+    overlong: str = "error_row"
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+    revision: Optional[str] = None
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
+    enable_prefix_caching: Optional[bool] = None
+    trust_remote_code: bool = False
+    seed: int = 0
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class QuantizationConfig:
+    method: Optional[str] = None
+    kv_cache_dtype: str = "auto"
+
+
+@dataclass
+class SamplingConfig:
+    # Greedy by default: vLLM's temperature 1.0 would make a resumed shard differ.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 256
+    min_tokens: int = 0
+    n: int = 1
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class ShardingConfig:
+    num_shards: Optional[int] = None
+    rows_per_shard: Optional[int] = None
+
+
+@dataclass
+class OutputConfig:
+    dir: Optional[str] = None
+    format: str = "parquet"
+    commit_every_rows: int = 500
+    commit_every_seconds: float = 60.0
+    private: bool = False
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time: int = 60
+    gpus_per_task: int = 0
+    cpus_per_task: Optional[int] = None
+    mem: Optional[str] = None
+    constraint: Optional[str] = None
+    array_parallelism: int = 64
+    shards_per_task: int = 1
+    signal_lead_s: int = 120
+    max_attempts: int = 3
+    setup: list[str] = field(default_factory=list)
+    sbatch_extra: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Config:
+    input: InputConfig = field(default_factory=InputConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
+def register_configs() -> None:
+    """Register the schemas so YAML in conf/ is validated against them."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=Config)
+
+
+def hydra_literal(value: str) -> str:
+    """Quote a raw string so Hydra's grammar and OmegaConf give it back unchanged."""
+    value = re.sub(r"(\\*)\$\{", lambda m: "\\" * (2 * len(m.group(1)) + 1) + "${", value)
+    value = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)
+    return "'" + value.replace("'", "\\'") + "'"
+
+
+def quote_literals(overrides: list[str]) -> list[str]:
+    """Pass prompt.template / prompt.system through Hydra literally, as typed in the shell."""
+    out = []
+    for ov in overrides:
+        key, sep, value = ov.partition("=")
+        if sep and key.lstrip("+~") in LITERAL_KEYS:
+            ov = f"{key}={hydra_literal(value)}"
+        out.append(ov)
+    return out
+
+
+def compose(overrides: list[str], config_dir: Optional[str] = None) -> DictConfig:
+    """Compose conf/config.yaml with Hydra overrides; errors name the bad key."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_configs()
+    overrides = quote_literals(list(overrides))
+    if config_dir:
+        cdir = Path(config_dir).expanduser().resolve()
+        if not cdir.is_dir():
+            raise ConfigError(f"--config-dir {config_dir}: not a directory")
+        overrides.append(f"hydra.searchpath=[file://{cdir}]")
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            cfg = hydra_compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(_first_lines(str(e))) from None
+    finally:
+        GlobalHydra.instance().clear()
+    validate(cfg)
+    return cfg
+
+
+def _first_lines(msg: str) -> str:
+    # Hydra appends a long "Set the environment variable HYDRA_FULL_ERROR" tail.
+    lines = [ln for ln in msg.splitlines() if ln.strip() and "HYDRA_FULL_ERROR" not in ln]
+    return "\n".join(lines[:4])
+
+
+_CHOICES = {
+    "prompt.mode": ("chat", "raw"),
+    "prompt.overlong": ("error_row", "truncate_left", "truncate_right", "fail"),
+    "output.format": ("jsonl", "parquet"),
+    "input.format": (None, "jsonl", "json", "parquet"),
+}
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check values the schema's types cannot: choices, ranges, exclusive keys."""
+    for key, allowed in _CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            shown = ", ".join(a for a in allowed if a)
+            raise ConfigError(f"{key}={value!r} is not one of: {shown}")
+    sh = cfg.sharding
+    if sh.num_shards is not None and sh.rows_per_shard is not None:
+        raise ConfigError("set sharding.num_shards or sharding.rows_per_shard, not both")
+    for key in (
+        "sharding.num_shards",
+        "sharding.rows_per_shard",
+        "sampling.n",
+        "sampling.max_tokens",
+        "output.commit_every_rows",
+        "cluster.shards_per_task",
+        "cluster.max_attempts",
+    ):
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1")
+    if cfg.sampling.temperature < 0:
+        raise ConfigError(f"sampling.temperature={cfg.sampling.temperature} must be >= 0")
+
+
+def require_run_keys(cfg: DictConfig) -> None:
+    """The keys a run cannot start without."""
+    if not cfg.input.path:
+        raise ConfigError("input.path is not set: add input.path=/path/to/corpus.jsonl")
+    if not cfg.model.path:
+        raise ConfigError("model.path is not set: add model.path=/path/to/hf-model-folder or a preset")
+
+
+def to_dict(cfg: DictConfig) -> dict[str, Any]:
+    """Plain, resolved dict of a config."""
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def fingerprint_keys(cfg: dict[str, Any], input_fingerprint: str) -> dict[str, Any]:
+    """The flat key -> value map of everything that changes outputs."""
+    m, q, i = cfg["model"], cfg["quantization"], cfg["input"]
+    keys: dict[str, Any] = {
+        "input.fingerprint": input_fingerprint,
+        "input.id_column": i["id_column"],
+        "input.columns": i["columns"],
+        "input.format": i["format"],
+        "model.path": m["path"],
+        "model.revision": m["revision"],
+        "model.dtype": m["dtype"],
+        "model.max_model_len": m["max_model_len"],
+        "quantization.method": q["method"],
+        "quantization.kv_cache_dtype": q["kv_cache_dtype"],
+        "output.format": cfg["output"]["format"],
+    }
+    for group in ("prompt", "sampling", "sharding"):
+        for k, v in cfg[group].items():
+            keys[f"{group}.{k}"] = v
+    return keys
+
+
+def fingerprint(keys: dict[str, Any]) -> str:
+    """Stable hash of the fingerprint keys."""
+    blob = json.dumps(keys, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Keys whose values differ between two fingerprint maps."""
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))

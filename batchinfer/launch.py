@@ -1,0 +1,234 @@
+"""Prepare a run directory and fan shards out: locally in this process (Slurm: issue 4)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import pyarrow as pa
+from omegaconf import DictConfig
+
+from batchinfer import __version__
+from batchinfer.config import (
+    DEFAULT_ROWS_PER_SHARD,
+    changed_keys,
+    fingerprint,
+    fingerprint_keys,
+    require_run_keys,
+    to_dict,
+)
+from batchinfer.data import check_input_path, convert_input, detect_format, file_fingerprint, open_input, plan_shards
+from batchinfer.errors import ConfigError, RunDirError
+from batchinfer.merge import merge
+from batchinfer.prompts import check_fields, load_template
+from batchinfer.schema import output_schema, schema_summary, schema_to_text
+from batchinfer.store import RunDir, read_json, write_json
+
+log = logging.getLogger("batchinfer")
+
+
+def resolve_config(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Plain config with the input resolved, and the input's fingerprint record."""
+    require_run_keys(cfg)
+    c = to_dict(cfg)
+    path = check_input_path(c["input"]["path"])
+    c["input"]["path"] = str(path)
+    c["input"]["format"] = detect_format(str(path), c["input"]["format"])
+    previous = None
+    if c["output"]["dir"] and RunDir(c["output"]["dir"]).exists():
+        previous = RunDir(c["output"]["dir"]).run["input"]
+    return c, file_fingerprint(path, previous)
+
+
+def run_dir_for(c: dict[str, Any], fp: str) -> RunDir:
+    """output.dir, or runs/<input-stem>-<fingerprint[:8]> under the current folder."""
+    if c["output"]["dir"]:
+        return RunDir(c["output"]["dir"])
+    stem = Path(c["input"]["path"]).name.split(".")[0]
+    return RunDir(Path("runs") / f"{stem}-{fp[:8]}")
+
+
+def prepare(cfg: DictConfig) -> RunDir:
+    """Create the run directory (input converted once, plan, schema) or reopen it if unchanged."""
+    c, input_record = resolve_config(cfg)
+    keys = fingerprint_keys(c, input_record["fingerprint"])
+    fp = fingerprint(keys)
+    run = run_dir_for(c, fp)
+    if run.exists():
+        old = run.run
+        changed = changed_keys(old["fingerprint_keys"], keys)
+        if changed:
+            shown = ", ".join(f"{k} ({old['fingerprint_keys'].get(k)!r} -> {keys.get(k)!r})" for k in changed)
+            raise RunDirError(
+                f"{run.path} was made with a different config: {shown}. These change outputs, so the "
+                f"run cannot continue in this directory; use another output.dir or restore the old values"
+            )
+        if old["config"] != c:
+            old["config"] = c  # only settings outside the fingerprint differ (commit intervals, cluster)
+            run.write_run(old)
+        return run
+    _create(run, c, keys, fp, input_record)
+    return run
+
+
+def _create(run: RunDir, c: dict[str, Any], keys: dict[str, Any], fp: str, input_record: dict[str, Any]) -> None:
+    try:
+        run.path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"output.dir {run.path}: cannot create it ({e.strerror}); choose a writable output.dir"
+        ) from None
+    if not os.access(run.path, os.W_OK):
+        raise ConfigError(f"output.dir {run.path}: not writable; choose a writable output.dir")
+    inp = c["input"]
+    shutil.rmtree(run.input_dir, ignore_errors=True)
+    log.info("converting %s (%s) into %s", inp["path"], inp["format"], run.input_dir)
+    rows = convert_input(Path(inp["path"]), inp["format"], run.input_dir, inp["id_column"], inp["columns"])
+    ds = open_input(run.input_dir)
+    check_fields(load_template(c["prompt"]), ds.column_names, inp["path"])
+    arrow = ds.data.schema
+    id_type = arrow.field(inp["id_column"]).type if inp["id_column"] else pa.int64()
+    input_type = pa.struct([arrow.field(col) for col in inp["columns"]]) if inp["columns"] else None
+    schema = output_schema(id_type, c["sampling"]["n"], input_type)
+    sh = c["sharding"]
+    shards = plan_shards(rows, sh["num_shards"], sh["rows_per_shard"], DEFAULT_ROWS_PER_SHARD)
+    write_json(
+        run.plan_json,
+        {
+            "rows": rows,
+            "input_fingerprint": input_record["fingerprint"],
+            "shards": [{"index": s.index, "start": s.start, "stop": s.stop, "rows": s.rows} for s in shards],
+        },
+    )
+    from batchinfer.engine import installed_versions  # metadata only: no vllm import
+
+    run.write_run(
+        {
+            "batchinfer": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "fingerprint": fp,
+            "fingerprint_keys": keys,
+            "input": dict(input_record, path=inp["path"], format=inp["format"], rows=rows),
+            "output_schema": {"columns": schema_summary(schema), "arrow": schema_to_text(schema)},
+            "versions": installed_versions(),
+            "config": c,
+        }
+    )
+    log.info("prepared %s: %d rows in %d shards", run.path, rows, len(shards))
+
+
+def progress_bar(total: int, initial: int, desc: str) -> Any:
+    """tqdm on a terminal; plain lines about every 5 s in logs."""
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=desc,
+        unit="row",
+        mininterval=0.5 if tty else 5.0,
+        ascii=not tty,
+        dynamic_ncols=tty,
+    )
+
+
+class EngineHolder:
+    """Builds the engine on first use (a finished run never imports vllm) and reuses it."""
+
+    def __init__(self, c: dict[str, Any], stop: Any, engine: Any = None):
+        self.c = c
+        self.stop = stop
+        self.engine = engine
+        if engine is not None:
+            from batchinfer.engine import model_key
+
+            if engine.key != model_key(c):
+                raise RunDirError("the engine passed in was built for another model config")
+
+    def __call__(self) -> Any:
+        if self.engine is None:
+            from batchinfer.engine import Engine
+
+            log.info("starting vLLM engine for %s", self.c["model"]["path"])
+            # Block stop signals while the engine starts: its processes inherit the mask (a
+            # group-wide USR2 cannot kill them) and a signal sent meanwhile stays pending.
+            self.stop.block()
+            try:
+                self.engine = Engine(self.c)
+            finally:
+                self.stop.install()
+            log.info("engine ready in %.1f s", self.engine.startup_seconds)
+        return self.engine
+
+    def close(self, owned: bool) -> None:
+        """Stop the engine if this holder built it."""
+        if owned and self.engine is not None:
+            self.engine.close()
+
+
+def run_shards(run: RunDir, indices: list[int], engine: Any = None) -> None:
+    """Finish the given shards in this process with one engine; stop signals commit first."""
+    from batchinfer.worker import ShardWorker, StopFlag
+
+    shards = [s for s in run.shards() if s.index in set(indices) and not run.is_done(s.index)]
+    if not shards:
+        return
+    stop = StopFlag()
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)}
+    holder = EngineHolder(run.run["config"], stop, engine)
+    committed = sum(_rows_done(run, s.index) for s in shards)
+    bar = progress_bar(sum(s.rows for s in shards), committed, desc=run.path.name)
+    try:
+        stop.install()
+        worker = ShardWorker(run, holder, stop, bar)
+        for shard in shards:
+            worker.run_shard(shard)
+    finally:
+        bar.close()
+        holder.close(owned=engine is None)
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def _rows_done(run: RunDir, index: int) -> int:
+    p = run.progress_path(index)
+    return read_json(p).get("rows_done", 0) if p.is_file() else 0
+
+
+def run_local(cfg: DictConfig, engine: Any = None) -> RunDir:
+    """`batchinfer run`: every shard here with one engine, then merge."""
+    run = prepare(cfg)
+    todo = [s.index for s in run.shards() if not run.is_done(s.index)]
+    if not todo and run.output_path.is_file() and run.stats_json.is_file():
+        rows = read_json(run.stats_json)["rows"]
+        print(f"{run.path} is already complete: {rows} rows in {run.output_path}; nothing to do")
+        return run
+    if todo:
+        run_shards(run, todo, engine)
+    merge(run)
+    print(f"done: {run.output_path}")
+    return run
+
+
+def shards_of_task(run: RunDir, task: int) -> list[int]:
+    """Shards an array task runs: shards_per_task consecutive shards."""
+    per = run.run["config"]["cluster"]["shards_per_task"]
+    indices = [s.index for s in run.shards()][task * per : (task + 1) * per]
+    if not indices:
+        raise RunDirError(
+            f"{run.path}: task {task} has no shards (the plan has {len(run.shards())} shards, {per} per task)"
+        )
+    return indices
+
+
+def run_task(run_dir: str, task: int, engine: Optional[Any] = None) -> None:
+    """`batchinfer worker DIR TASK`: the shards of one array task."""
+    run = RunDir(run_dir)
+    run_shards(run, shards_of_task(run, task), engine)

