@@ -1,0 +1,149 @@
+"""Shared fixtures: the tiny model, one in-process engine, corpora and run helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # else the CPU backend reserves 90% of RAM
+
+import tiny_model  # noqa: E402
+
+WORDS = ["dog", "fox", "hello", "world", "label", "physics", "biology", "quick", "lazy", "jumps", "abstract", "brown"]
+# One engine config for every in-process test, so they can share the session engine.
+ENGINE_OVERRIDES = ["model.enforce_eager=true", "model.max_model_len=128", "model.max_num_seqs=16"]
+COMPARE = ["row", "id", "text", "finish_reason", "prompt_tokens", "output_tokens", "error"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama, built once per session (~5 s)."""
+    return tiny_model.build(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model_path: Path) -> Any:
+    """One real vLLM engine in this process, shared by option tests."""
+    from batchinfer.config import compose, to_dict
+    from batchinfer.engine import Engine
+
+    cfg = to_dict(compose(model_overrides(tiny_model_path)))
+    eng = Engine(cfg)
+    yield eng
+    eng.close()
+
+
+def model_overrides(model: Path) -> list[str]:
+    """Overrides that select the tiny model with the shared engine's settings."""
+    return [f"model.path={model}", *ENGINE_OVERRIDES]
+
+
+def write_corpus(
+    path: Path, n: int, seed: int = 0, fmt: str = "jsonl", min_words: int = 2, max_words: int = 12
+) -> list[dict]:
+    """n rows {id, text} of random words; as JSONL or Parquet."""
+    rng = random.Random(seed)
+    rows = [
+        {"id": f"doc-{i:05d}", "text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words)))}
+        for i in range(n)
+    ]
+    if fmt == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def read_output(run_dir: Path) -> list[dict]:
+    """The merged output rows of a run directory."""
+    if (run_dir / "output.parquet").exists():
+        return pq.read_table(run_dir / "output.parquet").to_pylist()
+    return [json.loads(line) for line in (run_dir / "output.jsonl").read_text().splitlines()]
+
+
+def project(rows: list[dict]) -> list[dict]:
+    """The columns two runs of the same config must agree on."""
+    return [{k: r.get(k) for k in COMPARE} for r in rows]
+
+
+def assert_exactly_once(rows: list[dict], inputs: list[dict]) -> None:
+    """Every input row once, in input order, with its id, and a text that is the row's own."""
+    assert [r["row"] for r in rows] == list(range(len(inputs)))
+    assert [r["id"] for r in rows] == [x["id"] for x in inputs]
+    for r, x in zip(rows, inputs, strict=True):
+        assert r["error"] is None, r
+        assert_own_output(r, x["text"])
+
+
+def assert_own_output(out: dict, prompt_text: str) -> None:
+    """The tiny model repeats the prompt's last token: the output text belongs to this row."""
+    n = out["output_tokens"]
+    unit = out["text"][: len(out["text"]) // n]
+    assert unit * n == out["text"] and unit.strip() and prompt_text.endswith(unit.strip()), (out, prompt_text)
+
+
+def run_cli(args: list[str], env: dict | None = None, timeout: float = 600, **kw: Any) -> subprocess.CompletedProcess:
+    """Run the batchinfer CLI in its own process group."""
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "batchinfer.cli", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        start_new_session=True,
+        **kw,
+    )
+
+
+def shm_entries() -> set[str]:
+    """vLLM's shared-memory leftovers (psm_*, sem.mp-*)."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(("psm_", "sem.mp-"))}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture
+def clean_shm():
+    """Remove /dev/shm entries that killed vLLM processes of this test left."""
+    before = shm_entries()
+    yield
+    for name in shm_entries() - before:
+        try:
+            os.unlink(f"/dev/shm/{name}")
+        except OSError:
+            pass
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a process group started with start_new_session."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=60)
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Pids still alive in a process group."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if os.getpgid(int(d)) == pgid:
+                    pids.append(int(d))
+            except ProcessLookupError:
+                continue
+    return pids

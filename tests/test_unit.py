@@ -1,0 +1,274 @@
+"""Fast tests without an engine: config, plan, parts, schema, locks, merge, worker with a fake engine."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from conftest import read_output, write_corpus
+
+from batchinfer.config import changed_keys, compose, hydra_literal
+from batchinfer.data import Shard, plan_shards, scan_jsonl
+from batchinfer.engine import Completion
+from batchinfer.errors import ConfigError, InputError, RunDirError
+from batchinfer.launch import prepare, run_shards
+from batchinfer.merge import merge
+from batchinfer.prompts import PromptBuilder, RowError
+from batchinfer.schema import error_row, output_schema, rows_to_table
+from batchinfer.store import RunDir, ShardLock
+from batchinfer.worker import StopFlag, overlong_tokens
+
+
+class FakeEngine:
+    """Echoes each prompt's length; finishes `per_step` requests per step."""
+
+    max_model_len = 1000
+    max_num_seqs = 4
+    startup_seconds = 0.0
+
+    def __init__(self, per_step: int = 3):
+        self.per_step = per_step
+        self.queue: list[tuple[str, list[int]]] = []
+        self.added: list[list[int]] = []
+
+    def sampling_params(self, sampling: dict[str, Any]) -> Any:
+        return sampling
+
+    def encode(self, prompt: Any) -> list[int]:
+        text = prompt if isinstance(prompt, str) else " ".join(m["content"] for m in prompt)
+        return [ord(c) % 50 for c in text]
+
+    def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
+        self.queue.append((request_id, token_ids))
+        self.added.append(token_ids)
+
+    def step(self) -> list[Completion]:
+        done, self.queue = self.queue[: self.per_step], self.queue[self.per_step :]
+        return [Completion(rid, [f"len{len(ids)}"], "stop", len(ids), 1) for rid, ids in done]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.queue)
+
+    def abort_all(self) -> None:
+        self.queue = []
+
+
+def fake_overrides(tmp_path: Path, corpus: Path, *extra: str) -> list[str]:
+    return [f"input.path={corpus}", f"model.path={tmp_path}/no-model", f"output.dir={tmp_path}/run", *extra]
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_unknown_key_is_named() -> None:
+    with pytest.raises(ConfigError, match="prompt.tempalte"):
+        compose(["prompt.tempalte=x"])
+
+
+def test_wrong_type_and_choice_are_named() -> None:
+    with pytest.raises(ConfigError, match="sampling.max_tokens"):
+        compose(["sampling.max_tokens=lots"])
+    with pytest.raises(ConfigError, match=r"prompt.mode='poem' is not one of: chat, raw"):
+        compose(["prompt.mode=poem"])
+    with pytest.raises(ConfigError, match="not both"):
+        compose(["sharding.num_shards=2", "sharding.rows_per_shard=5"])
+
+
+def test_template_taken_literally_from_the_shell() -> None:
+    cfg = compose(["prompt.template=Label: {text} costs ${x} 'q' \\", "prompt.system=Be {brief}"])
+    assert cfg.prompt.template == "Label: {text} costs ${x} 'q' \\"
+    assert cfg.prompt.system == "Be {brief}"
+    assert hydra_literal("a'b") == "'a\\'b'"
+
+
+def test_changed_keys() -> None:
+    assert changed_keys({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4}) == ["b", "c"]
+
+
+# ---------------------------------------------------------------- data
+
+
+def test_plan_shards_by_count_and_size() -> None:
+    assert plan_shards(10, 3, None, 100) == [Shard(0, 0, 3), Shard(1, 3, 6), Shard(2, 6, 10)]
+    assert plan_shards(10, None, 4, 100) == [Shard(0, 0, 4), Shard(1, 4, 8), Shard(2, 8, 10)]
+    assert plan_shards(5, None, None, 100) == [Shard(0, 0, 5)]
+    assert plan_shards(2, 5, None, 100) == [Shard(0, 0, 1), Shard(1, 1, 2)]
+
+
+def test_scan_jsonl_names_the_line(tmp_path: Path) -> None:
+    p = tmp_path / "bad.jsonl"
+    p.write_bytes(b'{"text": "a"}\n{"text": "b"}\n{"text": oops}\n')
+    with pytest.raises(InputError, match=r"bad.jsonl:3: not valid JSON"):
+        scan_jsonl(p)
+    p.write_bytes(b'{"text": "a"}\n{"text": "\xff"}\n')
+    with pytest.raises(InputError, match=r"bad.jsonl:2: invalid UTF-8"):
+        scan_jsonl(p)
+
+
+def test_missing_and_empty_input(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match=r"input.path .*nope.jsonl: no such file"):
+        prepare(compose(fake_overrides(tmp_path, tmp_path / "nope.jsonl")))
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(InputError, match=r"empty.jsonl: the file is empty"):
+        prepare(compose(fake_overrides(tmp_path, tmp_path / "empty.jsonl")))
+
+
+def test_duplicate_ids_and_unknown_template_field(tmp_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "a", "text": "x"}\n{"id": "b", "text": "y"}\n{"id": "a", "text": "z"}\n')
+    with pytest.raises(InputError, match=r"duplicate id 'a' in rows 0 and 2"):
+        prepare(compose(fake_overrides(tmp_path, corpus, "input.id_column=id")))
+    with pytest.raises(ConfigError, match=r"uses \{body\} .* no column 'body' .*\{\{ or \}\}"):
+        prepare(compose(fake_overrides(tmp_path, corpus, "prompt.template=Say {body}")))
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def test_prompt_builder_chat_raw_and_row_errors() -> None:
+    b = PromptBuilder({"template": "Label: {text}", "system": "Be brief", "mode": "chat"})
+    assert b.build({"text": "hi"}) == [
+        {"role": "system", "content": "Be brief"},
+        {"role": "user", "content": "Label: hi"},
+    ]
+    raw = PromptBuilder({"template": "Q: {text} {{json}}", "system": None, "mode": "raw"})
+    assert raw.build({"text": "hi"}) == "Q: hi {json}"
+    with pytest.raises(RowError, match="field 'text' is null"):
+        b.build({"text": None})
+    with pytest.raises(RowError, match="prompt is empty"):
+        PromptBuilder({"template": "{text}", "system": None, "mode": "raw"}).build({"text": "  "})
+
+
+def test_overlong_policies() -> None:
+    ids = list(range(10))
+    assert overlong_tokens(ids, "error_row", 11, 4) == ids
+    with pytest.raises(RowError, match="prompt has 10 tokens; model.max_model_len is 10"):
+        overlong_tokens(ids, "error_row", 10, 4)
+    assert overlong_tokens(ids, "truncate_left", 8, 2) == ids[-6:]
+    assert overlong_tokens(ids, "truncate_right", 8, 6) == ids[:4]
+    with pytest.raises(InputError, match="prompt.overlong=fail"):
+        overlong_tokens(ids, "fail", 10, 4)
+
+
+# ---------------------------------------------------------------- schema, parts, locks
+
+
+def test_schema_keeps_null_optional_columns_concatenable(tmp_path: Path) -> None:
+    schema = output_schema(pa.string(), 2, pa.struct([("topic", pa.string())]))
+    ok = rows_to_table([{"row": 0, "id": "a", "text": "t", "samples": ["t", "u"], "error": None}], schema)
+    bad = rows_to_table([error_row(1, "b", "prompt", "field 'text' is null")], schema)
+    both = pa.concat_tables([ok, bad])
+    assert both.schema == schema
+    assert both.column("samples").to_pylist() == [["t", "u"], None]
+    assert both.column("error").to_pylist()[1] == {"kind": "prompt", "message": "field 'text' is null"}
+
+
+def _prepared(tmp_path: Path, n: int = 12, *extra: str) -> RunDir:
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, n)
+    return prepare(compose(fake_overrides(tmp_path, corpus, "input.id_column=id", *extra)))
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_part_commit_is_atomic_and_temporaries_are_cleaned(tmp_path: Path, fmt: str) -> None:
+    run = _prepared(tmp_path, 4, f"output.format={fmt}")
+    run.shard_dir(0).mkdir(parents=True)
+    table = rows_to_table([error_row(i, f"doc-{i:05d}", "x", "m") for i in (1, 0)], run.schema)
+    p0 = run.write_part(0, table)
+    p1 = run.write_part(0, rows_to_table([error_row(2, "doc-00002", "x", "m")], run.schema))
+    assert [p0.name, p1.name] == [f"part-000000.{fmt}", f"part-000001.{fmt}"]
+    (run.shard_dir(0) / f".tmp-part-000002.{fmt}").write_bytes(b"torn")
+    assert [p.name for p in run.parts(0)] == [p0.name, p1.name]
+    assert run.read_shard(0).column("row").to_pylist() == [1, 0, 2]
+    assert run.clean_temporaries(0) == 1
+    assert sorted(os.listdir(run.shard_dir(0))) == [p0.name, p1.name]
+
+
+def test_lock_refuses_second_writer_naming_holder(tmp_path: Path) -> None:
+    d = tmp_path / "shard"
+    with ShardLock(d):
+        with pytest.raises(RunDirError, match=rf"shard is being written by host \S+ pid {os.getpid()}"):
+            with ShardLock(d):
+                pass
+    with ShardLock(d):  # released: free again
+        pass
+
+
+# ---------------------------------------------------------------- worker (fake engine) and merge
+
+
+def test_fake_engine_run_commits_often_dedupes_and_merges_in_order(tmp_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 30)
+    rows[5]["text"] = rows[7]["text"] = rows[9]["text"] = "same prompt"
+    rows[11]["text"] = None
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = prepare(
+        compose(
+            fake_overrides(
+                tmp_path, corpus, "input.id_column=id", "sharding.num_shards=2", "output.commit_every_rows=4"
+            )
+        )
+    )
+    eng = FakeEngine()
+    run_shards(run, [0, 1], engine=_keyed(eng, run))
+    assert len(run.parts(0)) >= 3  # committed between steps, not once at the end
+    assert sum(1 for ids in eng.added if ids == eng.encode([{"content": "same prompt"}])) == 1
+    stats = merge(run)
+    out = read_output(run.path)
+    assert [r["row"] for r in out] == list(range(30))
+    assert [r["id"] for r in out] == [r["id"] for r in rows]
+    assert out[7]["text"] == out[9]["text"] == "len11"
+    assert out[11]["error"] == {"kind": "prompt", "message": "row 11: field 'text' is null"}
+    assert stats["rows"] == 30 and stats["errors"] == {"prompt": 1}
+
+
+def test_stop_flag_commits_then_resume_finishes(tmp_path: Path) -> None:
+    from batchinfer.worker import ShardWorker, Stopped
+
+    run = _prepared(tmp_path, 20, "output.commit_every_rows=100")
+    stop = StopFlag()
+    eng = FakeEngine(per_step=3)
+    real_step = eng.step
+
+    def step_then_signal() -> list[Completion]:
+        stop.signum = 15
+        return real_step()
+
+    eng.step = step_then_signal  # type: ignore[method-assign]
+    with pytest.raises(Stopped):
+        ShardWorker(run, lambda: eng, stop).run_shard(Shard(0, 0, 20))
+    assert run.read_shard(0).num_rows == 3 and not run.is_done(0)
+    second = FakeEngine()
+    run_shards(run, [0], engine=_keyed(second, run))
+    assert len(second.added) == 17  # only what was missing
+    assert [r["row"] for r in read_output(merge(run) and run.path)] == list(range(20))
+
+
+def test_merge_refuses_naming_incomplete_shards(tmp_path: Path) -> None:
+    run = _prepared(tmp_path, 9, "sharding.num_shards=3")
+    with pytest.raises(RunDirError, match=r"3 of 3 shards are incomplete \(shards 0, 1, 2\)"):
+        merge(run)
+
+
+def test_fingerprint_refusal_names_changed_keys(tmp_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 5)
+    prepare(compose(fake_overrides(tmp_path, corpus)))
+    with pytest.raises(RunDirError, match=r"sampling.max_tokens \(256 -> 7\)"):
+        prepare(compose(fake_overrides(tmp_path, corpus, "sampling.max_tokens=7")))
+    prepare(compose(fake_overrides(tmp_path, corpus, "output.commit_every_rows=3")))  # outside the fingerprint
+    write_corpus(corpus, 6)
+    with pytest.raises(RunDirError, match=r"input.fingerprint"):
+        prepare(compose(fake_overrides(tmp_path, corpus)))
+
+
+def _keyed(eng: FakeEngine, run: RunDir) -> FakeEngine:
+    from batchinfer.engine import model_key
+
+    eng.key = model_key(run.run["config"])  # type: ignore[attr-defined]
+    return eng
