@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -136,14 +137,19 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait(timeout=60)
 
 
-def group_alive(pgid: int) -> list[int]:
-    """Pids still alive in a process group."""
-    pids = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
+def group_alive(pgid: int, wait: float = 10.0) -> list[int]:
+    """Pids of a process group still running (zombies awaiting a reaper do not count)."""
+    deadline = time.monotonic() + wait
+    while True:
+        pids = []
+        for d in os.listdir("/proc"):
             try:
-                if os.getpgid(int(d)) == pgid:
-                    pids.append(int(d))
-            except ProcessLookupError:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
                 continue
-    return pids
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(d))
+        if not pids or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.2)

@@ -1,0 +1,95 @@
+"""The CLI as a user types it: messages, --cfg job, no vllm/torch import where none is needed."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import model_overrides, run_cli, write_corpus
+
+from batchinfer.config import compose
+from batchinfer.launch import run_local
+
+
+def test_console_script_is_installed() -> None:
+    exe = shutil.which("batchinfer")
+    assert exe, "the batchinfer console script is not on PATH: pip install -e .[cpu,test]"
+    res = subprocess.run([exe, "--help"], capture_output=True, text=True)
+    assert res.returncode == 0 and "run" in res.stdout and "merge" in res.stdout
+
+
+def test_cfg_job_prints_resolved_config_with_literal_template() -> None:
+    res = run_cli(
+        ["run", "--cfg", "job", "input.path=x.jsonl", "prompt.template=Label: {text}", "sampling.max_tokens=9"]
+    )
+    assert res.returncode == 0, res.stderr
+    assert (
+        "template: 'Label: {text}'" in res.stdout and "max_tokens: 9" in res.stdout and "temperature: 0.0" in res.stdout
+    )
+
+
+def test_unknown_key_missing_input_and_bad_value_messages(tmp_path: Path) -> None:
+    res = run_cli(["run", "sampling.max_tokenz=3"])
+    assert res.returncode == 2 and "batchinfer: error: Could not override 'sampling.max_tokenz'" in res.stderr
+    res = run_cli(["run", f"input.path={tmp_path}/missing.jsonl", "model.path=m"])
+    assert res.returncode == 2 and f"input.path {tmp_path}/missing.jsonl: no such file" in res.stderr
+    res = run_cli(["run", "input.path=x.jsonl"])
+    assert res.returncode == 2 and "model.path is not set" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+NO_ENGINE_IMPORTS = """
+import sys
+from batchinfer.cli import main
+code = main(sys.argv[1:])
+heavy = sorted(m for m in ("vllm", "torch", "transformers") if m in sys.modules)
+print("HEAVY", heavy)
+sys.exit(code)
+"""
+
+
+@pytest.mark.engine
+def test_finished_dir_rerun_and_merge_import_no_vllm(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 12)
+    ov = [
+        f"input.path={corpus}",
+        f"output.dir={tmp_path}/run",
+        "sampling.max_tokens=4",
+        *model_overrides(tiny_model_path),
+    ]
+    run_local(compose(ov), engine=engine)
+    res = subprocess.run([sys.executable, "-c", NO_ENGINE_IMPORTS, "run", *ov], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "is already complete: 12 rows" in res.stdout and "HEAVY []" in res.stdout
+    res = subprocess.run(
+        [sys.executable, "-c", NO_ENGINE_IMPORTS, "merge", f"{tmp_path}/run"], capture_output=True, text=True
+    )
+    assert res.returncode == 0 and "merged 12 rows" in res.stdout and "HEAVY []" in res.stdout
+
+
+def test_merge_of_incomplete_dir_names_shards(tmp_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 6)
+    from batchinfer.launch import prepare
+
+    prepare(compose([f"input.path={corpus}", f"output.dir={tmp_path}/run", "model.path=m", "sharding.num_shards=2"]))
+    res = run_cli(["merge", f"{tmp_path}/run"])
+    assert res.returncode == 2 and "2 of 2 shards are incomplete (shards 0, 1)" in res.stderr
+
+
+def test_lock_refusal_from_a_second_process(tmp_path: Path) -> None:
+    from batchinfer.launch import prepare
+    from batchinfer.store import ShardLock
+
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 4)
+    run = prepare(compose([f"input.path={corpus}", f"output.dir={tmp_path}/run", "model.path=m"]))
+    with ShardLock(run.shard_dir(0)):
+        res = run_cli(["worker", str(run.path), "0"])
+    assert res.returncode == 2
+    assert "00000: shard is being written by host" in res.stderr and "wait for it or cancel it" in res.stderr

@@ -1,0 +1,151 @@
+"""SIGKILL and named fault points in a real `batchinfer run` subprocess, then resume: exactly once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import (
+    assert_exactly_once,
+    group_alive,
+    kill_group,
+    model_overrides,
+    project,
+    read_output,
+    run_cli,
+    write_corpus,
+)
+
+from batchinfer.config import compose
+from batchinfer.launch import run_local
+from batchinfer.store import RunDir, read_table
+
+pytestmark = [pytest.mark.engine, pytest.mark.kill]
+ROWS = 600
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path, engine: Any) -> dict[str, Any]:
+    """A corpus big enough for many commits per shard, and its uninterrupted output."""
+    d = tmp_path_factory.mktemp("kill")
+    corpus = d / "corpus.jsonl"
+    rows = write_corpus(corpus, ROWS, seed=7)
+    base = [
+        f"input.path={corpus}",
+        "input.id_column=id",
+        "sampling.max_tokens=24",
+        "sharding.num_shards=2",
+        "output.commit_every_rows=16",
+        *model_overrides(tiny_model_path),
+    ]
+    clean = read_output(run_local(compose([*base, f"output.dir={d}/clean"]), engine=engine).path)
+    assert_exactly_once(clean, rows)
+    return {"base": base, "rows": rows, "clean": clean, "dir": d}
+
+
+def resume_and_check(workload: dict[str, Any], out: Path, engine: Any) -> None:
+    """Finish the run in-process and compare with the uninterrupted run, row for row."""
+    run = run_local(compose([*workload["base"], f"output.dir={out}"]), engine=engine)
+    rows = read_output(run.path)
+    assert_exactly_once(rows, workload["rows"])
+    assert project(rows) == project(workload["clean"])
+
+
+def committed_parts_are_whole(out: Path) -> int:
+    """Every visible part reads back in full; returns the committed row count."""
+    run = RunDir(out)
+    total = 0
+    for shard in run.shards():
+        for p in run.parts(shard.index):
+            total += read_table(p, run.schema).num_rows
+    return total
+
+
+def test_sigkill_group_after_first_part_then_cli_resume(workload: dict[str, Any], clean_shm: None) -> None:
+    out = workload["dir"] / "killed"
+    cmd = [sys.executable, "-m", "batchinfer.cli", "run", *workload["base"], f"output.dir={out}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not list(out.glob("shards/*/part-*")):
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    kill_group(proc)
+    assert proc.returncode == -signal.SIGKILL
+    assert group_alive(proc.pid) == []  # no engine process outlives the kill
+    committed = committed_parts_are_whole(out)
+    assert 0 < committed < ROWS
+    res = run_cli(["run", *workload["base"], f"output.dir={out}"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resuming" in res.stderr
+    rows = read_output(out)
+    assert_exactly_once(rows, workload["rows"])
+    assert project(rows) == project(workload["clean"])
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "in-part-write:2",
+        "before-part-rename:2",
+        "after-part-rename:2",
+        "after-progress:3",
+        "in-generate:5",
+        "before-done:1",
+    ],
+)
+def test_fault_point_then_resume(workload: dict[str, Any], engine: Any, fault: str, clean_shm: None) -> None:
+    out = workload["dir"] / fault.replace(":", "-")
+    res = run_cli(["run", *workload["base"], f"output.dir={out}"], env={"BATCHINFER_FAULT": fault})
+    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+    run = RunDir(out)
+    committed = committed_parts_are_whole(out)
+    assert committed < ROWS
+    if fault.startswith(("in-part-write", "before-part-rename")):
+        assert list(out.glob("shards/*/.tmp-part-*"))  # the torn write is there, and ignored
+    if fault == "before-done:1":
+        assert committed == ROWS // 2 and not run.is_done(0)
+    resume_and_check(workload, out, engine)
+    assert not list(out.glob("shards/*/.tmp-*"))
+
+
+def test_kill_in_merge_then_merge_again(workload: dict[str, Any], engine: Any) -> None:
+    out = workload["dir"] / "merge-fault"
+    run = run_local(compose([*workload["base"], f"output.dir={out}"]), engine=engine)
+    run.output_path.unlink()
+    res = run_cli(["merge", str(out)], env={"BATCHINFER_FAULT": "in-merge"})
+    assert res.returncode == -signal.SIGKILL
+    assert not run.output_path.exists() and (out / ".tmp-output.parquet").exists()
+    res = run_cli(["merge", str(out)])
+    assert res.returncode == 0 and f"merged {ROWS} rows" in res.stdout
+    assert project(read_output(out)) == project(workload["clean"])
+
+
+def test_usr2_during_engine_start_is_acted_on(workload: dict[str, Any], engine: Any, clean_shm: None) -> None:
+    out = workload["dir"] / "usr2"
+    cmd = [sys.executable, "-m", "batchinfer.cli", "run", *workload["base"], f"output.dir={out}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, text=True)
+    log = ""
+    while "starting vLLM engine" not in log:
+        line = proc.stderr.readline()
+        assert line, "worker exited before starting its engine"
+        log += line
+    time.sleep(3)  # well inside the engine start
+    os.killpg(proc.pid, signal.SIGUSR2)  # what Slurm's --signal does: the whole group
+    try:
+        _, rest = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+    assert proc.returncode == 128 + signal.SIGUSR2, (log + rest)[-3000:]
+    assert "stopped by SIGUSR2" in rest and "engine ready" in rest
+    assert not RunDir(out).is_done(0)
+    time.sleep(1)
+    assert group_alive(proc.pid) == []
+    resume_and_check(workload, out, engine)
