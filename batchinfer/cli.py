@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run the shards of one array task")
     p.add_argument("dir")
     p.add_argument("task", type=int)
+    p = sub.add_parser("prepare-model", help="download and convert the default model (SmolLM2-135M-Instruct) once")
+    p.add_argument("--out", help="target folder (default: $BATCHINFER_HOME/models/SmolLM2-135M-Instruct)")
     p = sub.add_parser("merge", help="verify every shard is complete and write the output")
     p.add_argument("dir")
     return parser
@@ -79,7 +81,17 @@ def setup_logging() -> None:
         log.propagate = False
 
 
-COMMANDS = {"run": cmd_run, "worker": cmd_worker, "merge": cmd_merge}
+def cmd_prepare_model(args: argparse.Namespace) -> int:
+    """`batchinfer prepare-model`."""
+    from pathlib import Path
+
+    from batchinfer.models import prepare_smollm2
+
+    print(prepare_smollm2(Path(args.out) if args.out else None))
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "worker": cmd_worker, "merge": cmd_merge, "prepare-model": cmd_prepare_model}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

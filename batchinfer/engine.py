@@ -78,6 +78,21 @@ def installed_versions() -> dict[str, Optional[str]]:
     return out
 
 
+def device_name() -> str:
+    """The GPU model (and count), or the CPU model when running on CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return f"CPU: {line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"CPU ({os.cpu_count()} cores)"
+
+
 class Engine:
     """One vLLM offline engine fed request by request through add_request/step."""
 
@@ -87,6 +102,8 @@ class Engine:
             # Without it the CPU backend reserves 90% of the node's memory and may refuse to start.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = "4"
             log.info("VLLM_CPU_KVCACHE_SPACE unset: using 4 GiB of KV cache on CPU")
+        # Weights come from a local folder or the login node's pre-downloaded cache, never the hub.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         start = time.monotonic()
         from vllm import LLM, SamplingParams
 
@@ -98,6 +115,7 @@ class Engine:
         self.max_model_len: int = vc.model_config.max_model_len
         self.max_num_seqs: int = vc.scheduler_config.max_num_seqs
         self.startup_seconds = time.monotonic() - start
+        self.device = device_name()
         self._params: dict[str, Any] = {}
 
     def sampling_params(self, sampling: dict[str, Any]) -> Any:

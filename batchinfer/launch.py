@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from batchinfer.config import (
 from batchinfer.data import check_input_path, convert_input, detect_format, file_fingerprint, open_input, plan_shards
 from batchinfer.errors import ConfigError, RunDirError
 from batchinfer.merge import merge
+from batchinfer.models import resolve_model
 from batchinfer.prompts import check_fields, load_template
 from batchinfer.schema import output_schema, schema_summary, schema_to_text
 from batchinfer.store import RunDir, read_json, write_json
@@ -40,6 +42,7 @@ def resolve_config(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     path = check_input_path(c["input"]["path"])
     c["input"]["path"] = str(path)
     c["input"]["format"] = detect_format(str(path), c["input"]["format"])
+    c["model"]["path"], c["model"]["revision"] = resolve_model(c["model"]["path"], c["model"]["revision"])
     previous = None
     if c["output"]["dir"] and RunDir(c["output"]["dir"]).exists():
         previous = RunDir(c["output"]["dir"]).run["input"]
@@ -112,6 +115,7 @@ def _create(run: RunDir, c: dict[str, Any], keys: dict[str, Any], fp: str, input
         {
             "batchinfer": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "host": socket.gethostname(),
             "fingerprint": fp,
             "fingerprint_keys": keys,
             "input": dict(input_record, path=inp["path"], format=inp["format"], rows=rows),

@@ -122,9 +122,23 @@ class ShardWorker:
             if todo:
                 self._generate(shard, todo, progress)
             faults.point("before-done")
-            done = dict(progress, finished=time.time(), host=socket.gethostname(), versions=_versions())
+            done = dict(progress, finished=time.time(), **self._reproducibility())
             write_json(self.run.done_path(shard.index), done)
             return done
+
+    def _reproducibility(self) -> dict[str, Any]:
+        """What a reader needs to reproduce these rows: model, revision, settings, software, hardware."""
+        c = self.cfg
+        engine = getattr(self.get_engine, "engine", None)  # only if this process started one
+        return {
+            "model": {"path": c["model"]["path"], "revision": c["model"]["revision"], "dtype": c["model"]["dtype"]},
+            "quantization": c["quantization"],
+            "sampling": c["sampling"],
+            "prompt": c["prompt"],
+            "host": socket.gethostname(),
+            "device": getattr(engine, "device", None),
+            "versions": _versions(),
+        }
 
     def _progress_from_parts(self, shard: Shard) -> dict[str, Any]:
         """Counts rebuilt from committed parts (the truth), plus attempts and seconds carried over."""

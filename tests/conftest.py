@@ -50,6 +50,14 @@ def model_overrides(model: Path) -> list[str]:
     return [f"model.path={model}", *ENGINE_OVERRIDES]
 
 
+def fake_model_dir(parent: Path) -> Path:
+    """A folder that passes the model.path check, for tests that never start an engine."""
+    d = parent / "fake-model"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text("{}")
+    return d
+
+
 def write_corpus(
     path: Path, n: int, seed: int = 0, fmt: str = "jsonl", min_words: int = 2, max_words: int = 12
 ) -> list[dict]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import model_overrides, run_cli, write_corpus
+from conftest import fake_model_dir, model_overrides, run_cli, write_corpus
 
 from batchinfer.config import compose
 from batchinfer.launch import run_local
@@ -35,10 +35,11 @@ def test_cfg_job_prints_resolved_config_with_literal_template() -> None:
 def test_unknown_key_missing_input_and_bad_value_messages(tmp_path: Path) -> None:
     res = run_cli(["run", "sampling.max_tokenz=3"])
     assert res.returncode == 2 and "batchinfer: error: Could not override 'sampling.max_tokenz'" in res.stderr
-    res = run_cli(["run", f"input.path={tmp_path}/missing.jsonl", "model.path=m"])
+    res = run_cli(["run", f"input.path={tmp_path}/missing.jsonl", f"model.path={fake_model_dir(tmp_path)}"])
     assert res.returncode == 2 and f"input.path {tmp_path}/missing.jsonl: no such file" in res.stderr
-    res = run_cli(["run", "input.path=x.jsonl"])
-    assert res.returncode == 2 and "model.path is not set" in res.stderr
+    write_corpus(tmp_path / "c.jsonl", 3)
+    res = run_cli(["run", f"input.path={tmp_path}/c.jsonl", f"model.path={tmp_path}/nope"])
+    assert res.returncode == 2 and f"model.path {tmp_path}/nope: no model folder with a config.json there" in res.stderr
     assert "Traceback" not in res.stderr
 
 
@@ -77,7 +78,16 @@ def test_merge_of_incomplete_dir_names_shards(tmp_path: Path) -> None:
     write_corpus(corpus, 6)
     from batchinfer.launch import prepare
 
-    prepare(compose([f"input.path={corpus}", f"output.dir={tmp_path}/run", "model.path=m", "sharding.num_shards=2"]))
+    prepare(
+        compose(
+            [
+                f"input.path={corpus}",
+                f"output.dir={tmp_path}/run",
+                f"model.path={fake_model_dir(tmp_path)}",
+                "sharding.num_shards=2",
+            ]
+        )
+    )
     res = run_cli(["merge", f"{tmp_path}/run"])
     assert res.returncode == 2 and "2 of 2 shards are incomplete (shards 0, 1)" in res.stderr
 
@@ -88,7 +98,9 @@ def test_lock_refusal_from_a_second_process(tmp_path: Path) -> None:
 
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, 4)
-    run = prepare(compose([f"input.path={corpus}", f"output.dir={tmp_path}/run", "model.path=m"]))
+    run = prepare(
+        compose([f"input.path={corpus}", f"output.dir={tmp_path}/run", f"model.path={fake_model_dir(tmp_path)}"])
+    )
     with ShardLock(run.shard_dir(0)):
         res = run_cli(["worker", str(run.path), "0"])
     assert res.returncode == 2

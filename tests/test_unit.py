@@ -9,7 +9,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from conftest import read_output, write_corpus
+from conftest import fake_model_dir, read_output, write_corpus
 
 from batchinfer.config import changed_keys, compose, hydra_literal
 from batchinfer.data import Shard, plan_shards, scan_jsonl
@@ -58,7 +58,7 @@ class FakeEngine:
 
 
 def fake_overrides(tmp_path: Path, corpus: Path, *extra: str) -> list[str]:
-    return [f"input.path={corpus}", f"model.path={tmp_path}/no-model", f"output.dir={tmp_path}/run", *extra]
+    return [f"input.path={corpus}", f"model.path={fake_model_dir(tmp_path)}", f"output.dir={tmp_path}/run", *extra]
 
 
 # ---------------------------------------------------------------- config
