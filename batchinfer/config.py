@@ -71,6 +71,16 @@ class QuantizationConfig:
 
 
 @dataclass
+class StructuredOutputsConfig:
+    """vLLM structured outputs: the text always matches (set at most one)."""
+
+    choice: Optional[list[str]] = None
+    regex: Optional[str] = None
+    json: Optional[str] = None  # a JSON schema, inline or the path of a .json file
+    grammar: Optional[str] = None
+
+
+@dataclass
 class SamplingConfig:
     # Greedy by default: vLLM's temperature 1.0 would make a resumed shard differ.
     temperature: float = 0.0
@@ -87,6 +97,7 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
 @dataclass
@@ -225,6 +236,9 @@ def validate(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
+    so = [k for k, v in cfg.sampling.structured_outputs.items() if v is not None]
+    if len(so) > 1:
+        raise ConfigError(f"sampling.structured_outputs: set one of choice, regex, json, grammar (got {', '.join(so)})")
     if cfg.sampling.temperature < 0:
         raise ConfigError(f"sampling.temperature={cfg.sampling.temperature} must be >= 0")
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.prompts import Prompt
@@ -57,9 +59,21 @@ def llm_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
+def structured_kwargs(so: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """StructuredOutputsParams arguments; a json value naming a file is read from it."""
+    kw = {k: v for k, v in (so or {}).items() if v is not None}
+    if not kw:
+        return None
+    schema = kw.get("json")
+    if isinstance(schema, str) and not schema.lstrip().startswith("{"):
+        kw["json"] = json.loads(Path(schema).expanduser().read_text())
+    return kw
+
+
 def sampling_kwargs(sampling: dict[str, Any]) -> dict[str, Any]:
-    """vllm.SamplingParams arguments from the sampling config."""
+    """vllm.SamplingParams arguments from the sampling config (structured_outputs apart)."""
     kw = dict(sampling)
+    kw.pop("structured_outputs", None)
     if kw.get("top_k") == 0:
         kw["top_k"] = -1  # both mean "all tokens"; older vLLM accepts only -1
     if kw.get("seed") is None:
@@ -104,6 +118,8 @@ class Engine:
             log.info("VLLM_CPU_KVCACHE_SPACE unset: using 4 GiB of KV cache on CPU")
         # Weights come from a local folder or the login node's pre-downloaded cache, never the hub.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        # vLLM's INFO lines (hundreds per start) drown batchinfer's progress; VLLM_LOGGING_LEVEL=INFO brings them back.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         start = time.monotonic()
         from vllm import LLM, SamplingParams
 
@@ -122,7 +138,13 @@ class Engine:
         """SamplingParams for a sampling config (cached; one object per distinct config)."""
         key = repr(sorted(sampling.items()))
         if key not in self._params:
-            self._params[key] = self._sampling_cls(**sampling_kwargs(sampling))
+            kw = sampling_kwargs(sampling)
+            so = structured_kwargs(sampling.get("structured_outputs"))
+            if so:
+                from vllm.sampling_params import StructuredOutputsParams
+
+                kw["structured_outputs"] = StructuredOutputsParams(**so)
+            self._params[key] = self._sampling_cls(**kw)
         return self._params[key]
 
     def encode(self, prompt: Prompt) -> list[int]:

@@ -191,7 +191,10 @@ class ShardWorker:
         out = self.cfg["output"]
         t0 = time.monotonic()
         engine = self.get_engine()
-        progress["seconds"]["startup"] += time.monotonic() - t0
+        startup = time.monotonic() - t0
+        progress["seconds"]["startup"] += startup
+        if self.bar is not None and startup > 1.0:
+            self.bar.unpause()  # rows/s and ETA from generation, not from the engine's start-up
         groups, pending = self._requests(shard, todo, engine)
         params = engine.sampling_params(self.cfg["sampling"])
         queue = deque(sorted(groups))  # sorted token ids: shared prefixes side by side
