@@ -1,130 +1,20 @@
-"""Prepare a run directory and fan shards out: locally in this process (Slurm: issue 4)."""
+"""Fan shards out: locally in this process, or as a Slurm array (submitit) plus a merge job."""
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import signal
-import socket
 import sys
-import time
-from pathlib import Path
 from typing import Any, Optional
 
-import pyarrow as pa
 from omegaconf import DictConfig
 
-from batchinfer import __version__
-from batchinfer.config import (
-    DEFAULT_ROWS_PER_SHARD,
-    changed_keys,
-    fingerprint,
-    fingerprint_keys,
-    require_run_keys,
-    to_dict,
-)
-from batchinfer.data import check_input_path, convert_input, detect_format, file_fingerprint, open_input, plan_shards
-from batchinfer.errors import ConfigError, RunDirError
+from batchinfer.errors import RunDirError
 from batchinfer.merge import merge
-from batchinfer.models import resolve_model
-from batchinfer.prompts import check_fields, load_template
-from batchinfer.schema import output_schema, schema_summary, schema_to_text
-from batchinfer.store import RunDir, read_json, write_json
+from batchinfer.plan import prepare
+from batchinfer.store import RunDir, read_json
 
 log = logging.getLogger("batchinfer")
-
-
-def resolve_config(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Plain config with the input resolved, and the input's fingerprint record."""
-    require_run_keys(cfg)
-    c = to_dict(cfg)
-    path = check_input_path(c["input"]["path"])
-    c["input"]["path"] = str(path)
-    c["input"]["format"] = detect_format(str(path), c["input"]["format"])
-    c["model"]["path"], c["model"]["revision"] = resolve_model(c["model"]["path"], c["model"]["revision"])
-    previous = None
-    if c["output"]["dir"] and RunDir(c["output"]["dir"]).exists():
-        previous = RunDir(c["output"]["dir"]).run["input"]
-    return c, file_fingerprint(path, previous)
-
-
-def run_dir_for(c: dict[str, Any], fp: str) -> RunDir:
-    """output.dir, or runs/<input-stem>-<fingerprint[:8]> under the current folder."""
-    if c["output"]["dir"]:
-        return RunDir(c["output"]["dir"])
-    stem = Path(c["input"]["path"]).name.split(".")[0]
-    return RunDir(Path("runs") / f"{stem}-{fp[:8]}")
-
-
-def prepare(cfg: DictConfig) -> RunDir:
-    """Create the run directory (input converted once, plan, schema) or reopen it if unchanged."""
-    c, input_record = resolve_config(cfg)
-    keys = fingerprint_keys(c, input_record["fingerprint"])
-    fp = fingerprint(keys)
-    run = run_dir_for(c, fp)
-    if run.exists():
-        old = run.run
-        changed = changed_keys(old["fingerprint_keys"], keys)
-        if changed:
-            shown = ", ".join(f"{k} ({old['fingerprint_keys'].get(k)!r} -> {keys.get(k)!r})" for k in changed)
-            raise RunDirError(
-                f"{run.path} was made with a different config: {shown}. These change outputs, so the "
-                f"run cannot continue in this directory; use another output.dir or restore the old values"
-            )
-        if old["config"] != c:
-            old["config"] = c  # only settings outside the fingerprint differ (commit intervals, cluster)
-            run.write_run(old)
-        return run
-    _create(run, c, keys, fp, input_record)
-    return run
-
-
-def _create(run: RunDir, c: dict[str, Any], keys: dict[str, Any], fp: str, input_record: dict[str, Any]) -> None:
-    try:
-        run.path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(
-            f"output.dir {run.path}: cannot create it ({e.strerror}); choose a writable output.dir"
-        ) from None
-    if not os.access(run.path, os.W_OK):
-        raise ConfigError(f"output.dir {run.path}: not writable; choose a writable output.dir")
-    inp = c["input"]
-    shutil.rmtree(run.input_dir, ignore_errors=True)
-    log.info("converting %s (%s) into %s", inp["path"], inp["format"], run.input_dir)
-    rows = convert_input(Path(inp["path"]), inp["format"], run.input_dir, inp["id_column"], inp["columns"])
-    ds = open_input(run.input_dir)
-    check_fields(load_template(c["prompt"]), ds.column_names, inp["path"])
-    arrow = ds.data.schema
-    id_type = arrow.field(inp["id_column"]).type if inp["id_column"] else pa.int64()
-    input_type = pa.struct([arrow.field(col) for col in inp["columns"]]) if inp["columns"] else None
-    schema = output_schema(id_type, c["sampling"]["n"], input_type)
-    sh = c["sharding"]
-    shards = plan_shards(rows, sh["num_shards"], sh["rows_per_shard"], DEFAULT_ROWS_PER_SHARD)
-    write_json(
-        run.plan_json,
-        {
-            "rows": rows,
-            "input_fingerprint": input_record["fingerprint"],
-            "shards": [{"index": s.index, "start": s.start, "stop": s.stop, "rows": s.rows} for s in shards],
-        },
-    )
-    from batchinfer.engine import installed_versions  # metadata only: no vllm import
-
-    run.write_run(
-        {
-            "batchinfer": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "host": socket.gethostname(),
-            "fingerprint": fp,
-            "fingerprint_keys": keys,
-            "input": dict(input_record, path=inp["path"], format=inp["format"], rows=rows),
-            "output_schema": {"columns": schema_summary(schema), "arrow": schema_to_text(schema)},
-            "versions": installed_versions(),
-            "config": c,
-        }
-    )
-    log.info("prepared %s: %d rows in %d shards", run.path, rows, len(shards))
 
 
 def progress_bar(total: int, initial: int, desc: str) -> Any:

@@ -53,14 +53,15 @@ class StopFlag:
         self.signum: Optional[int] = None
 
     def block(self) -> None:
-        """Hold stop signals pending while the engine starts (its processes inherit the mask)."""
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        """Hold USR2 pending while the engine starts: its processes inherit the mask, so Slurm's
+        group-wide USR2 cannot kill them. TERM stays deliverable so the engine can be shut down."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
 
     def install(self) -> None:
-        """Handlers that only set the flag, then deliver anything that arrived meanwhile."""
+        """Handlers that only set the flag, then deliver a USR2 that arrived meanwhile."""
         for s in STOP_SIGNALS:
             signal.signal(s, self._handle)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is None:

@@ -76,7 +76,7 @@ def test_finished_dir_rerun_and_merge_import_no_vllm(tmp_path: Path, tiny_model_
 def test_merge_of_incomplete_dir_names_shards(tmp_path: Path) -> None:
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, 6)
-    from batchinfer.launch import prepare
+    from batchinfer.plan import prepare
 
     prepare(
         compose(
@@ -93,7 +93,7 @@ def test_merge_of_incomplete_dir_names_shards(tmp_path: Path) -> None:
 
 
 def test_lock_refusal_from_a_second_process(tmp_path: Path) -> None:
-    from batchinfer.launch import prepare
+    from batchinfer.plan import prepare
     from batchinfer.store import ShardLock
 
     corpus = tmp_path / "c.jsonl"

@@ -15,8 +15,9 @@ from batchinfer.config import changed_keys, compose, hydra_literal
 from batchinfer.data import Shard, plan_shards, scan_jsonl
 from batchinfer.engine import Completion
 from batchinfer.errors import ConfigError, InputError, RunDirError
-from batchinfer.launch import prepare, run_shards
+from batchinfer.launch import run_shards
 from batchinfer.merge import merge
+from batchinfer.plan import prepare
 from batchinfer.prompts import PromptBuilder, RowError
 from batchinfer.schema import error_row, output_schema, rows_to_table
 from batchinfer.store import RunDir, ShardLock
