@@ -23,6 +23,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchinfer", description="Batch LLM inference with exactly-once output.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_overrides(sub.add_parser("run", help="run every shard here with one engine, then merge"))
+    p = sub.add_parser("submit", help="prepare DIR, submit a Slurm array and a merge job, return")
+    _add_overrides(p)
+    p.add_argument("--dry-run", action="store_true", help="print sbatch parameters and the shard map, submit nothing")
+    p = sub.add_parser("status", help="per-shard state, totals, tokens/s and ETA")
+    p.add_argument("dir")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("resume", help="resubmit only incomplete shards with the frozen config")
+    p.add_argument("dir")
+    p.add_argument("overrides", nargs="*", help="settings outside the fingerprint, e.g. cluster.time=120")
+    p.add_argument("--force", action="store_true", help="resubmit although jobs of DIR are still queued or running")
+    p.add_argument("--dry-run", action="store_true", help="print what would be submitted")
+    p = sub.add_parser("cancel", help="scancel every job of DIR")
+    p.add_argument("dir")
     p = sub.add_parser("worker", help="run the shards of one array task")
     p.add_argument("dir")
     p.add_argument("task", type=int)
@@ -50,6 +63,57 @@ def cmd_run(args: argparse.Namespace) -> int:
     from batchinfer.launch import run_local
 
     run_local(cfg)
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    """`batchinfer submit`."""
+    from omegaconf import OmegaConf
+
+    cfg = _compose(args)
+    if args.cfg:
+        print(OmegaConf.to_yaml(cfg), end="")
+        return 0
+    from batchinfer.launch import submit
+
+    submit(cfg, dry_run=args.dry_run)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """`batchinfer status DIR`."""
+    import json
+
+    from batchinfer import slurm
+    from batchinfer.report import all_job_ids, format_status, shard_status, shard_tasks, summarize
+    from batchinfer.store import RunDir
+
+    run = RunDir(args.dir)
+    run.run  # noqa: B018  (refuses a folder without run.yaml)
+    ids = sorted({t["job"] for t in shard_tasks(run).values()} | set(all_job_ids(run)))
+    states = slurm.job_states(ids) if ids else {}
+    records = shard_status(run, states)
+    totals = summarize(records)
+    if args.json:
+        print(json.dumps({"dir": str(run.path), "totals": totals, "shards": records}, indent=2))
+    else:
+        print(format_status(run, records, totals))
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    """`batchinfer resume DIR`."""
+    from batchinfer.launch import resume
+
+    resume(args.dir, args.overrides, force=args.force, dry_run=args.dry_run)
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """`batchinfer cancel DIR`."""
+    from batchinfer.launch import cancel
+
+    cancel(args.dir)
     return 0
 
 
@@ -91,11 +155,25 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "worker": cmd_worker, "merge": cmd_merge, "prepare-model": cmd_prepare_model}
+COMMANDS = {
+    "run": cmd_run,
+    "submit": cmd_submit,
+    "status": cmd_status,
+    "resume": cmd_resume,
+    "cancel": cmd_cancel,
+    "worker": cmd_worker,
+    "merge": cmd_merge,
+    "prepare-model": cmd_prepare_model,
+}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the console script."""
+    import signal
+
+    # A USR2 (Slurm's preemption / time-limit warning) before the worker's handler is in place
+    # would kill the process by default: hold it pending until the worker installs its handler.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
     args = build_parser().parse_args(argv)
     setup_logging()
     from batchinfer.worker import Stopped

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
+import time
 from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from batchinfer.errors import RunDirError
-from batchinfer.merge import merge
+from batchinfer import slurm
+from batchinfer.errors import BatchinferError, ConfigError, RunDirError
+from batchinfer.merge import incomplete_shards, merge
 from batchinfer.plan import prepare
-from batchinfer.store import RunDir, read_json
+from batchinfer.report import all_job_ids, submissions
+from batchinfer.store import RunDir, read_json, write_json
 
 log = logging.getLogger("batchinfer")
 
@@ -69,7 +73,7 @@ class EngineHolder:
 
 def run_shards(run: RunDir, indices: list[int], engine: Any = None) -> None:
     """Finish the given shards in this process with one engine; stop signals commit first."""
-    from batchinfer.worker import ShardWorker, StopFlag
+    from batchinfer.worker import ShardWorker, StopFlag, Stopped
 
     shards = [s for s in run.shards() if s.index in set(indices) and not run.is_done(s.index)]
     if not shards:
@@ -79,16 +83,43 @@ def run_shards(run: RunDir, indices: list[int], engine: Any = None) -> None:
     holder = EngineHolder(run.run["config"], stop, engine)
     committed = sum(_rows_done(run, s.index) for s in shards)
     bar = progress_bar(sum(s.rows for s in shards), committed, desc=run.path.name)
+    current = shards[0]
     try:
         stop.install()
         worker = ShardWorker(run, holder, stop, bar)
-        for shard in shards:
-            worker.run_shard(shard)
+        for current in shards:
+            worker.run_shard(current)
+    except Stopped as e:
+        if e.signum == signal.SIGUSR2 and slurm.this_job():
+            slurm.requeue_self()  # preemption or time limit: committed rows are safe, go again
+        raise
+    except BatchinferError:
+        raise  # the input or config is wrong: another attempt would fail the same way
+    except Exception as e:
+        if slurm.this_job():
+            failures = _count_failure(run, current.index, e)
+            limit = run.run["config"]["cluster"]["max_attempts"]
+            if failures < limit:
+                log.error("shard %d failed (%s), attempt %d of %d: requeueing", current.index, e, failures, limit)
+                slurm.requeue_self()
+            else:
+                log.error("shard %d failed %d times (cluster.max_attempts): giving up", current.index, failures)
+        raise
     finally:
         bar.close()
         holder.close(owned=engine is None)
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+def _count_failure(run: RunDir, index: int, error: BaseException) -> int:
+    """Count a failed attempt of a shard in its progress.json; return the count."""
+    path = run.progress_path(index)
+    progress = read_json(path) if path.is_file() else {"shard": index, "rows_done": 0}
+    progress["failures"] = progress.get("failures", 0) + 1
+    progress["last_error"] = f"{type(error).__name__}: {error}"
+    write_json(path, progress)
+    return progress["failures"]
 
 
 def _rows_done(run: RunDir, index: int) -> int:
@@ -126,3 +157,140 @@ def run_task(run_dir: str, task: int, engine: Optional[Any] = None) -> None:
     """`batchinfer worker DIR TASK`: the shards of one array task."""
     run = RunDir(run_dir)
     run_shards(run, shards_of_task(run, task), engine)
+
+
+# ---------------------------------------------------------------- Slurm
+
+
+def slurm_task(run_dir: str, shards: list[int]) -> None:
+    """What one array task runs (submitit pickles this call)."""
+    from batchinfer.cli import setup_logging
+    from batchinfer.worker import Stopped
+
+    setup_logging()
+    try:
+        run_shards(RunDir(run_dir), shards)
+    except Stopped as e:
+        log.warning("%s; committed rows are safe", e)
+
+
+def slurm_merge(run_dir: str) -> str:
+    """What the merge job runs: refuses, naming them, when shards are incomplete."""
+    from batchinfer.cli import setup_logging
+
+    setup_logging()
+    stats = merge(RunDir(run_dir))
+    return f"merged {stats['rows']} rows"
+
+
+def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False) -> dict[str, Any]:
+    """Submit arrays over the given shards (split at MaxArraySize) and an afterany merge job."""
+    c = run.run["config"]
+    cluster = c["cluster"]
+    slurm.check_gpus(c)
+    per = cluster["shards_per_task"]
+    tasks = [indices[i : i + per] for i in range(0, len(indices), per)]
+    limit = slurm.max_array_size()
+    chunks = slurm.split_tasks(tasks, limit)
+    number = len(submissions(run))
+    folder = run.logs_dir / f"submission-{number:03d}"
+    if dry_run:
+        for n, chunk in enumerate(chunks):
+            print(f"array {n}: {len(chunk)} tasks, sbatch parameters {slurm.array_parameters(cluster, len(chunk))}")
+            for i, shards in enumerate(chunk):
+                print(f"  task {i}: shards {shards}")
+        print(f"merge job: {slurm.merge_parameters(cluster, ['<array ids>'])}")
+        return {"submission": number, "dry_run": True, "arrays": [{"tasks": dict(enumerate(ch))} for ch in chunks]}
+    arrays = []
+    for chunk in chunks:
+        ex = slurm.executor(folder, slurm.array_parameters(cluster, len(chunk)))
+        jobs = ex.map_array(slurm_task, [str(run.path)] * len(chunk), chunk)
+        arrays.append({"job_id": jobs[0].job_id.split("_")[0], "tasks": {str(i): ch for i, ch in enumerate(chunk)}})
+    mex = slurm.executor(folder, slurm.merge_parameters(cluster, [a["job_id"] for a in arrays]))
+    merge_job = mex.submit(slurm_merge, str(run.path))
+    record = {
+        "submission": number,
+        "time": time.time(),
+        "folder": str(folder),
+        "arrays": arrays,
+        "merge": merge_job.job_id,
+    }
+    with open(run.path / "jobs.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    ids = ", ".join(a["job_id"] for a in arrays)
+    print(
+        f"submitted {len(indices)} shards of {run.path} as {len(tasks)} array tasks (job {ids}); merge job {merge_job.job_id}"
+    )
+    print(f"  status:  batchinfer status {run.path}")
+    print(f"  resume:  batchinfer resume {run.path}    (after preemption, time limits or failures)")
+    print(f"  cancel:  batchinfer cancel {run.path}")
+    return record
+
+
+def submit(cfg: DictConfig, dry_run: bool = False) -> RunDir:
+    """`batchinfer submit`: prepare DIR, submit every incomplete shard, return at once."""
+    run = prepare(cfg)
+    todo = incomplete_shards(run)
+    if not todo:
+        print(f"{run.path}: every shard is done; `batchinfer merge {run.path}` writes the output if it is missing")
+        return run
+    submit_shards(run, todo, dry_run=dry_run)
+    return run
+
+
+def active_jobs(run: RunDir) -> dict[str, str]:
+    """Jobs of DIR still queued or running."""
+    return {j: s for j, s in slurm.job_states(all_job_ids(run)).items() if s in slurm.ACTIVE_STATES}
+
+
+def resume(run_dir: str, overrides: list[str], force: bool = False, dry_run: bool = False) -> RunDir:
+    """`batchinfer resume DIR`: resubmit only incomplete shards with the frozen config."""
+    run = RunDir(run_dir)
+    active = active_jobs(run)
+    if active and not force:
+        shown = ", ".join(f"{j} {s}" for j, s in sorted(active.items())[:10])
+        raise RunDirError(
+            f"{run.path} still has jobs queued or running ({shown}); wait, `batchinfer cancel` them, or pass --force"
+        )
+    if overrides:
+        apply_resource_overrides(run, overrides)
+    todo = incomplete_shards(run)
+    if not todo:
+        print(
+            f"{run.path}: every shard is done; nothing to resume (`batchinfer merge {run.path}` if output is missing)"
+        )
+        return run
+    submit_shards(run, todo, dry_run=dry_run)
+    return run
+
+
+def apply_resource_overrides(run: RunDir, overrides: list[str]) -> None:
+    """Apply key=value overrides to the frozen config; keys that change outputs are refused."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from batchinfer.config import Config, changed_keys, fingerprint_keys, quote_literals, to_dict, validate
+
+    record = run.run
+    base = OmegaConf.merge(OmegaConf.structured(Config), record["config"])
+    try:
+        new = OmegaConf.merge(base, OmegaConf.from_dotlist(quote_literals(overrides)))
+    except OmegaConfBaseException as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    validate(new)
+    c = to_dict(new)
+    fp_input = record["fingerprint_keys"]["input.fingerprint"]
+    changed = changed_keys(record["fingerprint_keys"], fingerprint_keys(c, fp_input))
+    if changed:
+        raise RunDirError(f"resume accepts only settings that do not change outputs; refused: {', '.join(changed)}")
+    record["config"] = c
+    run.write_run(record)
+
+
+def cancel(run_dir: str) -> list[str]:
+    """`batchinfer cancel DIR`: scancel every job recorded for DIR."""
+    run = RunDir(run_dir)
+    ids = all_job_ids(run)
+    slurm.cancel(ids)
+    print(f"cancelled {len(ids)} jobs of {run.path}: {' '.join(ids)}" if ids else f"{run.path}: no jobs recorded")
+    return ids

@@ -65,7 +65,7 @@ def env_lines(env: dict[str, Any]) -> list[str]:
     for k, v in env.items():
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(k)):
             raise ConfigError(f"cluster.env: {k!r} is not a valid environment variable name")
-        lines.append(f"export {k}={shlex.quote(str(v))}")
+        lines.append(f"unset {k}" if v is None else f"export {k}={shlex.quote(str(v))}")
     return lines
 
 

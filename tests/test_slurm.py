@@ -1,0 +1,217 @@
+"""A real single-node Slurm cluster (slurm/dev/up.sh): submit, status, preemption, requeue, failure, resume, cancel."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import assert_exactly_once, model_overrides, project, read_output, run_cli, write_corpus
+
+from batchinfer.config import compose
+from batchinfer.launch import run_local
+
+pytestmark = [pytest.mark.slurm, pytest.mark.engine]
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def slurm_env() -> dict[str, str]:
+    """Bring the dev cluster up (idempotent; ~0.1 s when it runs) and use it."""
+    res = subprocess.run(["bash", str(REPO / "slurm/dev/up.sh")], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, f"slurm/dev/up.sh failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}"
+    env_sh = res.stdout.strip().splitlines()[-1].removeprefix("source ").strip()
+    for line in Path(env_sh).read_text().splitlines():
+        key, _, value = line.removeprefix("export ").partition("=")
+        os.environ[key] = os.path.expandvars(value)
+    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
+    assert "UP" in ping.stdout, ping.stdout + ping.stderr
+    return dict(os.environ)
+
+
+def cluster_overrides(tmp: Path, corpus: Path, model: Path, *extra: str) -> list[str]:
+    return [
+        "cluster=slurm",
+        f"input.path={corpus}",
+        "input.id_column=id",
+        f"output.dir={tmp}/run",
+        "cluster.gpus_per_task=0",
+        "cluster.cpus_per_task=2",
+        "cluster.mem=null",
+        "cluster.array_parallelism=1",
+        "cluster.time=20",
+        "+cluster.env.VLLM_CPU_KVCACHE_SPACE=1",
+        *model_overrides(model),
+        *extra,
+    ]
+
+
+def jobs_of(run_dir: Path) -> list[str]:
+    ids = []
+    for line in (run_dir / "jobs.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        ids += [a["job_id"] for a in rec["arrays"]] + [rec["merge"]]
+    return ids
+
+
+def queued(run_dir: Path) -> list[str]:
+    """Jobs (array tasks expanded) of DIR still in squeue."""
+    res = subprocess.run(["squeue", "-h", "-r", "-o", "%i %T", "-j", ",".join(jobs_of(run_dir))], capture_output=True, text=True)
+    return [ln for ln in res.stdout.splitlines() if ln.strip()]
+
+
+def wait_until_idle(run_dir: Path, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while queued(run_dir):
+        assert time.monotonic() < deadline, f"jobs still queued: {queued(run_dir)}"
+        time.sleep(2)
+
+
+def wait_for(cond: Any, timeout: float = 300, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def status_json(run_dir: Path) -> dict[str, Any]:
+    res = run_cli(["status", str(run_dir), "--json"])
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def task_running(job: str) -> bool:
+    res = subprocess.run(["squeue", "-h", "-o", "%T", "-j", job], capture_output=True, text=True)
+    return res.stdout.strip() == "RUNNING"
+
+
+def test_submit_three_shards_merged_exactly_once(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 90, seed=11)
+    res = run_cli(["submit", *cluster_overrides(tmp_path, corpus, tiny_model_path, "sharding.num_shards=3", "sampling.max_tokens=6")])
+    assert res.returncode == 0, res.stderr
+    assert "submitted 3 shards" in res.stdout and "batchinfer status" in res.stdout
+    run_dir = tmp_path / "run"
+    wait_until_idle(run_dir)
+    assert_exactly_once(read_output(run_dir), rows)
+    st = status_json(run_dir)
+    assert st["totals"]["states"] == {"done": 3} and st["totals"]["rows_done"] == 90
+    merge_log = next((run_dir / "logs").glob("submission-000/*_0_log.out"), None)
+    assert merge_log is not None
+
+
+def test_usr2_preemption_and_external_requeue(
+    slurm_env: dict, tmp_path: Path, tiny_model_path: Path, engine: Any
+) -> None:
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 1200, seed=12)
+    extra = ["sharding.num_shards=2", "sampling.max_tokens=48", "output.commit_every_rows=16"]
+    ov = cluster_overrides(tmp_path, corpus, tiny_model_path, *extra)
+    res = run_cli(["submit", *ov])
+    assert res.returncode == 0, res.stderr
+    run_dir = tmp_path / "run"
+    array = json.loads((run_dir / "jobs.jsonl").read_text())["arrays"][0]["job_id"]
+    # USR2 (what Slurm sends before a time limit or preemption) to task 0 once it has committed.
+    wait_for(lambda: list(run_dir.glob("shards/00000/part-*")), what="a committed part of shard 0")
+    subprocess.run(["scancel", "--signal=USR2", f"{array}_0"], timeout=15, capture_output=True)
+    # An external `scontrol requeue` of task 1 once it has committed (no signal reaches the worker first).
+    wait_for(lambda: list(run_dir.glob("shards/00001/part-*")) and task_running(f"{array}_1"), timeout=600, what="shard 1")
+    subprocess.run(["scontrol", "requeue", f"{array}_1"], check=True, timeout=30)
+    wait_until_idle(run_dir)
+    out = read_output(run_dir)
+    assert_exactly_once(out, rows)
+    clean = read_output(run_local(compose([*ov, f"output.dir={tmp_path}/clean", "cluster=local"]), engine=engine).path)
+    assert project(out) == project(clean)
+    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.err"))
+    assert "received SIGUSR2: committing and stopping" in logs and f"requeued {array}_0" in logs
+    assert "resuming" in logs
+    for shard in (0, 1):
+        done = json.loads((run_dir / f"shards/0000{shard}/DONE.json").read_text())
+        assert done["attempts"] >= 2, done
+
+
+def test_failed_task_named_by_status_merge_refuses_then_resume(
+    slurm_env: dict, tmp_path: Path, tiny_model_path: Path
+) -> None:
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 300, seed=13)
+    extra = ["sharding.num_shards=2", "sampling.max_tokens=16", "output.commit_every_rows=16"]
+    ov = cluster_overrides(tmp_path, corpus, tiny_model_path, *extra, "+cluster.env.BATCHINFER_FAULT=after-part-rename:2")
+    res = run_cli(["submit", *ov])
+    assert res.returncode == 0, res.stderr
+    run_dir = tmp_path / "run"
+    wait_until_idle(run_dir)
+    st = status_json(run_dir)
+    assert st["totals"]["states"] == {"failed": 2}, st
+    for shard in st["shards"]:
+        assert shard["state"] == "failed" and shard["job_state"] == "FAILED" and shard["error"]
+        assert 0 < shard["rows_done"] < shard["rows"]
+    text = run_cli(["status", str(run_dir)]).stdout
+    assert "failed" in text and "of 150" in text
+    merge_job = json.loads((run_dir / "jobs.jsonl").read_text())["merge"]
+    merge_err = next((run_dir / "logs").rglob(f"{merge_job}_0_log.err")).read_text()
+    assert "2 of 2 shards are incomplete (shards 0, 1)" in merge_err
+    assert not (run_dir / "output.parquet").exists()
+    res = run_cli(["resume", str(run_dir), "cluster.env.BATCHINFER_FAULT="])
+    assert res.returncode == 0, res.stderr
+    assert "submitted 2 shards" in res.stdout
+    wait_until_idle(run_dir)
+    assert_exactly_once(read_output(run_dir), rows)
+    assert status_json(run_dir)["totals"]["states"] == {"done": 2}
+
+
+def test_cancel_leaves_no_job_and_resume_refuses_while_queued(
+    slurm_env: dict, tmp_path: Path, tiny_model_path: Path
+) -> None:
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 40, seed=14)
+    res = run_cli(["submit", *cluster_overrides(tmp_path, corpus, tiny_model_path, "sharding.num_shards=4")])
+    assert res.returncode == 0, res.stderr
+    run_dir = tmp_path / "run"
+    res = run_cli(["resume", str(run_dir)])
+    assert res.returncode == 2 and "still has jobs queued or running" in res.stderr
+    res = run_cli(["resume", str(run_dir), "sampling.max_tokens=3"])
+    assert res.returncode == 2
+    res = run_cli(["cancel", str(run_dir)])
+    assert res.returncode == 0 and "cancelled 2 jobs" in res.stdout
+    wait_for(lambda: not queued(run_dir), timeout=60, what="cancelled jobs to leave squeue")
+
+
+def test_resume_refuses_keys_that_change_outputs(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 4)
+    res = run_cli(["submit", "--dry-run", *cluster_overrides(tmp_path, corpus, tiny_model_path)])
+    assert res.returncode == 0 and "task 0: shards [0]" in res.stdout
+    res = run_cli(["resume", str(tmp_path / "run"), "sampling.max_tokens=3", "--dry-run"])
+    assert res.returncode == 2 and "refused: sampling.max_tokens" in res.stderr
+    res = run_cli(["resume", str(tmp_path / "run"), "cluster.time=99", "--dry-run"])
+    assert res.returncode == 0 and "'time': 99" in res.stdout
+
+
+LOGIN_NODE = """
+import sys
+from batchinfer.cli import main
+codes = [main(args.split("\\x1f")) for args in sys.argv[1:]]
+heavy = sorted(m for m in ("vllm", "torch", "transformers") if m in sys.modules)
+print("CODES", codes, "HEAVY", heavy)
+"""
+
+
+def test_login_node_commands_import_no_vllm_or_torch(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 6)
+    sep = "\x1f"
+    run_dir = str(tmp_path / "run")
+    commands = [
+        sep.join(["submit", "--dry-run", *cluster_overrides(tmp_path, corpus, tiny_model_path)]),
+        sep.join(["status", run_dir]),
+        sep.join(["resume", run_dir, "--dry-run"]),
+        sep.join(["cancel", run_dir]),
+    ]
+    res = subprocess.run([sys.executable, "-c", LOGIN_NODE, *commands], capture_output=True, text=True)
+    assert "CODES [0, 0, 0, 0] HEAVY []" in res.stdout, res.stdout + res.stderr
