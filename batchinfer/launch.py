@@ -266,16 +266,19 @@ def resume(run_dir: str, overrides: list[str], force: bool = False, dry_run: boo
 
 def apply_resource_overrides(run: RunDir, overrides: list[str]) -> None:
     """Apply key=value overrides to the frozen config; keys that change outputs are refused."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from batchinfer.config import Config, changed_keys, fingerprint_keys, quote_literals, to_dict, validate
 
     record = run.run
-    base = OmegaConf.merge(OmegaConf.structured(Config), record["config"])
-    try:
-        new = OmegaConf.merge(base, OmegaConf.from_dotlist(quote_literals(overrides)))
-    except OmegaConfBaseException as e:
+    new = OmegaConf.merge(OmegaConf.structured(Config), record["config"])
+    try:  # Hydra's grammar, as on the submit command line
+        for ov in OverridesParser.create().parse_overrides(quote_literals(overrides)):
+            OmegaConf.update(new, ov.key_or_group, ov.value(), merge=True, force_add=ov.is_add())
+    except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
     validate(new)
     c = to_dict(new)

@@ -61,7 +61,9 @@ def jobs_of(run_dir: Path) -> list[str]:
 
 def queued(run_dir: Path) -> list[str]:
     """Jobs (array tasks expanded) of DIR still in squeue."""
-    res = subprocess.run(["squeue", "-h", "-r", "-o", "%i %T", "-j", ",".join(jobs_of(run_dir))], capture_output=True, text=True)
+    res = subprocess.run(
+        ["squeue", "-h", "-r", "-o", "%i %T", "-j", ",".join(jobs_of(run_dir))], capture_output=True, text=True
+    )
     return [ln for ln in res.stdout.splitlines() if ln.strip()]
 
 
@@ -93,7 +95,12 @@ def task_running(job: str) -> bool:
 def test_submit_three_shards_merged_exactly_once(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:
     corpus = tmp_path / "c.jsonl"
     rows = write_corpus(corpus, 90, seed=11)
-    res = run_cli(["submit", *cluster_overrides(tmp_path, corpus, tiny_model_path, "sharding.num_shards=3", "sampling.max_tokens=6")])
+    res = run_cli(
+        [
+            "submit",
+            *cluster_overrides(tmp_path, corpus, tiny_model_path, "sharding.num_shards=3", "sampling.max_tokens=6"),
+        ]
+    )
     assert res.returncode == 0, res.stderr
     assert "submitted 3 shards" in res.stdout and "batchinfer status" in res.stdout
     run_dir = tmp_path / "run"
@@ -120,7 +127,9 @@ def test_usr2_preemption_and_external_requeue(
     wait_for(lambda: list(run_dir.glob("shards/00000/part-*")), what="a committed part of shard 0")
     subprocess.run(["scancel", "--signal=USR2", f"{array}_0"], timeout=15, capture_output=True)
     # An external `scontrol requeue` of task 1 once it has committed (no signal reaches the worker first).
-    wait_for(lambda: list(run_dir.glob("shards/00001/part-*")) and task_running(f"{array}_1"), timeout=600, what="shard 1")
+    wait_for(
+        lambda: list(run_dir.glob("shards/00001/part-*")) and task_running(f"{array}_1"), timeout=600, what="shard 1"
+    )
     subprocess.run(["scontrol", "requeue", f"{array}_1"], check=True, timeout=30)
     wait_until_idle(run_dir)
     out = read_output(run_dir)
@@ -141,7 +150,9 @@ def test_failed_task_named_by_status_merge_refuses_then_resume(
     corpus = tmp_path / "c.jsonl"
     rows = write_corpus(corpus, 300, seed=13)
     extra = ["sharding.num_shards=2", "sampling.max_tokens=16", "output.commit_every_rows=16"]
-    ov = cluster_overrides(tmp_path, corpus, tiny_model_path, *extra, "+cluster.env.BATCHINFER_FAULT=after-part-rename:2")
+    ov = cluster_overrides(
+        tmp_path, corpus, tiny_model_path, *extra, "+cluster.env.BATCHINFER_FAULT=after-part-rename:2"
+    )
     res = run_cli(["submit", *ov])
     assert res.returncode == 0, res.stderr
     run_dir = tmp_path / "run"
