@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from importlib import metadata
@@ -132,7 +133,31 @@ class Engine:
         self.max_num_seqs: int = vc.scheduler_config.max_num_seqs
         self.startup_seconds = time.monotonic() - start
         self.device = device_name()
+        self._closed = False
+        self._watch_engine_core()
         self._params: dict[str, Any] = {}
+
+    def _watch_engine_core(self) -> None:
+        """Turn a dead engine core into an exception in step(), instead of a hang.
+
+        vLLM's sync client notices a dead core (its monitor sets engine_dead) but leaves
+        step() blocked on its output queue; waking that queue makes step() raise EngineDeadError.
+        """
+        client = self.engine.engine_core
+        resources = getattr(client, "resources", None)
+        outputs = getattr(client, "outputs_queue", None)
+        if resources is None or outputs is None:
+            return
+
+        def watch() -> None:
+            while not self._closed:
+                if getattr(resources, "engine_dead", False):
+                    log.error("vLLM engine core died")
+                    outputs.put_nowait(RuntimeError("vLLM engine core died"))
+                    return
+                time.sleep(0.5)
+
+        threading.Thread(target=watch, name="batchinfer-engine-watch", daemon=True).start()
 
     def sampling_params(self, sampling: dict[str, Any]) -> Any:
         """SamplingParams for a sampling config (cached; one object per distinct config)."""
@@ -188,6 +213,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop the engine's processes."""
+        self._closed = True
         try:
             self.engine.engine_core.shutdown()
         except Exception as e:  # shutting down a dead engine may fail; nothing left to save

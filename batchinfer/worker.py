@@ -158,6 +158,7 @@ class ShardWorker:
             "output_tokens": int(sum(x or 0 for x in table.column("output_tokens").to_pylist())),
             "errors": dict(errors),
             "attempts": old.get("attempts", 0) + 1,
+            "failures": old.get("failures", 0),
             "seconds": old.get("seconds", {"startup": 0.0, "generate": 0.0, "commit": 0.0}),
             "_rows": rows,
         }

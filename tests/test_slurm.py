@@ -176,6 +176,45 @@ def test_failed_task_named_by_status_merge_refuses_then_resume(
     assert status_json(run_dir)["totals"]["states"] == {"done": 2}
 
 
+def under_slurmstepd(pid: int) -> bool:
+    """Whether a process descends from a slurmstepd (a job's process, not this test's engine)."""
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                head, _, rest = f.read().rpartition(")")
+        except OSError:
+            return False
+        if head.split("(", 1)[1] == "slurmstepd":
+            return True
+        pid = int(rest.split()[1])
+    return False
+
+
+def job_engine_pids() -> list[int]:
+    res = subprocess.run(["pgrep", "-f", "EngineCore"], capture_output=True, text=True)
+    return [int(p) for p in res.stdout.split() if under_slurmstepd(int(p))]
+
+
+def test_engine_death_commits_and_requeues_until_max_attempts(
+    slurm_env: dict, tmp_path: Path, tiny_model_path: Path
+) -> None:
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 1200, seed=15)
+    extra = ["sampling.max_tokens=48", "output.commit_every_rows=16", "cluster.max_attempts=2"]
+    res = run_cli(["submit", *cluster_overrides(tmp_path, corpus, tiny_model_path, *extra)])
+    assert res.returncode == 0, res.stderr
+    run_dir = tmp_path / "run"
+    wait_for(lambda: list(run_dir.glob("shards/00000/part-*")) and job_engine_pids(), what="a committed part")
+    for pid in job_engine_pids():
+        os.kill(pid, 9)  # the engine dies (OOM killer, GPU fault) while the worker lives
+    wait_until_idle(run_dir)
+    assert_exactly_once(read_output(run_dir), rows)
+    done = json.loads((run_dir / "shards/00000/DONE.json").read_text())
+    assert done["failures"] == 1 and done["attempts"] == 2, done
+    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.err"))
+    assert "attempt 1 of 2: requeueing" in logs
+
+
 def test_cancel_leaves_no_job_and_resume_refuses_while_queued(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path
 ) -> None:
