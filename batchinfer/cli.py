@@ -174,7 +174,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     # A USR2 (Slurm's preemption / time-limit warning) before the worker's handler is in place
     # would kill the process by default: hold it pending until the worker installs its handler.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may come before and after options (`submit --config-dir D a=1 b=2`).
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides += extra
     setup_logging()
     from batchinfer.worker import Stopped
 

@@ -90,12 +90,14 @@ def run_shards(run: RunDir, indices: list[int], engine: Any = None) -> None:
         for current in shards:
             worker.run_shard(current)
     except Stopped as e:
-        if e.signum == signal.SIGUSR2 and slurm.this_job():
-            slurm.requeue_self()  # preemption or time limit: committed rows are safe, go again
+        _stopped(e.signum)
         raise
     except BatchinferError:
         raise  # the input or config is wrong: another attempt would fail the same way
     except Exception as e:
+        if stop.signum is not None:  # the signal reached the engine too: a stop, not a failure
+            _stopped(stop.signum)
+            raise Stopped(stop.signum) from e
         if slurm.this_job():
             failures = _count_failure(run, current.index, e)
             limit = run.run["config"]["cluster"]["max_attempts"]
@@ -110,6 +112,12 @@ def run_shards(run: RunDir, indices: list[int], engine: Any = None) -> None:
         holder.close(owned=engine is None)
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+def _stopped(signum: int) -> None:
+    """USR2 under Slurm (time limit, preemption): requeue this task; TERM (scancel): just stop."""
+    if signum == signal.SIGUSR2 and slurm.this_job():
+        slurm.requeue_self()
 
 
 def _count_failure(run: RunDir, index: int, error: BaseException) -> int:

@@ -100,8 +100,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     tokens = sum(r["output_tokens"] for r in records)
     gen = sum(r["generate_seconds"] for r in records)
     rate_rows = done / gen if gen else 0.0
-    running = max(1, sum(1 for r in records if r["state"] == "running"))
-    eta = (rows - done) / (rate_rows * running) if rate_rows and done < rows else None
+    running = sum(1 for r in records if r["state"] == "running")
+    eta = (rows - done) / (rate_rows * running) if rate_rows and running and done < rows else None
     counts: dict[str, int] = {}
     for r in records:
         counts[r["state"]] = counts.get(r["state"], 0) + 1

@@ -120,11 +120,16 @@ def job_states(job_ids: list[str]) -> dict[str, str]:
             jid, _, state = line.partition("|")
             if jid and "[" not in jid:
                 states[jid] = state.split()[0] if state else ""
-    res = _run(["squeue", "-h", "-r", "-o", "%i|%T", "-j", ",".join(job_ids)])
+    # squeue -j fails outright if one id has left slurmctld's memory: list this user's jobs instead.
+    res = _run(["squeue", "-h", "-r", "--me", "-o", "%i|%A|%T"])
     if res.returncode == 0:
+        wanted = set(job_ids)
         for line in res.stdout.splitlines():
-            jid, _, state = line.partition("|")
-            states[jid.strip()] = state.strip()
+            jid, _, rest = line.partition("|")
+            array_or_job, _, state = rest.partition("|")
+            jid = jid.strip()
+            if jid in wanted or jid.split("_")[0] in wanted or array_or_job in wanted:
+                states[jid] = state.strip()
     return states
 
 

@@ -232,12 +232,14 @@ class ShardWorker:
                     pending = []
                     last_commit = t_gen = time.monotonic()
         except BaseException as e:
-            # Whatever stops us (signal, engine death), finished rows are committed first.
+            # Whatever stops us (signal, engine death), finished rows are committed first. A stop
+            # signal may reach the engine too and kill it: that is a stop, not an error.
+            stopping = isinstance(e, Stopped) or self.stop.signum is not None
             if in_flight and isinstance(e, Stopped):
                 engine.abort_all()
             if pending:
-                self._commit(shard, pending, progress, error=None if isinstance(e, Stopped) else repr(e))
-            elif not isinstance(e, Stopped):
+                self._commit(shard, pending, progress, error=None if stopping else repr(e))
+            elif not stopping:
                 self._write_progress(shard, progress, error=repr(e))
             raise
         progress["seconds"]["generate"] += time.monotonic() - t_gen

@@ -33,6 +33,8 @@ def test_cfg_job_prints_resolved_config_with_literal_template() -> None:
 
 
 def test_unknown_key_missing_input_and_bad_value_messages(tmp_path: Path) -> None:
+    res = run_cli(["run", "--bogus"])
+    assert res.returncode == 2 and "unrecognized arguments: --bogus" in res.stderr
     res = run_cli(["run", "sampling.max_tokenz=3"])
     assert res.returncode == 2 and "batchinfer: error: Could not override 'sampling.max_tokenz'" in res.stderr
     res = run_cli(["run", f"input.path={tmp_path}/missing.jsonl", f"model.path={fake_model_dir(tmp_path)}"])

@@ -51,6 +51,15 @@ def cluster_overrides(tmp: Path, corpus: Path, model: Path, *extra: str) -> list
     ]
 
 
+def submit_corpus(tmp: Path, model: Path, n: int, seed: int, *extra: str) -> tuple[list[dict], Path, str]:
+    """Write a corpus of n rows, `batchinfer submit` it; return its rows, DIR and submit's stdout."""
+    corpus = tmp / "c.jsonl"
+    rows = write_corpus(corpus, n, seed=seed)
+    res = run_cli(["submit", *cluster_overrides(tmp, corpus, model, *extra)])
+    assert res.returncode == 0, res.stderr
+    return rows, tmp / "run", res.stdout
+
+
 def jobs_of(run_dir: Path) -> list[str]:
     ids = []
     for line in (run_dir / "jobs.jsonl").read_text().splitlines():
@@ -93,17 +102,10 @@ def task_running(job: str) -> bool:
 
 
 def test_submit_three_shards_merged_exactly_once(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:
-    corpus = tmp_path / "c.jsonl"
-    rows = write_corpus(corpus, 90, seed=11)
-    res = run_cli(
-        [
-            "submit",
-            *cluster_overrides(tmp_path, corpus, tiny_model_path, "sharding.num_shards=3", "sampling.max_tokens=6"),
-        ]
+    rows, run_dir, out = submit_corpus(
+        tmp_path, tiny_model_path, 90, 11, "sharding.num_shards=3", "sampling.max_tokens=6"
     )
-    assert res.returncode == 0, res.stderr
-    assert "submitted 3 shards" in res.stdout and "batchinfer status" in res.stdout
-    run_dir = tmp_path / "run"
+    assert "submitted 3 shards" in out and "batchinfer status" in out
     wait_until_idle(run_dir)
     assert_exactly_once(read_output(run_dir), rows)
     st = status_json(run_dir)
@@ -115,13 +117,9 @@ def test_submit_three_shards_merged_exactly_once(slurm_env: dict, tmp_path: Path
 def test_usr2_preemption_and_external_requeue(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path, engine: Any
 ) -> None:
-    corpus = tmp_path / "c.jsonl"
-    rows = write_corpus(corpus, 1200, seed=12)
     extra = ["sharding.num_shards=2", "sampling.max_tokens=48", "output.commit_every_rows=16"]
-    ov = cluster_overrides(tmp_path, corpus, tiny_model_path, *extra)
-    res = run_cli(["submit", *ov])
-    assert res.returncode == 0, res.stderr
-    run_dir = tmp_path / "run"
+    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 1200, 12, *extra)
+    ov = cluster_overrides(tmp_path, tmp_path / "c.jsonl", tiny_model_path, *extra)
     array = json.loads((run_dir / "jobs.jsonl").read_text())["arrays"][0]["job_id"]
     # USR2 (what Slurm sends before a time limit or preemption) to task 0 once it has committed.
     wait_for(lambda: list(run_dir.glob("shards/00000/part-*")), what="a committed part of shard 0")
@@ -147,15 +145,9 @@ def test_usr2_preemption_and_external_requeue(
 def test_failed_task_named_by_status_merge_refuses_then_resume(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path
 ) -> None:
-    corpus = tmp_path / "c.jsonl"
-    rows = write_corpus(corpus, 300, seed=13)
     extra = ["sharding.num_shards=2", "sampling.max_tokens=16", "output.commit_every_rows=16"]
-    ov = cluster_overrides(
-        tmp_path, corpus, tiny_model_path, *extra, "+cluster.env.BATCHINFER_FAULT=after-part-rename:2"
-    )
-    res = run_cli(["submit", *ov])
-    assert res.returncode == 0, res.stderr
-    run_dir = tmp_path / "run"
+    fault = "+cluster.env.BATCHINFER_FAULT=after-part-rename:2"
+    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 300, 13, *extra, fault)
     wait_until_idle(run_dir)
     st = status_json(run_dir)
     assert st["totals"]["states"] == {"failed": 2}, st
@@ -198,12 +190,8 @@ def job_engine_pids() -> list[int]:
 def test_engine_death_commits_and_requeues_until_max_attempts(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path
 ) -> None:
-    corpus = tmp_path / "c.jsonl"
-    rows = write_corpus(corpus, 1200, seed=15)
     extra = ["sampling.max_tokens=48", "output.commit_every_rows=16", "cluster.max_attempts=2"]
-    res = run_cli(["submit", *cluster_overrides(tmp_path, corpus, tiny_model_path, *extra)])
-    assert res.returncode == 0, res.stderr
-    run_dir = tmp_path / "run"
+    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 1200, 15, *extra)
     wait_for(lambda: list(run_dir.glob("shards/00000/part-*")) and job_engine_pids(), what="a committed part")
     for pid in job_engine_pids():
         os.kill(pid, 9)  # the engine dies (OOM killer, GPU fault) while the worker lives
@@ -215,21 +203,23 @@ def test_engine_death_commits_and_requeues_until_max_attempts(
     assert "attempt 1 of 2: requeueing" in logs
 
 
-def test_cancel_leaves_no_job_and_resume_refuses_while_queued(
+def test_cancel_of_running_task_commits_and_does_not_requeue(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path
 ) -> None:
-    corpus = tmp_path / "c.jsonl"
-    write_corpus(corpus, 40, seed=14)
-    res = run_cli(["submit", *cluster_overrides(tmp_path, corpus, tiny_model_path, "sharding.num_shards=4")])
-    assert res.returncode == 0, res.stderr
-    run_dir = tmp_path / "run"
+    extra = ["sharding.num_shards=2", "sampling.max_tokens=48", "output.commit_every_rows=16"]
+    _, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 1200, 14, *extra)
     res = run_cli(["resume", str(run_dir)])
     assert res.returncode == 2 and "still has jobs queued or running" in res.stderr
-    res = run_cli(["resume", str(run_dir), "sampling.max_tokens=3"])
-    assert res.returncode == 2
+    wait_for(lambda: list(run_dir.glob("shards/00000/part-*")), what="a committed part of shard 0")
     res = run_cli(["cancel", str(run_dir)])
     assert res.returncode == 0 and "cancelled 2 jobs" in res.stdout
     wait_for(lambda: not queued(run_dir), timeout=60, what="cancelled jobs to leave squeue")
+    time.sleep(15)  # a task that requeued itself would be back in squeue by now
+    assert not queued(run_dir)
+    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.err"))
+    assert "received SIGTERM: committing and stopping" in logs and "requeued" not in logs
+    st = status_json(run_dir)
+    assert st["shards"][0]["rows_done"] > 0 and st["shards"][0]["state"] == "failed"
 
 
 def test_resume_refuses_keys_that_change_outputs(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:

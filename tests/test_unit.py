@@ -273,3 +273,31 @@ def _keyed(eng: FakeEngine, run: RunDir) -> FakeEngine:
 
     eng.key = model_key(run.run["config"])  # type: ignore[attr-defined]
     return eng
+
+
+# ---------------------------------------------------------------- Slurm planning (no cluster)
+
+
+def test_arrays_split_at_max_array_size_and_gpus_checked(tmp_path: Path, monkeypatch, capsys) -> None:
+    from batchinfer import slurm
+    from batchinfer.launch import submit_shards
+
+    assert slurm.split_tasks([[0], [1], [2], [3], [4]], 2) == [[[0], [1]], [[2], [3]], [[4]]]
+    run = _prepared(tmp_path, 10, "cluster=slurm", "sharding.num_shards=5", "cluster.shards_per_task=1")
+    monkeypatch.setattr(slurm, "max_array_size", lambda: 2)
+    record = submit_shards(run, [0, 1, 2, 3, 4], dry_run=True)
+    assert [a["tasks"] for a in record["arrays"]] == [{0: [0], 1: [1]}, {0: [2], 1: [3]}, {0: [4]}]
+    out = capsys.readouterr().out
+    assert "array 2: 1 tasks" in out and "'signal_delay_s': 120" in out and "'requeue': True" in out
+    with pytest.raises(ConfigError, match=r"cluster.gpus_per_task=1 is less than .* = 2"):
+        slurm.check_gpus(
+            {"model": {"tensor_parallel_size": 2, "pipeline_parallel_size": 1}, "cluster": {"gpus_per_task": 1}}
+        )
+
+
+def test_env_lines_quote_values() -> None:
+    from batchinfer.slurm import env_lines
+
+    assert env_lines({"A": "x y $(rm -rf /)", "B": None}) == ["export A='x y $(rm -rf /)'", "unset B"]
+    with pytest.raises(ConfigError, match="not a valid environment variable name"):
+        env_lines({"A;B": "1"})
