@@ -255,3 +255,25 @@ def test_login_node_commands_import_no_vllm_or_torch(slurm_env: dict, tmp_path: 
     ]
     res = subprocess.run([sys.executable, "-c", LOGIN_NODE, *commands], capture_output=True, text=True)
     assert "CODES [0, 0, 0, 0] HEAVY []" in res.stdout, res.stdout + res.stderr
+
+
+def test_plain_sbatch_script_runs_the_worker(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 40, seed=16)
+    ov = cluster_overrides(tmp_path, corpus, tiny_model_path, "sharding.num_shards=2", "sampling.max_tokens=4")
+    res = run_cli(["submit", "--dry-run", *ov])
+    assert res.returncode == 0 and "task 1: shards [1]" in res.stdout
+    run_dir = tmp_path / "run"
+    cmd = ["sbatch", "--parsable", "--array=0-1%1", "--gpus-per-task=0", "--cpus-per-task=2", f"--chdir={tmp_path}"]
+    job = subprocess.run([*cmd, str(REPO / "slurm/batchinfer.sbatch"), str(run_dir)], capture_output=True, text=True)
+    assert job.returncode == 0, job.stderr
+    job_id = job.stdout.strip().split(";")[0]
+    wait_for(
+        lambda: not subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip(),
+        timeout=600,
+        what="the sbatch array",
+    )
+    assert status_json(run_dir)["totals"]["states"] == {"done": 2}
+    res = run_cli(["merge", str(run_dir)])
+    assert res.returncode == 0, res.stderr
+    assert_exactly_once(read_output(run_dir), rows)
