@@ -210,7 +210,7 @@ _CHOICES = {
     "prompt.mode": ("chat", "raw"),
     "prompt.overlong": ("error_row", "truncate_left", "truncate_right", "fail"),
     "output.format": ("jsonl", "parquet"),
-    "input.format": (None, "jsonl", "json", "parquet"),
+    "input.format": (None, "jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf_disk"),
 }
 
 

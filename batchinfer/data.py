@@ -1,4 +1,4 @@
-"""Open inputs, convert them once to Arrow, stable row ids and the shard plan."""
+"""Open inputs (files, globs, compressed, saved datasets), convert them once to Arrow, plan shards."""
 
 from __future__ import annotations
 
@@ -14,7 +14,20 @@ import pyarrow as pa
 
 from batchinfer.errors import InputError
 
-FORMATS_BY_SUFFIX = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
+FORMATS_BY_SUFFIX = {
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "json",
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".feather": "arrow",
+    ".ipc": "arrow",
+}
+FORMATS = ("jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf_disk")
+COMPRESSION_SUFFIXES = (".gz", ".zst", ".bz2", ".xz")
+GLOB_CHARS = set("*?[")
 
 
 @dataclass(frozen=True)
@@ -31,45 +44,91 @@ class Shard:
         return self.stop - self.start
 
 
-def detect_format(path: str, fmt: Optional[str]) -> str:
-    """The input format: as configured, else from the file suffix."""
+def input_files(path: str) -> list[Path]:
+    """input.path resolved: a file, a glob of files (sorted), or a `save_to_disk` folder."""
+    if GLOB_CHARS & set(path):
+        base = Path(path).expanduser()
+        if not base.is_absolute():
+            base = Path.cwd() / base
+        files = sorted(p.resolve() for p in Path(base.anchor).glob(str(base.relative_to(base.anchor))) if p.is_file())
+        if not files:
+            raise InputError(f"input.path {path}: the pattern matches no file")
+        return files
+    p = Path(path).expanduser().resolve()
+    if not p.exists():
+        raise InputError(f"input.path {path}: no such file (resolved to {p})")
+    if p.is_dir() and not is_saved_dataset(p):
+        raise InputError(f"input.path {path}: a folder, but not a `Dataset.save_to_disk` folder; give a file or a glob")
+    return [p]
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """Whether a folder was written by `datasets.Dataset.save_to_disk`."""
+    return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+
+
+def detect_format(files: list[Path], fmt: Optional[str]) -> str:
+    """The input format: as configured, else from the (first) file's suffix, compression aside."""
     if fmt:
         return fmt
-    suffix = Path(path).suffix.lower()
+    first = files[0]
+    if first.is_dir():
+        return "hf_disk"
+    name = first.name.lower()
+    for comp in COMPRESSION_SUFFIXES:
+        name = name.removesuffix(comp)
+    suffix = Path(name).suffix
     if suffix not in FORMATS_BY_SUFFIX:
         known = ", ".join(sorted(FORMATS_BY_SUFFIX))
         raise InputError(
-            f"{path}: cannot tell the format from the suffix {suffix!r} (known: {known}); set input.format"
+            f"{first}: cannot tell the format from the suffix {suffix!r} (known: {known}); set input.format"
         )
     return FORMATS_BY_SUFFIX[suffix]
 
 
-def file_fingerprint(path: Path, previous: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """Content hash of the input; reused when size and mtime match the previous record."""
-    st = path.stat()
-    if previous and previous.get("size") == st.st_size and previous.get("mtime_ns") == st.st_mtime_ns:
+def file_fingerprint(files: list[Path], previous: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Content hash of every input file; reused when names, sizes and mtimes match the previous record."""
+    members = sorted(f for p in files for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
+    stats = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in members]
+    if previous and previous.get("files") == stats:
         return previous
     h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "fingerprint": h.hexdigest()}
+    for f in members:
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 20):
+                h.update(block)
+    return {"files": stats, "size": sum(s[1] for s in stats), "fingerprint": h.hexdigest()}
 
 
-def check_input_path(path: str) -> Path:
-    """Resolve input.path; a missing file is an error naming it."""
-    p = Path(path).expanduser().resolve()
-    if not p.exists():
-        raise InputError(f"input.path {path}: no such file (resolved to {p})")
-    if not p.is_file():
-        raise InputError(f"input.path {path}: not a file")
-    return p
+def open_text(path: Path) -> Any:
+    """Open a possibly compressed file for binary reading, by its suffix."""
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        import gzip
+
+        return gzip.open(path, "rb")
+    if name.endswith(".bz2"):
+        import bz2
+
+        return bz2.open(path, "rb")
+    if name.endswith(".xz"):
+        import lzma
+
+        return lzma.open(path, "rb")
+    if name.endswith(".zst"):
+        import io
+
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")))
+    return open(path, "rb")
 
 
 def scan_jsonl(path: Path) -> int:
     """Check every line decodes and parses; return the row count. Errors name file:line."""
     rows = 0
-    with open(path, "rb") as f:
+    with open_text(path) as f:
         for lineno, raw in enumerate(f, start=1):
             try:
                 line = raw.decode("utf-8")
@@ -93,43 +152,60 @@ def scan_jsonl(path: Path) -> int:
     return rows
 
 
-def _load(path: Path, fmt: str, cache_dir: Path) -> Any:
+def _load(files: list[Path], fmt: str, cache_dir: Path) -> Any:
     import datasets
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
+    names = [str(f) for f in files]
+    cache = str(cache_dir)
+    if fmt == "jsonl":
+        for f in files:
+            scan_jsonl(f)
     if fmt in ("jsonl", "json"):
-        if fmt == "jsonl":
-            scan_jsonl(path)
-        return datasets.Dataset.from_json(str(path), cache_dir=str(cache_dir))
+        return datasets.Dataset.from_json(names, cache_dir=cache)
+    if fmt in ("csv", "tsv"):
+        return datasets.Dataset.from_csv(names, cache_dir=cache, sep="\t" if fmt == "tsv" else ",")
     if fmt == "parquet":
-        return datasets.Dataset.from_parquet(str(path), cache_dir=str(cache_dir))
-    raise InputError(f"input.format={fmt!r} is not supported (jsonl, json, parquet)")
+        return datasets.Dataset.from_parquet(names, cache_dir=cache)
+    if fmt == "arrow":
+        return datasets.load_dataset("arrow", data_files=names, split="train", cache_dir=cache)
+    if fmt == "hf_disk":
+        return datasets.load_from_disk(names[0])
+    raise InputError(f"input.format={fmt!r} is not supported ({', '.join(FORMATS)})")
 
 
-def convert_input(path: Path, fmt: str, dest: Path, id_column: Optional[str], columns: Optional[list[str]]) -> int:
+def convert_input(
+    files: list[Path], fmt: str, dest: Path, id_column: Optional[str], columns: Optional[list[str]]
+) -> int:
     """Convert the input once into an Arrow dataset at dest; return its row count."""
-    if path.stat().st_size == 0:
-        raise InputError(f"{path}: the file is empty; there is nothing to run")
+    shown = str(files[0]) if len(files) == 1 else f"{files[0].parent}/ ({len(files)} files)"
+    if all(f.is_file() and f.stat().st_size == 0 for f in files):
+        raise InputError(f"{shown}: the file is empty; there is nothing to run")
     tmp = dest.with_name(dest.name + ".tmp")
     cache = dest.with_name(".hf-cache")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        ds = _load(path, fmt, cache)
+        try:
+            ds = _load(files, fmt, cache)
+        except InputError:
+            raise
+        except (ValueError, OSError, pa.ArrowException) as e:
+            if "corresponds to no data" in str(e):  # datasets' words for a header-only CSV
+                raise InputError(f"{shown}: no rows (only a header?); there is nothing to run") from None
+            raise InputError(
+                f"{shown}: cannot be read as {fmt} ({str(e).splitlines()[0][:300]}); check the file or set input.format"
+            ) from None
         if len(ds) == 0:
-            raise InputError(f"{path}: no rows; there is nothing to run")
+            raise InputError(f"{shown}: no rows (only a header?); there is nothing to run")
         if id_column is not None:
             if id_column not in ds.column_names:
                 raise InputError(
-                    f"{path}: input.id_column={id_column!r} is not a column (columns: {', '.join(ds.column_names)})"
+                    f"{shown}: input.id_column={id_column!r} is not a column (columns: {', '.join(ds.column_names)})"
                 )
-            check_ids(path, ds.data.column(id_column))
-        if columns:
-            missing = [c for c in columns if c not in ds.column_names]
-            if missing:
-                raise InputError(
-                    f"{path}: input.columns names {missing} which the input lacks (columns: {', '.join(ds.column_names)})"
-                )
+            check_ids(shown, ds.data.column(id_column))
+        for col in columns or []:
+            column_type(ds.data.schema, col, shown)
         ds.save_to_disk(str(tmp))
         os.replace(tmp, dest)
         return len(ds)
@@ -138,7 +214,30 @@ def convert_input(path: Path, fmt: str, dest: Path, id_column: Optional[str], co
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def check_ids(path: Path, ids: pa.ChunkedArray) -> None:
+def column_type(schema: pa.Schema, dotted: str, source: str) -> pa.DataType:
+    """Arrow type of a column or a nested field (`meta.text`); a missing one is an error naming it."""
+    top, *rest = dotted.split(".")
+    if top not in schema.names:
+        raise InputError(
+            f"{source}: input.columns names {dotted!r} but the input has no column {top!r} (columns: {', '.join(schema.names)})"
+        )
+    typ = schema.field(top).type
+    for part in rest:
+        if not pa.types.is_struct(typ) or typ.get_field_index(part) < 0:
+            raise InputError(f"{source}: input.columns names {dotted!r} but {top!r} has no field {part!r}")
+        typ = typ.field(part).type
+    return typ
+
+
+def get_path(row: dict[str, Any], dotted: str) -> Any:
+    """A row's value at a column or nested field (`meta.text`); None where a level is missing."""
+    value: Any = row
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def check_ids(path: Any, ids: pa.ChunkedArray) -> None:
     """Ids must be present and unique; errors name the id and its rows."""
     if ids.null_count:
         row = ids.to_pylist().index(None)

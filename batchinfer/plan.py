@@ -22,7 +22,16 @@ from batchinfer.config import (
     require_run_keys,
     to_dict,
 )
-from batchinfer.data import check_input_path, convert_input, detect_format, file_fingerprint, open_input, plan_shards
+from batchinfer.data import (
+    GLOB_CHARS,
+    column_type,
+    convert_input,
+    detect_format,
+    file_fingerprint,
+    input_files,
+    open_input,
+    plan_shards,
+)
 from batchinfer.errors import ConfigError, RunDirError
 from batchinfer.models import resolve_model
 from batchinfer.prompts import check_fields, load_template
@@ -36,14 +45,15 @@ def resolve_config(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """Plain config with the input resolved, and the input's fingerprint record."""
     require_run_keys(cfg)
     c = to_dict(cfg)
-    path = check_input_path(c["input"]["path"])
-    c["input"]["path"] = str(path)
-    c["input"]["format"] = detect_format(str(path), c["input"]["format"])
+    files = input_files(c["input"]["path"])
+    pattern = GLOB_CHARS & set(c["input"]["path"])
+    c["input"]["path"] = str(Path(c["input"]["path"]).expanduser().absolute()) if pattern else str(files[0])
+    c["input"]["format"] = detect_format(files, c["input"]["format"])
     c["model"]["path"], c["model"]["revision"] = resolve_model(c["model"]["path"], c["model"]["revision"])
     previous = None
     if c["output"]["dir"] and RunDir(c["output"]["dir"]).exists():
         previous = RunDir(c["output"]["dir"]).run["input"]
-    return c, file_fingerprint(path, previous)
+    return c, file_fingerprint(files, previous)
 
 
 def run_dir_for(c: dict[str, Any], fp: str) -> RunDir:
@@ -89,12 +99,13 @@ def _create(run: RunDir, c: dict[str, Any], keys: dict[str, Any], fp: str, input
     inp = c["input"]
     shutil.rmtree(run.input_dir, ignore_errors=True)
     log.info("converting %s (%s) into %s", inp["path"], inp["format"], run.input_dir)
-    rows = convert_input(Path(inp["path"]), inp["format"], run.input_dir, inp["id_column"], inp["columns"])
+    rows = convert_input(input_files(inp["path"]), inp["format"], run.input_dir, inp["id_column"], inp["columns"])
     ds = open_input(run.input_dir)
     check_fields(load_template(c["prompt"]), ds.column_names, inp["path"])
     arrow = ds.data.schema
     id_type = arrow.field(inp["id_column"]).type if inp["id_column"] else pa.int64()
-    input_type = pa.struct([arrow.field(col) for col in inp["columns"]]) if inp["columns"] else None
+    columns = inp["columns"] or []
+    input_type = pa.struct([(col, column_type(arrow, col, inp["path"])) for col in columns]) if columns else None
     schema = output_schema(id_type, c["sampling"]["n"], input_type)
     sh = c["sharding"]
     shards = plan_shards(rows, sh["num_shards"], sh["rows_per_shard"], DEFAULT_ROWS_PER_SHARD)

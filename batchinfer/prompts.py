@@ -64,6 +64,21 @@ def check_fields(template: str, columns: list[str], source: str) -> None:
             )
 
 
+class _Fields(dict):
+    """A nested row field that templates may address as {meta.text} as well as {meta[text]}."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in self:
+            raise AttributeError(name)
+        return self[name]
+
+
+def _fields(value: Any) -> Any:
+    if isinstance(value, dict):
+        return _Fields({k: _fields(v) for k, v in value.items()})
+    return value
+
+
 class PromptBuilder:
     """Renders rows into prompts with one template, system prompt and mode."""
 
@@ -81,8 +96,10 @@ class PromptBuilder:
             if row[name] is None:
                 raise RowError("prompt", f"field {name!r} is null")
         try:
-            text = self.template.format(**row)
-        except (KeyError, IndexError, AttributeError, ValueError) as e:
+            text = self.template.format(**{k: _fields(v) for k, v in row.items()})
+        except (KeyError, AttributeError) as e:
+            raise RowError("prompt", f"field {e.args[0]!r} is missing in this row; {BRACES_HINT}") from None
+        except (IndexError, ValueError, TypeError) as e:
             raise RowError("prompt", f"prompt.template cannot be filled: {e!r}; {BRACES_HINT}") from None
         if not text.strip():
             raise RowError("prompt", "the prompt is empty")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any, Optional, Protocol
 
 from batchinfer import faults
-from batchinfer.data import Shard, open_input
+from batchinfer.data import Shard, get_path, open_input
 from batchinfer.engine import Completion, installed_versions
 from batchinfer.errors import InputError
 from batchinfer.prompts import Prompt, PromptBuilder, RowError
@@ -177,7 +177,7 @@ class ShardWorker:
         for offset, (index, row) in enumerate(zip(todo, rows, strict=True)):
             base: dict[str, Any] = {"row": index, "id": row[inp["id_column"]] if inp["id_column"] else index}
             if inp["columns"]:
-                base["input"] = {c: row[c] for c in inp["columns"]}
+                base["input"] = {c: get_path(row, c) for c in inp["columns"]}
             try:
                 ids = engine.encode(self.prompts.build(row))
                 ids = overlong_tokens(ids, self.cfg["prompt"]["overlong"], engine.max_model_len, max_tokens)
