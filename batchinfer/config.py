@@ -44,6 +44,10 @@ class PromptConfig:
     system: Optional[str] = None
     mode: str = "chat"
     overlong: str = "error_row"
+    # Few-shot turns before each row: the template filled from each example's fields, then its `answer`.
+    examples: list[dict[str, Any]] = field(default_factory=list)
+    # Passed to the chat template, e.g. {enable_thinking: false} for Qwen3.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -169,14 +169,21 @@ class Engine:
                 from vllm.sampling_params import StructuredOutputsParams
 
                 kw["structured_outputs"] = StructuredOutputsParams(**so)
-            self._params[key] = self._sampling_cls(**kw)
+            params = self._sampling_cls(**kw)
+            from vllm.sampling_params import RequestOutputKind
+
+            # As LLM.generate does: one output per request when it is done, with all n samples
+            # (the default, CUMULATIVE, streams every step and reports n > 1 sample by sample).
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+            self._params[key] = params
         return self._params[key]
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt, chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
         """Token ids exactly as vLLM would make them: chat template rendered, then tokenized."""
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt))
-        text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        kw = chat_template_kwargs or {}
+        text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kw)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def add(self, request_id: str, token_ids: list[int], params: Any) -> None:

@@ -11,6 +11,7 @@ from batchinfer.errors import ConfigError
 Messages = list[dict[str, str]]
 Prompt = Union[str, Messages]
 
+MESSAGES = "messages"  # a row with this field holds its own chat, used as it is
 BRACES_HINT = "a literal { or } in a template is written {{ or }}"
 
 
@@ -55,7 +56,9 @@ def template_fields(template: str) -> list[str]:
 
 
 def check_fields(template: str, columns: list[str], source: str) -> None:
-    """Every template field must be an input column; the error names the field."""
+    """Every template field must be an input column (unless rows carry `messages`); the error names it."""
+    if MESSAGES in columns:
+        return
     for name in template_fields(template):
         if name not in columns:
             raise ConfigError(
@@ -80,33 +83,60 @@ def _fields(value: Any) -> Any:
 
 
 class PromptBuilder:
-    """Renders rows into prompts with one template, system prompt and mode."""
+    """Renders rows into prompts: template, system prompt, few-shot examples, chat or raw."""
 
     def __init__(self, prompt_cfg: dict[str, Any]):
         self.template = load_template(prompt_cfg)
         self.fields = template_fields(self.template)
         self.system: Optional[str] = prompt_cfg.get("system")
         self.mode: str = prompt_cfg["mode"]
+        self.examples: list[dict[str, str]] = list(prompt_cfg.get("examples") or [])
+        for i, ex in enumerate(self.examples):
+            missing = [f for f in [*self.fields, "answer"] if f not in ex]
+            if missing:
+                raise ConfigError(
+                    f"prompt.examples[{i}] lacks {', '.join(missing)}: each example needs the template's fields and an answer"
+                )
 
     def build(self, row: dict[str, Any]) -> Prompt:
-        """Row -> prompt; a null or missing field raises RowError."""
-        for name in self.fields:
+        """Row -> prompt; a row's own `messages` list is used as it is; a bad field raises RowError."""
+        if self.mode == "chat" and row.get(MESSAGES) is not None:
+            return self._row_messages(row[MESSAGES])
+        text = self.fill(self.template, row)
+        if self.mode == "raw":
+            return text
+        messages: Messages = []
+        if self.system:
+            messages.append({"role": "system", "content": self.system})
+        for ex in self.examples:
+            messages.append({"role": "user", "content": self.fill(self.template, ex)})
+            messages.append({"role": "assistant", "content": ex["answer"]})
+        messages.append({"role": "user", "content": text})
+        return messages
+
+    def fill(self, template: str, row: dict[str, Any]) -> str:
+        """str.format the template over a row's fields; errors name the field."""
+        for name in template_fields(template):
             if name not in row:
                 raise RowError("prompt", f"field {name!r} is missing; {BRACES_HINT}")
             if row[name] is None:
                 raise RowError("prompt", f"field {name!r} is null")
         try:
-            text = self.template.format(**{k: _fields(v) for k, v in row.items()})
+            text = template.format(**{k: _fields(v) for k, v in row.items()})
         except (KeyError, AttributeError) as e:
             raise RowError("prompt", f"field {e.args[0]!r} is missing in this row; {BRACES_HINT}") from None
         except (IndexError, ValueError, TypeError) as e:
             raise RowError("prompt", f"prompt.template cannot be filled: {e!r}; {BRACES_HINT}") from None
         if not text.strip():
             raise RowError("prompt", "the prompt is empty")
-        if self.mode == "raw":
-            return text
-        messages: Messages = []
-        if self.system:
-            messages.append({"role": "system", "content": self.system})
-        messages.append({"role": "user", "content": text})
-        return messages
+        return text
+
+    def _row_messages(self, messages: Any) -> Messages:
+        if not isinstance(messages, list) or not messages:
+            raise RowError("prompt", f"field {MESSAGES!r} must be a non-empty list of {{role, content}}")
+        out = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise RowError("prompt", f"{MESSAGES}[{i}] needs a string role and content, got {m!r}")
+            out.append({"role": m["role"], "content": m["content"]})
+        return out

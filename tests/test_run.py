@@ -11,6 +11,7 @@ import pytest
 from conftest import assert_exactly_once, assert_own_output, model_overrides, project, read_output, write_corpus
 
 from batchinfer.config import compose
+from batchinfer.errors import ConfigError
 from batchinfer.launch import run_local
 from batchinfer.merge import merge
 from batchinfer.store import read_json, read_table
@@ -138,3 +139,59 @@ def test_identical_prompts_computed_once(tmp_path: Path, tiny_model_path: Path, 
     assert_own_output(out[1], "hello world dog")
     assert len(added) == 21  # 20 distinct prompts and one shared by 20 rows
     assert merge(run)["rows"] == 40
+
+
+def test_rows_with_messages_few_shot_examples_and_template_kwargs(
+    tmp_path: Path, tiny_model_path: Path, engine: Any
+) -> None:
+    corpus = tmp_path / "c.jsonl"
+    rows = [
+        {
+            "id": "m0",
+            "text": None,
+            "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the lazy dog"}],
+        },
+        {"id": "m1", "text": None, "messages": [{"role": "user", "content": "hello world"}]},
+        {"id": "t2", "text": "physics or biology", "messages": None},
+        {"id": "bad", "text": None, "messages": [{"role": "user"}]},
+    ]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = read_output(run_local(compose(overrides(tiny_model_path, corpus, tmp_path / "a")), engine=engine).path)
+    assert_own_output(out[0], "the lazy dog")
+    assert_own_output(out[1], "hello world")
+    assert_own_output(out[2], "physics or biology")
+    assert (
+        out[3]["error"]["kind"] == "prompt"
+        and "messages[0] needs a string role and content" in out[3]["error"]["message"]
+    )
+
+    corpus.write_text(
+        "".join(json.dumps({"id": f"r{i}", "text": t}) + "\n" for i, t in enumerate(["quick fox", "lazy dog"]))
+    )
+    plain = read_output(run_local(compose(overrides(tiny_model_path, corpus, tmp_path / "b")), engine=engine).path)
+    shots = [
+        "prompt.examples=[{text: hello world, answer: greeting}, {text: the fox, answer: animal}]",
+        "+prompt.chat_template_kwargs.enable_thinking=false",
+    ]
+    few = read_output(
+        run_local(compose(overrides(tiny_model_path, corpus, tmp_path / "c", *shots)), engine=engine).path
+    )
+    for p, f in zip(plain, few, strict=True):
+        assert f["prompt_tokens"] > p["prompt_tokens"] + 8  # four more turns
+        assert f["text"] == p["text"]  # the row's own turn is still last
+    with pytest.raises(ConfigError, match=r"prompt.examples\[0\] lacks answer"):
+        run_local(
+            compose(overrides(tiny_model_path, corpus, tmp_path / "d", "prompt.examples=[{text: x}]")), engine=engine
+        )
+
+
+def test_n_seeded_samples_are_kept_and_reproducible(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 8, seed=5)
+    ov = ["sampling=sample", "sampling.n=3", "sampling.seed=7", "sampling.temperature=1.5"]
+    first = read_output(run_local(compose(overrides(tiny_model_path, corpus, tmp_path / "a", *ov)), engine=engine).path)
+    again = read_output(run_local(compose(overrides(tiny_model_path, corpus, tmp_path / "b", *ov)), engine=engine).path)
+    assert [r["id"] for r in first] == [r["id"] for r in rows]
+    assert all(len(r["samples"]) == 3 and r["text"] == r["samples"][0] for r in first)
+    assert all(r["output_tokens"] == 3 * 6 for r in first)
+    assert [r["samples"] for r in first] == [r["samples"] for r in again]

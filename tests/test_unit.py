@@ -39,7 +39,7 @@ class FakeEngine:
     def sampling_params(self, sampling: dict[str, Any]) -> Any:
         return sampling
 
-    def encode(self, prompt: Any) -> list[int]:
+    def encode(self, prompt: Any, chat_template_kwargs: Any = None) -> list[int]:
         text = prompt if isinstance(prompt, str) else " ".join(m["content"] for m in prompt)
         return [ord(c) % 50 for c in text]
 
