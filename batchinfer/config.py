@@ -213,8 +213,8 @@ def _first_lines(msg: str) -> str:
 _CHOICES = {
     "prompt.mode": ("chat", "raw"),
     "prompt.overlong": ("error_row", "truncate_left", "truncate_right", "fail"),
-    "output.format": ("jsonl", "parquet"),
-    "input.format": (None, "jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf_disk"),
+    "output.format": ("jsonl", "parquet", "openai"),
+    "input.format": (None, "jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf_disk", "openai"),
 }
 
 

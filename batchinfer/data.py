@@ -13,6 +13,7 @@ from typing import Any, Optional
 import pyarrow as pa
 
 from batchinfer.errors import InputError
+from batchinfer.openai_batch import convert_requests, looks_like_openai_batch
 
 FORMATS_BY_SUFFIX = {
     ".jsonl": "jsonl",
@@ -25,7 +26,7 @@ FORMATS_BY_SUFFIX = {
     ".feather": "arrow",
     ".ipc": "arrow",
 }
-FORMATS = ("jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf_disk")
+FORMATS = ("jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf_disk", "openai")
 COMPRESSION_SUFFIXES = (".gz", ".zst", ".bz2", ".xz")
 GLOB_CHARS = set("*?[")
 
@@ -83,7 +84,22 @@ def detect_format(files: list[Path], fmt: Optional[str]) -> str:
         raise InputError(
             f"{first}: cannot tell the format from the suffix {suffix!r} (known: {known}); set input.format"
         )
-    return FORMATS_BY_SUFFIX[suffix]
+    fmt = FORMATS_BY_SUFFIX[suffix]
+    if fmt == "jsonl" and looks_like_openai_batch(first_line(first)):
+        return "openai"
+    return fmt
+
+
+def first_line(path: Path) -> str:
+    """The first non-empty line of a (possibly compressed) text file, or ''."""
+    try:
+        with open_text(path) as f:
+            for raw in f:
+                if raw.strip():
+                    return raw.decode("utf-8", errors="replace").removeprefix("\ufeff")
+    except OSError:
+        pass
+    return ""
 
 
 def file_fingerprint(files: list[Path], previous: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -159,9 +175,13 @@ def _load(files: list[Path], fmt: str, cache_dir: Path) -> Any:
     datasets.logging.set_verbosity_error()
     names = [str(f) for f in files]
     cache = str(cache_dir)
-    if fmt == "jsonl":
+    if fmt in ("jsonl", "openai"):
         for f in files:
             scan_jsonl(f)
+    if fmt == "openai":
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        convert_requests(files, cache_dir / "requests.parquet", open_text)
+        return datasets.Dataset.from_parquet(str(cache_dir / "requests.parquet"), cache_dir=cache)
     if fmt in ("jsonl", "json"):
         return datasets.Dataset.from_json(names, cache_dir=cache)
     if fmt in ("csv", "tsv"):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -73,11 +75,14 @@ def merge(run: RunDir) -> dict[str, Any]:
     seconds: Counter[str] = Counter()
     shards = run.shards()
     writer = pq.ParquetWriter(tmp, run.schema, compression="zstd") if run.output_format == "parquet" else None
+    openai = openai_writer(run) if run.output_format == "openai" else None
     with open(tmp, "wb") if writer is None else nullcontext() as f:
         for n, shard in enumerate(shards):
             table = shard_rows_in_order(run, shard)
             if writer is not None:
                 writer.write_table(table)
+            elif openai is not None:
+                f.write(openai(shard, table))
             else:
                 f.write(table_to_jsonl(table))
             _accumulate(stats, table)
@@ -106,6 +111,27 @@ def merge(run: RunDir) -> dict[str, Any]:
     write_json(run.stats_json, stats)
     log.info("merged %d rows from %d shards into %s", stats["rows"], len(shards), out)
     return stats
+
+
+def openai_writer(run: RunDir) -> Callable[[Shard, pa.Table], bytes]:
+    """Lines of the OpenAI Batch output format for a shard's rows (the request's url from DIR/input)."""
+    from batchinfer.data import open_input
+    from batchinfer.openai_batch import CHAT_URL, response_line
+
+    urls = open_input(run.input_dir).data.column("url") if run.run["input"]["format"] == "openai" else None
+    model = run.run["config"]["model"]["path"]
+    tag = run.run["fingerprint"][:12]
+    created = int(time.time())
+
+    def lines(shard: Shard, table: pa.Table) -> bytes:
+        shard_urls = urls.slice(shard.start, shard.rows).to_pylist() if urls is not None else [CHAT_URL] * shard.rows
+        out = [
+            json.dumps(response_line(row, url, model, tag, created), ensure_ascii=False)
+            for row, url in zip(table.to_pylist(), shard_urls, strict=True)
+        ]
+        return ("\n".join(out) + "\n").encode()
+
+    return lines
 
 
 def _accumulate(stats: dict[str, Any], table: pa.Table) -> None:

@@ -49,6 +49,9 @@ def resolve_config(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     pattern = GLOB_CHARS & set(c["input"]["path"])
     c["input"]["path"] = str(Path(c["input"]["path"]).expanduser().absolute()) if pattern else str(files[0])
     c["input"]["format"] = detect_format(files, c["input"]["format"])
+    if c["input"]["format"] == "openai":  # custom_id is the id; answers follow the Batch output format
+        c["input"]["id_column"] = c["input"]["id_column"] or "custom_id"
+        c["output"]["format"] = "openai"
     c["model"]["path"], c["model"]["revision"] = resolve_model(c["model"]["path"], c["model"]["revision"])
     previous = None
     if c["output"]["dir"] and RunDir(c["output"]["dir"]).exists():
@@ -106,7 +109,9 @@ def _create(run: RunDir, c: dict[str, Any], keys: dict[str, Any], fp: str, input
     id_type = arrow.field(inp["id_column"]).type if inp["id_column"] else pa.int64()
     columns = inp["columns"] or []
     input_type = pa.struct([(col, column_type(arrow, col, inp["path"])) for col in columns]) if columns else None
-    schema = output_schema(id_type, c["sampling"]["n"], input_type)
+    # OpenAI batch rows may ask for n > 1 each: keep a samples column for them.
+    with_samples = c["sampling"]["n"] > 1 or inp["format"] == "openai"
+    schema = output_schema(id_type, 2 if with_samples else 1, input_type)
     sh = c["sharding"]
     shards = plan_shards(rows, sh["num_shards"], sh["rows_per_shard"], DEFAULT_ROWS_PER_SHARD)
     write_json(

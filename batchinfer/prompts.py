@@ -11,6 +11,7 @@ from batchinfer.errors import ConfigError
 Messages = list[dict[str, str]]
 Prompt = Union[str, Messages]
 
+RAW_PROMPT = "_raw_prompt"  # openai_batch.RAW_PROMPT
 MESSAGES = "messages"  # a row with this field holds its own chat, used as it is
 BRACES_HINT = "a literal { or } in a template is written {{ or }}"
 
@@ -57,7 +58,7 @@ def template_fields(template: str) -> list[str]:
 
 def check_fields(template: str, columns: list[str], source: str) -> None:
     """Every template field must be an input column (unless rows carry `messages`); the error names it."""
-    if MESSAGES in columns:
+    if MESSAGES in columns or RAW_PROMPT in columns:
         return
     for name in template_fields(template):
         if name not in columns:
@@ -102,6 +103,8 @@ class PromptBuilder:
         """Row -> prompt; a row's own `messages` list is used as it is; a bad field raises RowError."""
         if self.mode == "chat" and row.get(MESSAGES) is not None:
             return self._row_messages(row[MESSAGES])
+        if row.get(RAW_PROMPT) is not None:  # an OpenAI /v1/completions request
+            return str(row[RAW_PROMPT])
         text = self.fill(self.template, row)
         if self.mode == "raw":
             return text

@@ -137,9 +137,14 @@ class RunDir:
         return self.run["config"]["output"]["format"]
 
     @property
+    def part_format(self) -> str:
+        """Parts are JSONL for JSONL output, else Parquet."""
+        return "jsonl" if self.output_format == "jsonl" else "parquet"
+
+    @property
     def output_path(self) -> Path:
-        """Where merge writes the dataset."""
-        return self.path / f"output.{self.output_format}"
+        """Where merge writes the dataset (OpenAI Batch output is JSONL)."""
+        return self.path / f"output.{'jsonl' if self.output_format == 'openai' else self.output_format}"
 
     def shards(self) -> list[Shard]:
         """The shard plan from plan.json."""
@@ -181,8 +186,8 @@ class RunDir:
         """Commit rows as the shard's next part: whole or absent."""
         parts = self.parts(index)
         n = int(PART_RE.match(parts[-1].name).group(1)) + 1 if parts else 0  # type: ignore[union-attr]
-        path = self.shard_dir(index) / f"part-{n:06d}.{self.output_format}"
-        atomic_write(path, table_bytes(table, self.output_format), fault_prefix="part")
+        path = self.shard_dir(index) / f"part-{n:06d}.{self.part_format}"
+        atomic_write(path, table_bytes(table, self.part_format), fault_prefix="part")
         return path
 
     def clean_temporaries(self, index: int) -> int:

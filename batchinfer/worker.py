@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import socket
@@ -15,12 +16,16 @@ from batchinfer import faults
 from batchinfer.data import Shard, get_path, open_input
 from batchinfer.engine import Completion, installed_versions
 from batchinfer.errors import InputError
+from batchinfer.openai_batch import ROW_SAMPLING
 from batchinfer.prompts import Prompt, PromptBuilder, RowError
 from batchinfer.schema import error_row, rows_to_table
 from batchinfer.store import RunDir, ShardLock, holder_info, read_json, write_json
 
 log = logging.getLogger("batchinfer")
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+
+
+RequestKey = tuple[tuple[int, ...], str, int]  # prompt tokens, row's own sampling (JSON), -1 or row offset
 
 
 class EngineLike(Protocol):
@@ -165,26 +170,26 @@ class ShardWorker:
 
     def _requests(
         self, shard: Shard, todo: list[int], engine: EngineLike
-    ) -> tuple[dict[tuple[int, ...], list[dict[str, Any]]], list[dict[str, Any]]]:
-        """Group rows by prompt tokens (identical prompts once); rows that cannot run become error rows."""
+    ) -> tuple[dict[RequestKey, list[dict[str, Any]]], list[dict[str, Any]]]:
+        """Group rows by prompt tokens and sampling (identical requests once); bad rows become error rows."""
         inp = self.cfg["input"]
-        sampling = self.cfg["sampling"]
-        max_tokens = sampling["max_tokens"]
-        dedupe = sampling["temperature"] == 0 or sampling["seed"] is not None
-        groups: dict[tuple[int, ...], list[dict[str, Any]]] = {}
+        groups: dict[RequestKey, list[dict[str, Any]]] = {}
         errors: list[dict[str, Any]] = []
         rows = self.dataset.select(todo).to_list()
         for offset, (index, row) in enumerate(zip(todo, rows, strict=True)):
             base: dict[str, Any] = {"row": index, "id": row[inp["id_column"]] if inp["id_column"] else index}
             if inp["columns"]:
                 base["input"] = {c: get_path(row, c) for c in inp["columns"]}
+            own = row.get(ROW_SAMPLING) or ""  # an OpenAI batch request's own sampling fields
+            sampling = dict(self.cfg["sampling"], **json.loads(own)) if own else self.cfg["sampling"]
             try:
                 ids = engine.encode(self.prompts.build(row), self.cfg["prompt"]["chat_template_kwargs"])
-                ids = overlong_tokens(ids, self.cfg["prompt"]["overlong"], engine.max_model_len, max_tokens)
+                ids = overlong_tokens(ids, self.cfg["prompt"]["overlong"], engine.max_model_len, sampling["max_tokens"])
             except RowError as e:
                 errors.append(dict(error_row(index, base["id"], e.kind, f"row {index}: {e.message}"), **base))
                 continue
-            key = tuple(ids) if dedupe else tuple(ids) + (-1 - offset,)
+            dedupe = sampling["temperature"] == 0 or sampling.get("seed") is not None
+            key = (tuple(ids), own, -1 if dedupe else offset)
             groups.setdefault(key, []).append(base)
         return groups, errors
 
@@ -198,9 +203,8 @@ class ShardWorker:
         if self.bar is not None and startup > 1.0:
             self.bar.unpause()  # rows/s and ETA from generation, not from the engine's start-up
         groups, pending = self._requests(shard, todo, engine)
-        params = engine.sampling_params(self.cfg["sampling"])
         queue = deque(sorted(groups))  # sorted token ids: shared prefixes side by side
-        in_flight: dict[str, tuple[int, ...]] = {}
+        in_flight: dict[str, RequestKey] = {}
         target = 2 * engine.max_num_seqs
         last_commit = t_gen = time.monotonic()
         seq = 0
@@ -212,8 +216,9 @@ class ShardWorker:
                     key = queue.popleft()
                     rid = f"{shard.index}-{seq}"
                     seq += 1
-                    ids = [t for t in key if t >= 0]
-                    engine.add(rid, ids, params)
+                    ids, own, _ = key
+                    sampling = dict(self.cfg["sampling"], **json.loads(own)) if own else self.cfg["sampling"]
+                    engine.add(rid, list(ids), engine.sampling_params(sampling))
                     in_flight[rid] = key
                 for c in engine.step():
                     members = groups.pop(in_flight.pop(c.request_id))
