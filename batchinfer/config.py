@@ -240,7 +240,7 @@ def validate(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
-    so = [k for k, v in cfg.sampling.structured_outputs.items() if v is not None]
+    so = [k for k in ("choice", "regex", "json", "grammar") if cfg.sampling.structured_outputs[k] is not None]
     if len(so) > 1:
         raise ConfigError(f"sampling.structured_outputs: set one of choice, regex, json, grammar (got {', '.join(so)})")
     if cfg.sampling.temperature < 0:

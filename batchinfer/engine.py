@@ -63,7 +63,7 @@ def llm_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
 def structured_kwargs(so: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """StructuredOutputsParams arguments; a json value naming a file is read from it."""
     kw = {k: v for k, v in (so or {}).items() if v is not None}
-    if not kw:
+    if not any(kw.get(k) is not None for k in ("choice", "regex", "json", "grammar")):
         return None
     schema = kw.get("json")
     if isinstance(schema, str) and not schema.lstrip().startswith("{"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -195,3 +196,38 @@ def test_n_seeded_samples_are_kept_and_reproducible(tmp_path: Path, tiny_model_p
     assert all(len(r["samples"]) == 3 and r["text"] == r["samples"][0] for r in first)
     assert all(r["output_tokens"] == 3 * 6 for r in first)
     assert [r["samples"] for r in first] == [r["samples"] for r in again]
+
+
+@pytest.mark.parametrize(
+    ("option", "check"),
+    [
+        ("sampling.structured_outputs.choice=[physics,biology]", lambda t: t in ("physics", "biology")),
+        ("sampling.structured_outputs.regex='[0-9]{3}-[a-z]{2}'", lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}", t)),
+        (
+            'sampling.structured_outputs.grammar=\'root ::= "label: " ("yes" | "no")\'',
+            lambda t: t in ("label: yes", "label: no"),
+        ),
+    ],
+)
+def test_structured_outputs_always_parse(
+    tmp_path: Path, tiny_model_path: Path, engine: Any, option: str, check: Any
+) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text(
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"label": {"enum": ["yes", "no"]}},
+                "required": ["label"],
+                "additionalProperties": False,
+            }
+        )
+    )
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 6, seed=9)
+    ov = overrides(
+        tiny_model_path, corpus, tmp_path / "run", option.replace("SCHEMA", str(schema)), "sampling.max_tokens=40"
+    )
+    out = read_output(run_local(compose(ov), engine=engine).path)
+    assert [r["id"] for r in out] == [r["id"] for r in rows]
+    assert all(r["error"] is None and check(r["text"]) for r in out), [r["text"] for r in out]
