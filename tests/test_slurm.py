@@ -117,8 +117,8 @@ def test_submit_three_shards_merged_exactly_once(slurm_env: dict, tmp_path: Path
 def test_usr2_preemption_and_external_requeue(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path, engine: Any
 ) -> None:
-    extra = ["sharding.num_shards=2", "sampling.max_tokens=48", "output.commit_every_rows=16"]
-    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 1200, 12, *extra)
+    extra = ["sharding.num_shards=2", "sampling.max_tokens=64", "output.commit_every_rows=16"]
+    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 3000, 12, *extra)
     ov = cluster_overrides(tmp_path, tmp_path / "c.jsonl", tiny_model_path, *extra)
     array = json.loads((run_dir / "jobs.jsonl").read_text())["arrays"][0]["job_id"]
     # USR2 (what Slurm sends before a time limit or preemption) to task 0 once it has committed.
@@ -206,8 +206,9 @@ def test_engine_death_commits_and_requeues_until_max_attempts(
 def test_cancel_of_running_task_commits_and_does_not_requeue(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path
 ) -> None:
-    extra = ["sharding.num_shards=2", "sampling.max_tokens=48", "output.commit_every_rows=16"]
-    _, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 1200, 14, *extra)
+    # Enough work that shard 0 is still generating when the cancel arrives (~4,000 rows x 64 tokens).
+    extra = ["sharding.num_shards=2", "sampling.max_tokens=64", "output.commit_every_rows=16"]
+    _, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 8000, 14, *extra)
     res = run_cli(["resume", str(run_dir)])
     assert res.returncode == 2 and "still has jobs queued or running" in res.stderr
     wait_for(lambda: list(run_dir.glob("shards/00000/part-*")), what="a committed part of shard 0")
@@ -219,7 +220,7 @@ def test_cancel_of_running_task_commits_and_does_not_requeue(
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.err"))
     assert "received SIGTERM: committing and stopping" in logs and "requeued" not in logs
     st = status_json(run_dir)
-    assert st["shards"][0]["rows_done"] > 0 and st["shards"][0]["state"] == "failed"
+    assert 0 < st["shards"][0]["rows_done"] < st["shards"][0]["rows"] and st["shards"][0]["state"] == "failed"
 
 
 def test_resume_refuses_keys_that_change_outputs(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:
