@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from batchinfer.errors import ConfigError
+from batchinfer.openai_batch import RAW_PROMPT
 
 Messages = list[dict[str, str]]
 Prompt = Union[str, Messages]
 
-RAW_PROMPT = "_raw_prompt"  # openai_batch.RAW_PROMPT
 MESSAGES = "messages"  # a row with this field holds its own chat, used as it is
 BRACES_HINT = "a literal { or } in a template is written {{ or }}"
 

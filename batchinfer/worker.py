@@ -102,6 +102,7 @@ class ShardWorker:
         self.stop = stop
         self.bar = bar
         self._dataset: Any = None
+        self.device: Optional[str] = None  # set once this worker has an engine
         self.prompts = PromptBuilder(self.cfg["prompt"])
 
     @property
@@ -132,17 +133,20 @@ class ShardWorker:
             write_json(self.run.done_path(shard.index), done)
             return done
 
+    def _sampling(self, own: str) -> dict[str, Any]:
+        """The run's sampling config with a row's own overrides (JSON) on top."""
+        return dict(self.cfg["sampling"], **json.loads(own)) if own else self.cfg["sampling"]
+
     def _reproducibility(self) -> dict[str, Any]:
         """What a reader needs to reproduce these rows: model, revision, settings, software, hardware."""
         c = self.cfg
-        engine = getattr(self.get_engine, "engine", None)  # only if this process started one
         return {
             "model": {"path": c["model"]["path"], "revision": c["model"]["revision"], "dtype": c["model"]["dtype"]},
             "quantization": c["quantization"],
             "sampling": c["sampling"],
             "prompt": c["prompt"],
             "host": socket.gethostname(),
-            "device": getattr(engine, "device", None),
+            "device": self.device,
             "versions": _versions(),
         }
 
@@ -181,7 +185,7 @@ class ShardWorker:
             if inp["columns"]:
                 base["input"] = {c: get_path(row, c) for c in inp["columns"]}
             own = row.get(ROW_SAMPLING) or ""  # an OpenAI batch request's own sampling fields
-            sampling = dict(self.cfg["sampling"], **json.loads(own)) if own else self.cfg["sampling"]
+            sampling = self._sampling(own)
             try:
                 ids = engine.encode(self.prompts.build(row), self.cfg["prompt"]["chat_template_kwargs"])
                 ids = overlong_tokens(ids, self.cfg["prompt"]["overlong"], engine.max_model_len, sampling["max_tokens"])
@@ -198,6 +202,7 @@ class ShardWorker:
         out = self.cfg["output"]
         t0 = time.monotonic()
         engine = self.get_engine()
+        self.device = getattr(engine, "device", None)
         startup = time.monotonic() - t0
         progress["seconds"]["startup"] += startup
         if self.bar is not None and startup > 1.0:
@@ -217,8 +222,7 @@ class ShardWorker:
                     rid = f"{shard.index}-{seq}"
                     seq += 1
                     ids, own, _ = key
-                    sampling = dict(self.cfg["sampling"], **json.loads(own)) if own else self.cfg["sampling"]
-                    engine.add(rid, list(ids), engine.sampling_params(sampling))
+                    engine.add(rid, list(ids), engine.sampling_params(self._sampling(own)))
                     in_flight[rid] = key
                 for c in engine.step():
                     members = groups.pop(in_flight.pop(c.request_id))

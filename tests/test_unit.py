@@ -30,6 +30,7 @@ class FakeEngine:
     max_model_len = 1000
     max_num_seqs = 4
     startup_seconds = 0.0
+    device = "fake device"
 
     def __init__(self, per_step: int = 3):
         self.per_step = per_step
@@ -226,6 +227,8 @@ def test_fake_engine_run_commits_often_dedupes_and_merges_in_order(tmp_path: Pat
     assert out[7]["text"] == out[9]["text"] == "len11"
     assert out[11]["error"] == {"kind": "prompt", "message": "row 11: field 'text' is null"}
     assert stats["rows"] == 30 and stats["errors"] == {"prompt": 1}
+    done = json.loads(run.done_path(0).read_text())
+    assert done["device"] == "fake device" and done["model"]["path"] == run.run["config"]["model"]["path"]
 
 
 def test_stop_flag_commits_then_resume_finishes(tmp_path: Path) -> None:

@@ -15,12 +15,8 @@ log() { echo "[down.sh $(date +%T)] $*"; }
 
 [ -d "$C" ] || { log "nothing to do: $C does not exist"; exit 0; }
 
-alive() {
-  local pid
-  [ -s "$1" ] || return 1
-  pid=$(cat "$1" 2>/dev/null) || return 1
-  [ -n "$pid" ] && [ -r "/proc/$pid/comm" ] && [ "$(cat "/proc/$pid/comm")" = "$2" ]
-}
+# shellcheck source=slurm/dev/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 # stop "PIDFILE COMM"... : SIGTERM all, wait up to 15 s, then SIGKILL leftovers
 stop() {
   local pids=() spec pf comm pid left

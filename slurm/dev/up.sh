@@ -60,14 +60,8 @@ MUNGE_SOCK=$C/run/munge/munge.socket.2
 log() { echo "[up.sh $(date +%T)] $*"; }
 die() { echo "[up.sh] ERROR: $*" >&2; exit 1; }
 
-# alive PIDFILE COMM -> true if the pid in PIDFILE runs and is COMM
-# (checking the name guards against a stale pidfile and a recycled pid)
-alive() {
-  local pid
-  [ -s "$1" ] || return 1
-  pid=$(cat "$1" 2>/dev/null) || return 1
-  [ -n "$pid" ] && [ -r "/proc/$pid/comm" ] && [ "$(cat "/proc/$pid/comm")" = "$2" ]
-}
+# shellcheck source=slurm/dev/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 # wait_for SECONDS CMD... -> retry CMD every 0.2 s until it succeeds
 wait_for() {
   local t=$1; shift
