@@ -35,6 +35,20 @@ class InputConfig:
     format: Optional[str] = None
     id_column: Optional[str] = None
     columns: Optional[list[str]] = None
+    # A column holding each row's own SamplingParams overrides ({temperature: 0.7, max_tokens: 32}).
+    sampling_column: Optional[str] = None
+    # A hub dataset's split (input.path=org/name); local files ignore it.
+    split: str = "train"
+
+
+@dataclass
+class LabelsConfig:
+    """Labeling: the prompt asks for one of `names`, decoding is constrained to them, `label` column."""
+
+    names: list[str] = field(default_factory=list)
+    description: Optional[str] = None
+    # exp(sum of the label's token logprobs): the model's probability of the label it chose.
+    confidence: bool = False
 
 
 @dataclass
@@ -48,6 +62,7 @@ class PromptConfig:
     examples: list[dict[str, Any]] = field(default_factory=list)
     # Passed to the chat template, e.g. {enable_thinking: false} for Qwen3.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    labels: LabelsConfig = field(default_factory=LabelsConfig)
 
 
 @dataclass
@@ -65,6 +80,12 @@ class ModelConfig:
     enable_prefix_caching: Optional[bool] = None
     trust_remote_code: bool = False
     seed: int = 0
+    # vLLM reasoning parser (qwen3, deepseek_r1, ...): thinking goes to the `reasoning` column,
+    # and structured outputs constrain only the answer after it.
+    reasoning_parser: Optional[str] = None
+    # JSON from structured outputs without free whitespace (xgrammar backend): small models
+    # otherwise pad with whitespace until max_tokens and the JSON never closes.
+    compact_json: bool = True
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -95,6 +116,10 @@ class SamplingConfig:
     min_tokens: int = 0
     n: int = 1
     seed: Optional[int] = None
+    # Each row its own seed, derived from sampling.seed and the row's id: reproducible per row
+    # whatever the batch, shard or resume, and duplicate rows are sampled independently.
+    seed_per_row: bool = False
+    logprobs: Optional[int] = None
     stop: list[str] = field(default_factory=list)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -116,6 +141,8 @@ class OutputConfig:
     format: str = "parquet"
     commit_every_rows: int = 500
     commit_every_seconds: float = 60.0
+    # Split the merged output into DIR/output/output-NNNNN-of-MMMMM.<ext> files of at most this many rows.
+    max_rows_per_file: Optional[int] = None
     private: bool = False
 
 
@@ -213,7 +240,7 @@ def _first_lines(msg: str) -> str:
 _CHOICES = {
     "prompt.mode": ("chat", "raw"),
     "prompt.overlong": ("error_row", "truncate_left", "truncate_right", "fail"),
-    "output.format": ("jsonl", "parquet", "openai"),
+    "output.format": ("jsonl", "parquet", "openai", "hf"),
     "input.format": (None, "jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf_disk", "openai"),
 }
 
@@ -234,6 +261,7 @@ def validate(cfg: DictConfig) -> None:
         "sampling.n",
         "sampling.max_tokens",
         "output.commit_every_rows",
+        "output.max_rows_per_file",
         "cluster.shards_per_task",
         "cluster.max_attempts",
     ):
@@ -243,6 +271,13 @@ def validate(cfg: DictConfig) -> None:
     so = [k for k in ("choice", "regex", "json", "grammar") if cfg.sampling.structured_outputs[k] is not None]
     if len(so) > 1:
         raise ConfigError(f"sampling.structured_outputs: set one of choice, regex, json, grammar (got {', '.join(so)})")
+    labels = cfg.prompt.labels.names
+    if labels and so and so != ["choice"]:
+        raise ConfigError(f"prompt.labels.names sets the choice constraint; unset sampling.structured_outputs.{so[0]}")
+    if labels and len(set(labels)) != len(labels):
+        raise ConfigError(f"prompt.labels.names has duplicates: {list(labels)}")
+    if cfg.sampling.seed_per_row and cfg.sampling.seed is None:
+        raise ConfigError("sampling.seed_per_row=true needs sampling.seed (the base the row seeds derive from)")
     if cfg.sampling.temperature < 0:
         raise ConfigError(f"sampling.temperature={cfg.sampling.temperature} must be >= 0")
 
@@ -268,10 +303,14 @@ def fingerprint_keys(cfg: dict[str, Any], input_fingerprint: str) -> dict[str, A
         "input.id_column": i["id_column"],
         "input.columns": i["columns"],
         "input.format": i["format"],
+        "input.sampling_column": i["sampling_column"],
+        "input.split": i["split"],
         "model.path": m["path"],
         "model.revision": m["revision"],
         "model.dtype": m["dtype"],
         "model.max_model_len": m["max_model_len"],
+        "model.reasoning_parser": m["reasoning_parser"],
+        "model.compact_json": m["compact_json"],
         "quantization.method": q["method"],
         "quantization.kv_cache_dtype": q["kv_cache_dtype"],
         "output.format": cfg["output"]["format"],

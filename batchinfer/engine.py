@@ -26,6 +26,8 @@ class Completion:
     finish_reason: Optional[str]
     prompt_tokens: int
     output_tokens: int
+    reasoning: Optional[list[Optional[str]]] = None  # per sample, when model.reasoning_parser is set
+    logprob: Optional[float] = None  # first sample's cumulative logprob, when logprobs were asked for
 
 
 def model_key(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -54,8 +56,11 @@ def llm_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
         "max_num_batched_tokens": m["max_num_batched_tokens"],
         "enable_prefix_caching": m["enable_prefix_caching"],
         "quantization": q["method"],
+        "reasoning_parser": m.get("reasoning_parser"),
     }
     kw.update({k: v for k, v in optional.items() if v is not None})
+    if m.get("compact_json", True):
+        kw["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
     kw.update(m.get("engine_kwargs") or {})
     return kw
 
@@ -75,10 +80,12 @@ def sampling_kwargs(sampling: dict[str, Any]) -> dict[str, Any]:
     """vllm.SamplingParams arguments from the sampling config (structured_outputs apart)."""
     kw = dict(sampling)
     kw.pop("structured_outputs", None)
+    kw.pop("seed_per_row", None)  # already turned into each row's own seed
     if kw.get("top_k") == 0:
         kw["top_k"] = -1  # both mean "all tokens"; older vLLM accepts only -1
-    if kw.get("seed") is None:
-        kw.pop("seed", None)
+    for key in ("seed", "logprobs"):
+        if kw.get(key) is None:
+            kw.pop(key, None)
     return kw
 
 
@@ -136,6 +143,22 @@ class Engine:
         self._closed = False
         self._watch_engine_core()
         self._params: dict[str, Any] = {}
+        self._reasoner = self._reasoning_parser(cfg["model"].get("reasoning_parser"))
+
+    def _reasoning_parser(self, name: Optional[str]) -> Any:
+        """vLLM's parser that splits a reasoning model's output into (reasoning, answer)."""
+        if not name:
+            return None
+        from vllm.reasoning import ReasoningParserManager
+
+        return ReasoningParserManager.get_reasoning_parser(name)(self.tokenizer)
+
+    def split_reasoning(self, text: str) -> tuple[Optional[str], str]:
+        """(reasoning, answer) of one sample; without a parser all of it is the answer."""
+        if self._reasoner is None:
+            return None, text
+        reasoning, content = self._reasoner.extract_reasoning(text, None)
+        return reasoning, content or ""
 
     def _watch_engine_core(self) -> None:
         """Turn a dead engine core into an exception in step(), instead of a hang.
@@ -197,13 +220,16 @@ class Engine:
             if not out.finished:
                 continue
             samples = out.outputs
+            split = [self.split_reasoning(s.text) for s in samples]
             done.append(
                 Completion(
                     request_id=out.request_id,
-                    texts=[s.text for s in samples],
+                    texts=[answer for _, answer in split],
                     finish_reason=samples[0].finish_reason if samples else None,
                     prompt_tokens=len(out.prompt_token_ids or []),
                     output_tokens=sum(len(s.token_ids) for s in samples),
+                    reasoning=[r for r, _ in split] if self._reasoner is not None else None,
+                    logprob=samples[0].cumulative_logprob if samples else None,
                 )
             )
         return done

@@ -139,7 +139,7 @@ def run_local(cfg: DictConfig, engine: Any = None) -> RunDir:
     """`batchinfer run`: every shard here with one engine, then merge."""
     run = prepare(cfg)
     todo = [s.index for s in run.shards() if not run.is_done(s.index)]
-    if not todo and run.output_path.is_file() and run.stats_json.is_file():
+    if not todo and run.output_path.exists() and run.stats_json.is_file():
         rows = read_json(run.stats_json)["rows"]
         print(f"{run.path} is already complete: {rows} rows in {run.output_path}; nothing to do")
         return run

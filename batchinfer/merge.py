@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import shutil
 import time
 from collections import Counter
 from collections.abc import Callable
-from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -19,7 +21,7 @@ from batchinfer import faults
 from batchinfer.data import Shard
 from batchinfer.errors import RunDirError
 from batchinfer.schema import table_to_jsonl
-from batchinfer.store import TMP_PREFIX, RunDir, fsync_dir, read_json, write_json
+from batchinfer.store import OUTPUT_EXT, TMP_PREFIX, RunDir, fsync_dir, read_json, write_json
 
 log = logging.getLogger("batchinfer")
 
@@ -54,7 +56,7 @@ def shard_rows_in_order(run: RunDir, shard: Shard) -> pa.Table:
 
 
 def merge(run: RunDir) -> dict[str, Any]:
-    """Write DIR/output.* and DIR/stats.json; refuses, naming them, while shards are incomplete."""
+    """Write DIR/output* and DIR/stats.json; refuses, naming them, while shards are incomplete."""
     missing = incomplete_shards(run)
     if missing:
         raise RunDirError(
@@ -65,6 +67,7 @@ def merge(run: RunDir) -> dict[str, Any]:
     t0 = time.monotonic()
     out = run.output_path
     tmp = out.with_name(TMP_PREFIX + out.name)
+    _remove(tmp)  # a killed merge's leftovers
     stats: dict[str, Any] = {
         "rows": 0,
         "errors": Counter(),
@@ -74,34 +77,22 @@ def merge(run: RunDir) -> dict[str, Any]:
     }
     seconds: Counter[str] = Counter()
     shards = run.shards()
-    writer = pq.ParquetWriter(tmp, run.schema, compression="zstd") if run.output_format == "parquet" else None
-    openai = openai_writer(run) if run.output_format == "openai" else None
-    with open(tmp, "wb") if writer is None else nullcontext() as f:
-        for n, shard in enumerate(shards):
-            table = shard_rows_in_order(run, shard)
-            if writer is not None:
-                writer.write_table(table)
-            elif openai is not None:
-                f.write(openai(shard, table))
-            else:
-                f.write(table_to_jsonl(table))
-            _accumulate(stats, table)
-            seconds.update(read_json(run.done_path(shard.index)).get("seconds", {}))
-            if n == len(shards) // 2:
-                faults.point("in-merge")
-        if writer is not None:
-            writer.close()
-        else:
-            f.flush()
-            os.fsync(f.fileno())
-    if writer is not None:
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-    os.replace(tmp, out)
-    fsync_dir(out.parent)
+    writer = OutputWriter(run, tmp)
+    for n, shard in enumerate(shards):
+        table = shard_rows_in_order(run, shard)
+        writer.write(table)
+        _accumulate(stats, table)
+        seconds.update(read_json(run.done_path(shard.index)).get("seconds", {}))
+        if n == len(shards) // 2:
+            faults.point("in-merge")
+    files = writer.close()
+    if run.output_format == "hf":
+        files = _save_to_disk(tmp, files)
+    _replace(tmp, out)
     stats.update(
         shards=len(shards),
         output=out.name,
+        files=[str(f.relative_to(tmp)) for f in files] if out.name == "output" else [out.name],
         errors=dict(stats["errors"]),
         finish_reasons=dict(stats["finish_reasons"]),
         seconds=dict(seconds),
@@ -113,8 +104,116 @@ def merge(run: RunDir) -> dict[str, Any]:
     return stats
 
 
-def openai_writer(run: RunDir) -> Callable[[Shard, pa.Table], bytes]:
-    """Lines of the OpenAI Batch output format for a shard's rows (the request's url from DIR/input)."""
+class OutputWriter:
+    """Rows in input order into one file, or into files of at most output.max_rows_per_file rows."""
+
+    def __init__(self, run: RunDir, target: Path):
+        self.run = run
+        self.ext = OUTPUT_EXT[run.output_format]
+        self.max_rows = run.output_split
+        total = int(sum(s.rows for s in run.shards()))
+        self.n_files = max(1, math.ceil(total / self.max_rows)) if self.max_rows else 1
+        self.folder = target if self.max_rows or run.output_format == "hf" else None
+        if self.folder is not None:
+            self.folder.mkdir(parents=True)
+        self.target = target
+        self.encode = openai_lines(run) if run.output_format == "openai" else table_to_jsonl
+        self.files: list[Path] = []
+        self._file: Any = None
+        self._rows_in_file = 0
+
+    def write(self, table: pa.Table) -> None:
+        """Append rows, starting a new file whenever the current one is full."""
+        offset = 0
+        while offset < table.num_rows:
+            if self._file is None or (self.max_rows and self._rows_in_file >= self.max_rows):
+                self._next_file()
+            room = self.max_rows - self._rows_in_file if self.max_rows else table.num_rows
+            chunk = table.slice(offset, min(room, table.num_rows - offset))
+            if self.ext == "parquet":
+                self._file.write_table(chunk)
+            else:
+                self._file.write(self.encode(chunk))
+            self._rows_in_file += chunk.num_rows
+            offset += chunk.num_rows
+
+    def close(self) -> list[Path]:
+        """Flush and fsync every file (an empty run still gets one file); return them."""
+        if self._file is None:
+            self._next_file()
+        self._close_file()
+        if self.folder is not None:
+            fsync_dir(self.folder)
+        return self.files
+
+    def _next_file(self) -> None:
+        self._close_file()
+        if self.folder is None:
+            path = self.target
+        else:
+            path = self.folder / f"output-{len(self.files):05d}-of-{self.n_files:05d}.{self.ext}"
+        self.files.append(path)
+        if self.ext == "parquet":
+            self._file = pq.ParquetWriter(path, self.run.schema, compression="zstd")
+        else:
+            self._file = open(path, "wb")
+        self._rows_in_file = 0
+
+    def _close_file(self) -> None:
+        if self._file is None:
+            return
+        self._file.close()
+        with open(self.files[-1], "rb+") as f:
+            os.fsync(f.fileno())
+        self._file = None
+
+
+def _save_to_disk(folder: Path, parquet_files: list[Path]) -> list[Path]:
+    """Turn the merged Parquet files into a `datasets` save_to_disk folder, one Arrow shard each."""
+    import datasets
+
+    cache = folder.with_name(folder.name + "-cache")
+    _remove(cache)
+    try:
+        ds = datasets.Dataset.from_parquet([str(f) for f in parquet_files], cache_dir=str(cache))
+        staged = folder.with_name(folder.name + "-hf")
+        _remove(staged)
+        ds.save_to_disk(str(staged), num_shards=len(parquet_files))
+        del ds
+    finally:
+        _remove(cache)
+    _remove(folder)
+    os.replace(staged, folder)
+    for f in folder.iterdir():
+        with open(f, "rb+") as fh:
+            os.fsync(fh.fileno())
+    fsync_dir(folder)
+    return sorted(folder.iterdir())
+
+
+def _remove(path: Path) -> None:
+    """Delete a file or folder of ours; a symlink is unlinked, never followed."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Put the finished output in place: a file atomically, a folder by swapping names."""
+    if tmp.is_dir() and out.exists():
+        old = out.with_name(TMP_PREFIX + "old-" + out.name)
+        _remove(old)
+        os.replace(out, old)
+        os.replace(tmp, out)
+        _remove(old)
+    else:
+        os.replace(tmp, out)
+    fsync_dir(out.parent)
+
+
+def openai_lines(run: RunDir) -> Callable[[pa.Table], bytes]:
+    """Lines of the OpenAI Batch output format for rows (each request's url from DIR/input)."""
     from batchinfer.data import open_input
     from batchinfer.openai_batch import CHAT_URL, response_line
 
@@ -123,11 +222,12 @@ def openai_writer(run: RunDir) -> Callable[[Shard, pa.Table], bytes]:
     tag = run.run["fingerprint"][:12]
     created = int(time.time())
 
-    def lines(shard: Shard, table: pa.Table) -> bytes:
-        shard_urls = urls.slice(shard.start, shard.rows).to_pylist() if urls is not None else [CHAT_URL] * shard.rows
+    def lines(table: pa.Table) -> bytes:
+        rows = table.to_pylist()
+        row_urls = urls.take(table.column("row")).to_pylist() if urls is not None else [CHAT_URL] * len(rows)
         out = [
             json.dumps(response_line(row, url, model, tag, created), ensure_ascii=False)
-            for row, url in zip(table.to_pylist(), shard_urls, strict=True)
+            for row, url in zip(rows, row_urls, strict=True)
         ]
         return ("\n".join(out) + "\n").encode()
 

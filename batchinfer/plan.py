@@ -29,12 +29,13 @@ from batchinfer.data import (
     detect_format,
     file_fingerprint,
     input_files,
+    looks_like_hub_dataset,
     open_input,
     plan_shards,
 )
 from batchinfer.errors import ConfigError, RunDirError
 from batchinfer.models import resolve_model
-from batchinfer.prompts import check_fields, load_template
+from batchinfer.prompts import apply_labels, check_fields, load_template
 from batchinfer.schema import output_schema, schema_summary, schema_to_text
 from batchinfer.store import RunDir, write_json
 
@@ -45,13 +46,18 @@ def resolve_config(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """Plain config with the input resolved, and the input's fingerprint record."""
     require_run_keys(cfg)
     c = to_dict(cfg)
-    files = input_files(c["input"]["path"])
-    pattern = GLOB_CHARS & set(c["input"]["path"])
-    c["input"]["path"] = str(Path(c["input"]["path"]).expanduser().absolute()) if pattern else str(files[0])
+    files = input_files(c["input"]["path"], c["input"]["split"])
+    if looks_like_hub_dataset(c["input"]["path"]):
+        pass  # the name stays: the files' snapshot folder records the revision in the fingerprint
+    elif GLOB_CHARS & set(c["input"]["path"]):
+        c["input"]["path"] = str(Path(c["input"]["path"]).expanduser().absolute())
+    else:
+        c["input"]["path"] = str(files[0])
     c["input"]["format"] = detect_format(files, c["input"]["format"])
     if c["input"]["format"] == "openai":  # custom_id is the id; answers follow the Batch output format
         c["input"]["id_column"] = c["input"]["id_column"] or "custom_id"
         c["output"]["format"] = "openai"
+    apply_labels(c)
     c["model"]["path"], c["model"]["revision"] = resolve_model(c["model"]["path"], c["model"]["revision"])
     previous = None
     if c["output"]["dir"] and RunDir(c["output"]["dir"]).exists():
@@ -102,7 +108,9 @@ def _create(run: RunDir, c: dict[str, Any], keys: dict[str, Any], fp: str, input
     inp = c["input"]
     shutil.rmtree(run.input_dir, ignore_errors=True)
     log.info("converting %s (%s) into %s", inp["path"], inp["format"], run.input_dir)
-    rows = convert_input(input_files(inp["path"]), inp["format"], run.input_dir, inp["id_column"], inp["columns"])
+    rows = convert_input(
+        input_files(inp["path"], inp["split"]), inp["format"], run.input_dir, inp["id_column"], inp["columns"]
+    )
     ds = open_input(run.input_dir)
     check_fields(load_template(c["prompt"]), ds.column_names, inp["path"])
     arrow = ds.data.schema
@@ -111,7 +119,15 @@ def _create(run: RunDir, c: dict[str, Any], keys: dict[str, Any], fp: str, input
     input_type = pa.struct([(col, column_type(arrow, col, inp["path"])) for col in columns]) if columns else None
     # OpenAI batch rows may ask for n > 1 each: keep a samples column for them.
     with_samples = c["sampling"]["n"] > 1 or inp["format"] == "openai"
-    schema = output_schema(id_type, 2 if with_samples else 1, input_type)
+    labels = c["prompt"]["labels"]
+    schema = output_schema(
+        id_type,
+        2 if with_samples else 1,
+        input_type,
+        reasoning=bool(c["model"]["reasoning_parser"]),
+        labels=bool(labels["names"]),
+        confidence=labels["confidence"],
+    )
     sh = c["sharding"]
     shards = plan_shards(rows, sh["num_shards"], sh["rows_per_shard"], DEFAULT_ROWS_PER_SHARD)
     write_json(

@@ -68,6 +68,22 @@ def check_fields(template: str, columns: list[str], source: str) -> None:
             )
 
 
+def apply_labels(c: dict[str, Any]) -> None:
+    """prompt.labels -> a system prompt naming the labels, the choice constraint, logprobs for confidence."""
+    labels = c["prompt"]["labels"]
+    if not labels["names"]:
+        return
+    if not c["prompt"]["system"]:
+        description = labels["description"] or "Classify the text."
+        c["prompt"]["system"] = (
+            f"{description.strip()}\nAnswer with exactly one of these labels and nothing else: "
+            + ", ".join(labels["names"])
+        )
+    c["sampling"]["structured_outputs"]["choice"] = list(labels["names"])
+    if labels["confidence"]:
+        c["sampling"]["logprobs"] = max(c["sampling"]["logprobs"] or 0, 0)
+
+
 class _Fields(dict):
     """A nested row field that templates may address as {meta.text} as well as {meta[text]}."""
 

@@ -135,6 +135,6 @@ def format_status(run: RunDir, records: list[dict[str, Any]], totals: dict[str, 
         + (f" ({tps} tok/s while generating)" if tps else "")
         + (f"; ETA {eta // 60} min {eta % 60} s" if eta is not None else "")
     )
-    if run.output_path.is_file():
+    if run.output_path.exists():
         lines.append(f"merged: {run.output_path}")
     return "\n".join(lines)

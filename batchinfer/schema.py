@@ -11,8 +11,16 @@ import pyarrow as pa
 ERROR_TYPE = pa.struct([("kind", pa.string()), ("message", pa.string())])
 
 
-def output_schema(id_type: pa.DataType, n: int, input_type: Optional[pa.StructType]) -> pa.Schema:
-    """Output columns: row, id, text, [samples], finish_reason, tokens, error, [input]."""
+def output_schema(
+    id_type: pa.DataType,
+    n: int,
+    input_type: Optional[pa.StructType],
+    reasoning: bool = False,
+    labels: bool = False,
+    confidence: bool = False,
+) -> pa.Schema:
+    """Output columns: row, id, text, [samples], [reasoning], [label, [label_confidence]],
+    finish_reason, tokens, error, [input]."""
     fields = [
         pa.field("row", pa.int64(), nullable=False),
         pa.field("id", id_type),
@@ -20,6 +28,12 @@ def output_schema(id_type: pa.DataType, n: int, input_type: Optional[pa.StructTy
     ]
     if n > 1:
         fields.append(pa.field("samples", pa.list_(pa.string())))
+    if reasoning:
+        fields.append(pa.field("reasoning", pa.string()))
+    if labels:
+        fields.append(pa.field("label", pa.string()))
+        if confidence:
+            fields.append(pa.field("label_confidence", pa.float64()))
     fields += [
         pa.field("finish_reason", pa.string()),
         pa.field("prompt_tokens", pa.int32()),

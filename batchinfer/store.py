@@ -25,6 +25,7 @@ from batchinfer.schema import jsonl_to_table, schema_from_text, table_to_jsonl
 
 PART_RE = re.compile(r"^part-(\d{6})\.(parquet|jsonl)$")
 TMP_PREFIX = ".tmp-"
+OUTPUT_EXT = {"jsonl": "jsonl", "openai": "jsonl", "parquet": "parquet", "hf": "parquet"}
 
 
 def fsync_dir(path: Path) -> None:
@@ -133,7 +134,7 @@ class RunDir:
 
     @property
     def output_format(self) -> str:
-        """jsonl or parquet."""
+        """jsonl, parquet, openai or hf."""
         return self.run["config"]["output"]["format"]
 
     @property
@@ -142,9 +143,17 @@ class RunDir:
         return "jsonl" if self.output_format == "jsonl" else "parquet"
 
     @property
+    def output_split(self) -> Optional[int]:
+        """output.max_rows_per_file: the merged output as several files of at most this many rows."""
+        return self.run["config"]["output"].get("max_rows_per_file")
+
+    @property
     def output_path(self) -> Path:
-        """Where merge writes the dataset (OpenAI Batch output is JSONL)."""
-        return self.path / f"output.{'jsonl' if self.output_format == 'openai' else self.output_format}"
+        """Where merge writes the dataset: output.<ext>, or the folder DIR/output (split files, or
+        a `save_to_disk` dataset for output.format=hf)."""
+        if self.output_format == "hf" or self.output_split:
+            return self.path / "output"
+        return self.path / f"output.{OUTPUT_EXT[self.output_format]}"
 
     def shards(self) -> list[Shard]:
         """The shard plan from plan.json."""

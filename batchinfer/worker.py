@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import math
 import signal
 import socket
 import sys
@@ -137,6 +139,29 @@ class ShardWorker:
         """The run's sampling config with a row's own overrides (JSON) on top."""
         return dict(self.cfg["sampling"], **json.loads(own)) if own else self.cfg["sampling"]
 
+    def _row_sampling(self, row: dict[str, Any], id_: Any) -> str:
+        """A row's own sampling overrides as canonical JSON ("" when none): an OpenAI request's
+        fields, input.sampling_column, and the row's seed under sampling.seed_per_row."""
+        own: dict[str, Any] = json.loads(row.get(ROW_SAMPLING) or "{}")
+        column = self.cfg["input"]["sampling_column"]
+        if column and row.get(column) is not None:
+            value = row[column]
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise RowError("sampling", f"field {column!r} is not a JSON object: {e}") from None
+            if not isinstance(value, dict):
+                raise RowError("sampling", f"field {column!r} must be an object of SamplingParams, got {value!r}")
+            unknown = sorted(set(value) - set(self.cfg["sampling"]) - {"structured_outputs"})
+            if unknown:
+                raise RowError("sampling", f"field {column!r} has unknown sampling keys {unknown}")
+            own.update({k: v for k, v in value.items() if v is not None})
+        s = self.cfg["sampling"]
+        if s["seed_per_row"] and "seed" not in own:
+            own["seed"] = row_seed(s["seed"], id_)
+        return json.dumps(own, sort_keys=True) if own else ""
+
     def _reproducibility(self) -> dict[str, Any]:
         """What a reader needs to reproduce these rows: model, revision, settings, software, hardware."""
         c = self.cfg
@@ -184,9 +209,9 @@ class ShardWorker:
             base: dict[str, Any] = {"row": index, "id": row[inp["id_column"]] if inp["id_column"] else index}
             if inp["columns"]:
                 base["input"] = {c: get_path(row, c) for c in inp["columns"]}
-            own = row.get(ROW_SAMPLING) or ""  # an OpenAI batch request's own sampling fields
-            sampling = self._sampling(own)
             try:
+                own = self._row_sampling(row, base["id"])
+                sampling = self._sampling(own)
                 ids = engine.encode(self.prompts.build(row), self.cfg["prompt"]["chat_template_kwargs"])
                 ids = overlong_tokens(ids, self.cfg["prompt"]["overlong"], engine.max_model_len, sampling["max_tokens"])
             except RowError as e:
@@ -226,7 +251,7 @@ class ShardWorker:
                     in_flight[rid] = key
                 for c in engine.step():
                     members = groups.pop(in_flight.pop(c.request_id))
-                    pending.extend(_result_row(m, c) for m in members)
+                    pending.extend(self._result_row(m, c) for m in members)
                     if self.bar is not None:
                         self.bar.update(len(members))
                 faults.point("in-generate")
@@ -279,19 +304,32 @@ class ShardWorker:
             record["last_error"] = error
         write_json(self.run.progress_path(shard.index), record)
 
+    def _result_row(self, base: dict[str, Any], c: Completion) -> dict[str, Any]:
+        """An output row from a finished request."""
+        row = dict(base)
+        row.update(
+            text=c.texts[0] if c.texts else None,
+            finish_reason=c.finish_reason,
+            prompt_tokens=c.prompt_tokens,
+            output_tokens=c.output_tokens,
+            error=None,
+        )
+        if len(c.texts) > 1:
+            row["samples"] = c.texts
+        if c.reasoning is not None:
+            row["reasoning"] = c.reasoning[0] if c.reasoning else None
+        labels = self.cfg["prompt"]["labels"]
+        if labels["names"]:
+            row["label"] = row["text"] if row["text"] in labels["names"] else None
+            if labels["confidence"] and row["label"] is not None and c.logprob is not None:
+                row["label_confidence"] = math.exp(c.logprob)
+        return row
 
-def _result_row(base: dict[str, Any], c: Completion) -> dict[str, Any]:
-    row = dict(base)
-    row.update(
-        text=c.texts[0] if c.texts else None,
-        finish_reason=c.finish_reason,
-        prompt_tokens=c.prompt_tokens,
-        output_tokens=c.output_tokens,
-        error=None,
-    )
-    if len(c.texts) > 1:
-        row["samples"] = c.texts
-    return row
+
+def row_seed(seed: int, id_: Any) -> int:
+    """A row's own seed: stable across runs, shards and resumes; 31 bits, as every backend takes."""
+    digest = hashlib.blake2b(f"{seed}:{id_!r}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
 
 
 def _versions() -> dict[str, Any]:

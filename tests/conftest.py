@@ -75,10 +75,21 @@ def write_corpus(
 
 
 def read_output(run_dir: Path) -> list[dict]:
-    """The merged output rows of a run directory."""
-    if (run_dir / "output.parquet").exists():
-        return pq.read_table(run_dir / "output.parquet").to_pylist()
-    return [json.loads(line) for line in (run_dir / "output.jsonl").read_text().splitlines()]
+    """The merged output rows of a run directory (one file, split files, or a save_to_disk folder)."""
+    if (run_dir / "output" / "state.json").exists():
+        import datasets
+
+        return datasets.load_from_disk(str(run_dir / "output")).to_list()
+    files = sorted((run_dir / "output").glob("output-*")) or [
+        p for p in (run_dir / "output.parquet", run_dir / "output.jsonl") if p.exists()
+    ]
+    rows: list[dict] = []
+    for f in files:
+        if f.suffix == ".parquet":
+            rows += pq.read_table(f).to_pylist()
+        else:
+            rows += [json.loads(line) for line in f.read_text().splitlines()]
+    return rows
 
 
 def project(rows: list[dict]) -> list[dict]:

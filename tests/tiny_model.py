@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}{% endfor %}"
+THINK_TOKENS = ["<think>", "</think>"]
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
     "hello world",
@@ -38,9 +39,11 @@ def build(out: Path) -> Path:
     tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.chat_template = CHAT_TEMPLATE
+    # Reasoning markers as ordinary added tokens (as in Qwen3), so vLLM's reasoning parsers find them.
+    fast.add_tokens(THINK_TOKENS)
     fast.save_pretrained(out)
     cfg = LlamaConfig(
-        vocab_size=fast.vocab_size,
+        vocab_size=len(fast),
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
