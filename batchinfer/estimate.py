@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -240,14 +241,19 @@ def format_plan(report: dict[str, Any]) -> str:
             f"(rows x max_tokens {pt['max_tokens']} x n {pt['n']})"
         )
     quant = ms["quantization"] or "none"
+    per_param = ms["weight_bytes_per_param"]
+    lines.append(f"model    {ms['path']}: {_params(ms['params'])} parameters ({ms['params_source']})")
     lines.append(
-        f"model    {ms['path']}: {_params(ms['params'])} parameters ({ms['params_source']}); weights "
-        f"{ms['weight_bytes_per_param']:g} byte{'' if ms['weight_bytes_per_param'] == 1 else 's'}/param (quantization {quant}) = {ms['weight_bytes'] / GB:,.2f} GB"
+        f"weights  {per_param:g} byte{'' if per_param == 1 else 's'} per parameter (quantization {quant}) = "
+        f"{ms['weight_bytes'] / GB:,.2f} GB"
     )
     lines.append(
-        f"kv       {ms['layers']} layers x {ms['kv_heads']} KV heads x head_dim {ms['head_dim']} x 2 (K, V) x "
-        f"{ms['kv_bytes_per_element']} bytes (kv_cache_dtype {ms['kv_cache_dtype']}) = {_bin(ms['kv_bytes_per_token'])} per token; "
-        f"{_bin(ms['kv_bytes_per_sequence'])} per {ms['max_model_len']:,}-token sequence (max_model_len)"
+        f"kv       2 (K, V) x {ms['layers']} layers x {ms['kv_heads']} KV heads x head_dim {ms['head_dim']} x "
+        f"{ms['kv_bytes_per_element']} bytes (kv_cache_dtype {ms['kv_cache_dtype']})"
+    )
+    lines.append(
+        f"         = {_bin(ms['kv_bytes_per_token'])} per token, {_bin(ms['kv_bytes_per_sequence'])} per sequence of "
+        f"max_model_len={ms['max_model_len']:,}"
     )
     rows = report["gpus"]
     if len(rows) == 1:
@@ -256,9 +262,12 @@ def format_plan(report: dict[str, Any]) -> str:
         if g["seqs_at_corpus_length"] is not None:
             corpus = f", {sizing.seqs(g['seqs_at_corpus_length'])} of this corpus's mean length (prompt + max_tokens)"
         lines.append(
-            f"gpu      {g['gpu']} x tensor_parallel_size={g['tensor_parallel_size']} at gpu_memory_utilization="
-            f"{g['gpu_memory_utilization']}: {g['usable_bytes'] / GB:,.1f} GB usable per GPU - "
-            f"{g['weight_bytes_per_gpu'] / GB:,.2f} GB weights = {g['kv_cache_bytes_per_gpu'] / GB:,.2f} GB KV cache"
+            f"gpu      {g['gpu']}, tensor_parallel_size={g['tensor_parallel_size']}, "
+            f"gpu_memory_utilization={g['gpu_memory_utilization']}"
+        )
+        lines.append(
+            f"         {g['usable_bytes'] / GB:,.1f} GB usable per GPU - {g['weight_bytes_per_gpu'] / GB:,.2f} GB "
+            f"weights = {g['kv_cache_bytes_per_gpu'] / GB:,.2f} GB for the KV cache"
         )
         lines.append(
             f"         = {g['kv_tokens']:,} tokens = {sizing.seqs(g['max_seqs_at_max_model_len'])} sequences of "
@@ -289,4 +298,16 @@ def format_plan(report: dict[str, Any]) -> str:
             lines.append(f"warning  {g['gpu'] + ': ' if len(rows) > 1 else ''}{w}")
     for note in report["notes"]:
         lines.append(f"note     {note}")
-    return "\n".join(lines)
+    return "\n".join(_wrap(line) for line in lines)
+
+
+def _wrap(line: str, width: int = 110) -> str:
+    # Long lines continue under their text, past the 9-character label; table rows stay whole.
+    if len(line) <= width or (line.startswith("  ") and not line.startswith(" " * 9)):
+        return line
+    import textwrap
+
+    line = re.sub(r"(\d) (?=GB|GiB|MiB|KiB|B\b|tokens|sequences)", "\\1\u00a0", line)  # keep units with numbers
+    return textwrap.fill(
+        line, width, subsequent_indent=" " * 9, break_on_hyphens=False, break_long_words=False
+    ).replace("\u00a0", " ")

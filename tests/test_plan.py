@@ -163,9 +163,9 @@ def test_plan_on_smollm2_and_a_jsonl(smollm2: Path, tmp_path: Path) -> None:
         env=env,
     )
     assert res.returncode == 0, res.stderr
-    out = res.stdout
-    assert f"input    {corpus} (jsonl): 50 rows" in out
-    assert "shards   3 shards of up to 17 rows; 3 array tasks at cluster.shards_per_task=1" in out
+    out = " ".join(res.stdout.split())  # long lines wrap
+    assert f"input {corpus} (jsonl): 50 rows" in out
+    assert "shards 3 shards of up to 17 rows; 3 array tasks at cluster.shards_per_task=1" in out
     assert "134.5M parameters (safetensors headers)" in out and "22.5 KiB per token" in out
     assert "chat mode, 50 of 50 rows tokenized" in out and "output <= 800 (rows x max_tokens 16 x n 1)" in out
     assert "run one model copy per GPU" in out and "CODE 0 HEAVY []" in out
