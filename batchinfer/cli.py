@@ -92,7 +92,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
     from batchinfer.config import to_dict
-    from batchinfer.estimate import estimate, format_plan
+    from batchinfer.estimate import estimate
+    from batchinfer.plan_text import format_plan
 
     cfg = _compose(args)
     if args.cfg:
