@@ -159,7 +159,10 @@ def read_model(folder: Path) -> ModelSize:
     elif (folder / "model.safetensors.index.json").is_file() and method is None:
         total = json.loads((folder / "model.safetensors.index.json").read_text()).get("metadata", {}).get("total_size")
         if total:
-            params, source = int(total // DTYPE_BYTES.get(str(c.get("torch_dtype") or c.get("dtype")), 2)), "index"
+            params, source = (
+                int(total // DTYPE_BYTES.get(str(c.get("torch_dtype") or c.get("dtype")), 2)),
+                "safetensors index",
+            )
     latent = c["kv_lora_rank"] + c.get("qk_rope_head_dim", 0) if c.get("kv_lora_rank") else None
     return ModelSize(
         layers,
