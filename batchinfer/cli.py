@@ -26,6 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="prepare DIR, submit a Slurm array and a merge job, return")
     _add_overrides(p)
     p.add_argument("--dry-run", action="store_true", help="print sbatch parameters and the shard map, submit nothing")
+    p = sub.add_parser("plan", help="rows, shards, prompt tokens, weights and KV cache per GPU; no engine, no DIR")
+    _add_overrides(p)
+    p.add_argument("--gpu", default="H100-80GB", help="GPU preset (H100-80GB, H200-141GB, A100-40GB, ...) or `all`")
+    p.add_argument("--sample", type=int, default=200, help="rows tokenized to estimate prompt tokens (default 200)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser("status", help="per-shard state, totals, tokens/s and ETA")
     p.add_argument("dir")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -77,6 +82,27 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from batchinfer.launch import submit
 
     submit(cfg, dry_run=args.dry_run)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """`batchinfer plan`."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from batchinfer.config import to_dict
+    from batchinfer.estimate import estimate
+    from batchinfer.plan_text import format_plan
+
+    cfg = _compose(args)
+    if args.cfg:
+        print(OmegaConf.to_yaml(cfg), end="")
+        return 0
+    if args.sample < 1:
+        raise BatchinferError(f"--sample {args.sample}: must be at least 1")
+    report = estimate(to_dict(cfg), gpu=args.gpu, sample_rows=args.sample)
+    print(json.dumps(report, indent=2) if args.json else format_plan(report))
     return 0
 
 
@@ -158,6 +184,7 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
 COMMANDS = {
     "run": cmd_run,
     "submit": cmd_submit,
+    "plan": cmd_plan,
     "status": cmd_status,
     "resume": cmd_resume,
     "cancel": cmd_cancel,

@@ -1,0 +1,192 @@
+"""`batchinfer plan`: rows, shards, prompt tokens from a sample, weights and KV cache per GPU. No engine."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from batchinfer import sizing
+from batchinfer.config import DEFAULT_ROWS_PER_SHARD
+from batchinfer.errors import ConfigError
+
+SAMPLE_ROWS = 200
+
+
+def _percentile(values: list[int], q: float) -> int:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def input_section(c: dict[str, Any], sample_rows: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Input rows, shards and array tasks, plus a sample of rows; reads the input, converts nothing."""
+    from batchinfer.data import detect_format, input_files, plan_shards
+    from batchinfer.preview import peek
+
+    files = input_files(c["input"]["path"])
+    fmt = detect_format(files, c["input"]["format"])
+    rows, sample = peek(files, fmt, sample_rows)
+    if rows == 0:
+        raise ConfigError(f"input.path {c['input']['path']}: no rows; there is nothing to plan")
+    sh = c["sharding"]
+    shards = plan_shards(rows, sh["num_shards"], sh["rows_per_shard"], DEFAULT_ROWS_PER_SHARD)
+    per_task = c["cluster"]["shards_per_task"]
+    section = {
+        "path": c["input"]["path"],
+        "files": len(files),
+        "format": fmt,
+        "rows": rows,
+        "shards": len(shards),
+        "max_rows_per_shard": max(s.rows for s in shards),
+        "shards_per_task": per_task,
+        "array_tasks": math.ceil(len(shards) / per_task),
+    }
+    return section, sample
+
+
+def prompt_section(
+    c: dict[str, Any], folder: Path, rows: int, sample: list[dict[str, Any]], max_len: int
+) -> dict[str, Any]:
+    """Prompt tokens of the sampled rows, counted as vLLM would, and the totals they suggest."""
+    from jinja2.exceptions import TemplateError
+
+    from batchinfer.prompts import PromptBuilder, RowError, check_fields
+    from batchinfer.tokens import LoginTokenizer
+
+    builder = PromptBuilder(c["prompt"])
+    columns = sorted({k for row in sample for k in row})
+    check_fields(builder.template, columns, c["input"]["path"])
+    tok = LoginTokenizer.from_model_dir(folder)
+    if c["prompt"]["mode"] == "chat" and tok.chat_template is None:
+        raise ConfigError(f"model.path {c['model']['path']}: the model has no chat template; use prompt.mode=raw")
+    kwargs = c["prompt"]["chat_template_kwargs"]
+    counts: list[int] = []
+    errors: list[str] = []
+    for row in sample:
+        try:
+            counts.append(tok.count(builder.build(row), kwargs))
+        except (RowError, TemplateError) as e:
+            errors.append(str(e))  # an error row in a run, not a failed plan
+    sampling = c["sampling"]
+    out = {
+        "mode": c["prompt"]["mode"],
+        "sampled_rows": len(sample),
+        "tokenized_rows": len(counts),
+        "row_errors": len(errors),
+        "first_row_error": errors[0] if errors else None,
+        "output_upper_bound": rows * sampling["max_tokens"] * sampling["n"],
+        "max_tokens": sampling["max_tokens"],
+        "n": sampling["n"],
+    }
+    if counts:
+        mean = sum(counts) / len(counts)
+        out |= {
+            "mean": round(mean, 1),
+            "p50": _percentile(counts, 0.5),
+            "p95": _percentile(counts, 0.95),
+            "max": max(counts),
+            "estimated_total": round(mean * rows),
+            "at_or_over_max_model_len": sum(1 for n in counts if n >= max_len),
+        }
+    return out
+
+
+def model_section(c: dict[str, Any], folder: Path) -> tuple[sizing.ModelSize, dict[str, Any]]:
+    """Parameters, weight bytes and KV bytes per token of the configured model and quantization."""
+    m, q = c["model"], c["quantization"]
+    model = sizing.read_model(folder)
+    max_len = m["max_model_len"] or model.max_position
+    if not max_len:
+        raise ConfigError(f"{folder}/config.json has no max_position_embeddings: set model.max_model_len")
+    method = q["method"]
+    if model.quant_method:
+        method = model.quant_method  # the checkpoint's own; vLLM reads it from config.json
+    wbytes = sizing.weight_bytes(model, q["method"], m["dtype"])
+    kv_bytes = sizing.kv_dtype_bytes(q["kv_cache_dtype"], m["dtype"])
+    per_token = sizing.kv_bytes_per_token(model, kv_bytes)
+    return model, {
+        "path": m["path"],
+        "folder": str(folder),
+        "params": model.params,
+        "params_source": model.params_source,
+        "layers": model.layers,
+        "kv_heads": model.kv_heads,
+        "head_dim": model.head_dim,
+        "quantization": method,
+        "checkpoint_quantized": model.quant_method is not None,
+        "weight_bytes_per_param": sizing.weight_bytes_per_param(model, q["method"], m["dtype"]),
+        "weight_bytes": wbytes,
+        "kv_cache_dtype": q["kv_cache_dtype"],
+        "kv_bytes_per_element": kv_bytes,
+        "kv_bytes_per_token": per_token,
+        "max_model_len": max_len,
+        "kv_bytes_per_sequence": per_token * max_len,
+    }
+
+
+def gpu_rows(
+    c: dict[str, Any], model: sizing.ModelSize, ms: dict[str, Any], gpus: list[str], seq_len: Optional[int]
+) -> list[dict[str, Any]]:
+    """One row per GPU preset: memory per GPU, KV tokens, concurrency, layout advice and warnings."""
+    m = c["model"]
+    util, tp = m["gpu_memory_utilization"], m["tensor_parallel_size"]
+    out = []
+    for gpu in gpus:
+        adv = sizing.advice(model, ms["weight_bytes"], ms["kv_bytes_per_element"], gpu, util, tp, ms["max_model_len"])
+        f = adv["fit"]
+        out.append(
+            {
+                "gpu": gpu,
+                "gpu_gb": f.gpu_gb,
+                "gpu_memory_utilization": util,
+                "tensor_parallel_size": tp,
+                "usable_bytes": f.usable,
+                "weight_bytes_per_gpu": f.weights,
+                "kv_cache_bytes_per_gpu": f.kv_free,
+                "kv_tokens": f.kv_tokens,
+                "max_seqs_at_max_model_len": round(f.max_seqs, 2),
+                "seqs_at_corpus_length": round(f.kv_tokens / seq_len, 1) if seq_len else None,
+                "recommended_tp": adv["recommended_tp"],
+                "layout": adv["layout"],
+                "warnings": adv["warnings"],
+            }
+        )
+    return out
+
+
+def estimate(c: dict[str, Any], gpu: str = sizing.DEFAULT_GPU, sample_rows: int = SAMPLE_ROWS) -> dict[str, Any]:
+    """The whole plan of a resolved config dict: input, prompt tokens, model, GPUs."""
+    from batchinfer.tokens import model_dir
+
+    if not c["model"]["path"]:
+        raise ConfigError("model.path is not set: add model.path=/path/to/hf-model-folder or a preset")
+    gpus = sizing.gpu_names(gpu)
+    try:
+        folder = model_dir(c["model"]["path"], c["model"]["revision"])
+    except ConfigError as e:
+        if "Hugging Face cache" not in str(e):
+            raise
+        name = c["model"]["path"]
+        raise ConfigError(
+            f"{e}. For `plan` alone the small files are enough: `huggingface-cli download {name} config.json "
+            f"tokenizer.json tokenizer_config.json`"
+        ) from None
+    model, ms = model_section(c, folder)
+    report: dict[str, Any] = {"input": None, "prompt_tokens": None, "model": ms, "notes": []}
+    if model.quant_method and c["quantization"]["method"]:
+        report["notes"].append(
+            f"the checkpoint is quantized ({model.quant_method}); quantization.method="
+            f"{c['quantization']['method']} is not used for sizing"
+        )
+    if c["input"]["path"]:
+        report["input"], sample = input_section(c, sample_rows)
+        if (folder / "tokenizer.json").is_file():
+            report["prompt_tokens"] = prompt_section(c, folder, report["input"]["rows"], sample, ms["max_model_len"])
+        else:
+            report["notes"].append(f"{folder} has no tokenizer.json: prompt tokens not estimated")
+    else:
+        report["notes"].append("input.path is not set: sizing only")
+    pt = report["prompt_tokens"]
+    seq_len = round(pt["mean"] + pt["max_tokens"]) if pt and "mean" in pt else None
+    report["gpus"] = gpu_rows(c, model, ms, gpus, seq_len)
+    return report

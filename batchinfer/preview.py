@@ -1,0 +1,104 @@
+"""Count an input's rows and read a spread sample of them, without converting it (for `batchinfer plan`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from batchinfer.data import open_text
+from batchinfer.errors import InputError
+from batchinfer.openai_batch import request_row
+
+
+def spread(rows: int, k: int) -> list[int]:
+    """k row indices spread evenly over rows (all of them when rows <= k)."""
+    k = min(k, rows)
+    return [i * rows // k for i in range(k)]
+
+
+def _line_files(files: list[Path], fmt: str, k: int) -> tuple[int, list[dict[str, Any]]]:
+    # Two cheap passes: count non-blank lines, then parse only the chosen ones.
+    counts = []
+    for path in files:
+        with open_text(path) as f:
+            counts.append(sum(1 for raw in f if raw.strip()))
+    rows = sum(counts)
+    wanted = set(spread(rows, k))
+    sample: list[dict[str, Any]] = []
+    base = 0
+    for path, n in zip(files, counts, strict=True):
+        if not wanted & set(range(base, base + n)):
+            base += n
+            continue
+        with open_text(path) as f:
+            row = base
+            for lineno, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                if row in wanted:
+                    where = f"{path}:{lineno}"
+                    try:
+                        obj = json.loads(raw.decode("utf-8").removeprefix("\ufeff"))
+                    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                        raise InputError(f"{where}: not valid JSON ({e}); fix or remove the line") from None
+                    if not isinstance(obj, dict):
+                        raise InputError(f"{where}: expected a JSON object per line, got {type(obj).__name__}")
+                    sample.append(request_row(obj, where) if fmt == "openai" else obj)
+                row += 1
+        base += n
+    return rows, sample
+
+
+def _table(files: list[Path], fmt: str) -> Any:
+    import pyarrow as pa
+
+    if fmt in ("csv", "tsv"):
+        import pyarrow.csv as pcsv
+
+        opts = pcsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",", newlines_in_values=True)
+        return pa.concat_tables([pcsv.read_csv(open_text(f), parse_options=opts) for f in files])
+    if fmt == "parquet":
+        import pyarrow.dataset as pds
+
+        return pds.dataset([str(f) for f in files], format="parquet")
+    if fmt == "arrow":
+        tables = []
+        for f in files:
+            source = pa.memory_map(str(f))
+            try:
+                tables.append(pa.ipc.open_file(source).read_all())
+            except pa.ArrowInvalid:  # datasets writes the stream format
+                tables.append(pa.ipc.open_stream(pa.memory_map(str(f))).read_all())
+        return pa.concat_tables(tables)
+    if fmt == "hf_disk":
+        import datasets
+
+        return datasets.load_from_disk(str(files[0])).data.table
+    if fmt == "json":
+        items = [item for f in files for item in _json_array(f)]
+        return pa.Table.from_pylist(items)
+    raise InputError(f"input.format={fmt!r}: plan cannot read it")
+
+
+def _json_array(path: Path) -> list[dict[str, Any]]:
+    with open_text(path) as f:
+        data = json.loads(f.read())
+    if not isinstance(data, list) or not all(isinstance(x, dict) for x in data):
+        raise InputError(f"{path}: expected a JSON array of objects")
+    return data
+
+
+def peek(files: list[Path], fmt: str, k: int = 200) -> tuple[int, list[dict[str, Any]]]:
+    """The input's row count and up to k rows spread over it, as dicts (nested fields as dicts)."""
+    try:
+        if fmt in ("jsonl", "openai"):
+            return _line_files(files, fmt, k)
+        table = _table(files, fmt)
+        rows = table.count_rows() if hasattr(table, "count_rows") else table.num_rows
+        return rows, table.take(spread(rows, k)).to_pylist()
+    except InputError:
+        raise
+    except (OSError, ValueError) as e:  # pyarrow's errors are ValueErrors
+        shown = files[0] if len(files) == 1 else f"{files[0].parent}/ ({len(files)} files)"
+        raise InputError(f"{shown}: cannot be read as {fmt} ({str(e).splitlines()[0][:300]})") from None

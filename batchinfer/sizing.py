@@ -1,0 +1,317 @@
+"""Weights and KV-cache arithmetic from a model's config.json: what fits on which GPU, and how to lay it out.
+
+Units: GPU memory is the vendor's label in decimal GB (10^9 bytes), as are weights and free memory;
+KV per token is given in KiB and per sequence also in GiB (2^30), the units vLLM's logs use. The
+labels understate the cards a little (an "80 GB" H100 reports 81,559 MiB = 85.5e9 bytes), which
+leaves some of the room vLLM's activations and CUDA graphs take out of gpu_memory_utilization.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from batchinfer.errors import ConfigError
+
+GB = 10**9
+GIB = 2**30
+# Vendor labels, decimal GB; `--gpu` matches a prefix of the name (h100, a100-40gb, ...).
+GPUS = {
+    "H100-80GB": 80,
+    "H200-141GB": 141,
+    "A100-40GB": 40,
+    "A100-80GB": 80,
+    "L40S-48GB": 48,
+    "B200-180GB": 180,
+}
+DEFAULT_GPU = "H100-80GB"
+TP_SIZES = (1, 2, 4, 8)
+# A layout "fits" when, after the weights, the KV cache holds this many sequences of max_model_len:
+# fewer and the engine batches too little to be worth a GPU.
+MIN_SEQS = 4
+WARN_SEQS = 10  # below this (single digits) the plan names the levers
+THROUGHPUT_NOTE = "measured on an 8-GPU H100 node for an 8B model: 1.9x to 5.2x more total throughput"
+DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "float": 4, "fp32": 4}
+# Weight bytes per parameter of on-the-fly (quantization.method) and checkpoint methods.
+METHOD_BYTES = {"fp8": 1, "fbgemm_fp8": 1, "ptpc_fp8": 1, "awq": 0.5, "awq_marlin": 0.5, "gptq": 0.5}
+METHOD_BYTES |= {"gptq_marlin": 0.5, "bitsandbytes": 0.5, "mxfp4": 0.5, "modelopt_fp4": 0.5}
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4}
+SAFETENSORS_BYTES |= {"I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E8M0": 1, "U32": 4}
+
+
+@dataclass
+class ModelSize:
+    """What sizing needs of a model: its shape, parameter count and checkpoint quantization."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    heads: int
+    max_position: Optional[int]
+    params: int
+    params_source: str
+    quant_method: Optional[str] = None  # declared by the checkpoint (config.json quantization_config)
+    quant_bits: Optional[float] = None
+    stored_bytes: Optional[int] = None  # tensor bytes in the local safetensors files
+    kv_latent: Optional[int] = None  # MLA (DeepSeek): one compressed KV vector per layer
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a config.json (multimodal configs nest it as text_config)."""
+    return {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def config_params(cfg: dict[str, Any]) -> int:
+    """Parameters of a Llama-style decoder from config.json: embeddings, attention, MLP (or experts), norms, lm_head."""
+    c = text_config(cfg)
+    hidden, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    heads = c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or hidden // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attn = hidden * q + 2 * hidden * kv + q * hidden
+    if c.get("attention_bias") or c.get("model_type") == "qwen2":  # Qwen2 has q/k/v biases without saying so
+        attn += q + 2 * kv
+    experts = c.get("num_local_experts") or c.get("num_experts") or 0
+    if experts:
+        inter = c.get("moe_intermediate_size") or c["intermediate_size"]
+        mlp = experts * 3 * hidden * inter + hidden * experts  # experts + router
+        shared = c.get("shared_expert_intermediate_size") or 0
+        mlp += 3 * hidden * shared
+    else:
+        mlp = 3 * hidden * c["intermediate_size"]  # gate, up, down
+    norms = 2 * hidden + (2 * head_dim if c.get("model_type", "").startswith("qwen3") else 0)
+    embed = vocab * hidden
+    lm_head = 0 if c.get("tie_word_embeddings", False) else vocab * hidden
+    return embed + layers * (attn + mlp + norms) + hidden + lm_head
+
+
+def checkpoint_quant(cfg: dict[str, Any]) -> tuple[Optional[str], Optional[float]]:
+    """The quantization method and weight bits a pre-quantized checkpoint declares, if any."""
+    qc = cfg.get("quantization_config") or text_config(cfg).get("quantization_config")
+    if not isinstance(qc, dict):
+        return None, None
+    method = str(qc.get("quant_method") or qc.get("quant_algo") or "unknown").lower()
+    bits = qc.get("bits") or qc.get("w_bit") or qc.get("weight_bits")
+    for group in (qc.get("config_groups") or {}).values():  # compressed-tensors
+        bits = bits or (group.get("weights") or {}).get("num_bits")
+    if bits is None and method == "bitsandbytes":
+        bits = 4 if qc.get("load_in_4bit") else 8
+    if bits is None and ("fp8" in method or str(qc.get("quant_algo", "")).upper() == "FP8"):
+        bits = 8
+    if bits is None and any(s in method for s in ("fp4", "mxfp4", "awq", "gptq")):
+        bits = 4
+    return method, float(bits) if bits else None
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """A .safetensors file's JSON header (8-byte length, then JSON): tensor dtypes and shapes, no data read."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))
+
+
+def local_weights(folder: Path) -> Optional[tuple[int, int]]:
+    """(elements, bytes) of the local safetensors tensors, or None when the files are not all here."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / n for n in names]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files or not all(f.is_file() for f in files):
+        return None
+    elements = stored = 0
+    for f in files:
+        for name, t in safetensors_header(f).items():
+            if name == "__metadata__":
+                continue
+            n = math.prod(t["shape"])
+            elements += n
+            stored += n * SAFETENSORS_BYTES.get(t["dtype"], 2)
+    return elements, stored
+
+
+def read_model(folder: Path) -> ModelSize:
+    """Shape and size of the model in folder: exact from safetensors headers when present, else from config.json."""
+    cfg_file = folder / "config.json"
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+        c = text_config(cfg)
+        heads = c["num_attention_heads"]
+        kv_heads = c.get("num_key_value_heads") or heads
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        layers = c["num_hidden_layers"]
+        computed = config_params(cfg)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{cfg_file}: cannot size the model from it ({type(e).__name__}: {e})") from None
+    method, bits = checkpoint_quant(cfg)
+    params, source, stored = computed, "config.json", None
+    weights = local_weights(folder)
+    if weights:
+        stored = weights[1]
+        if method is None:  # packed int4 tensors would undercount parameters
+            params, source = weights[0], "safetensors headers"
+    elif (folder / "model.safetensors.index.json").is_file() and method is None:
+        total = json.loads((folder / "model.safetensors.index.json").read_text()).get("metadata", {}).get("total_size")
+        if total:
+            params, source = (
+                int(total // DTYPE_BYTES.get(str(c.get("torch_dtype") or c.get("dtype")), 2)),
+                "safetensors index",
+            )
+    latent = c["kv_lora_rank"] + c.get("qk_rope_head_dim", 0) if c.get("kv_lora_rank") else None
+    return ModelSize(
+        layers,
+        kv_heads,
+        head_dim,
+        heads,
+        c.get("max_position_embeddings"),
+        params,
+        source,
+        method,
+        bits,
+        stored,
+        latent,
+    )
+
+
+def weight_bytes_per_param(model: ModelSize, method: Optional[str], dtype: str) -> float:
+    """Bytes per parameter: the checkpoint's own quantization, else quantization.method, else model.dtype."""
+    if model.quant_method:
+        return (model.quant_bits or 16) / 8
+    if method:
+        if method not in METHOD_BYTES:
+            raise ConfigError(f"quantization.method={method!r}: unknown to the planner ({', '.join(METHOD_BYTES)})")
+        return METHOD_BYTES[method]
+    return DTYPE_BYTES.get(dtype, 2)  # "auto": 16-bit, as vLLM loads float32 checkpoints too
+
+
+def weight_bytes(model: ModelSize, method: Optional[str], dtype: str) -> int:
+    """Bytes of weights on the GPUs (the stored bytes of a local pre-quantized checkpoint, else params x bytes)."""
+    if model.quant_method and model.stored_bytes:
+        return model.stored_bytes
+    return int(model.params * weight_bytes_per_param(model, method, dtype))
+
+
+def kv_dtype_bytes(kv_cache_dtype: str, dtype: str) -> int:
+    """Bytes per KV element: fp8* caches 1, else the model's activation dtype."""
+    if kv_cache_dtype.startswith("fp8"):
+        return 1
+    if kv_cache_dtype != "auto":
+        return DTYPE_BYTES.get(kv_cache_dtype, 2)
+    return DTYPE_BYTES.get(dtype, 2) if dtype != "auto" else 2
+
+
+def kv_bytes_per_token(model: ModelSize, kv_bytes: int, tp: int = 1) -> int:
+    """KV cache bytes per token (on one GPU of tp): 2 (K and V) x layers x kv_heads x head_dim x bytes."""
+    if model.kv_latent:
+        return model.layers * model.kv_latent * kv_bytes  # MLA: one latent per layer, replicated over TP
+    heads_per_gpu = max(1, math.ceil(model.kv_heads / tp))  # tp > kv_heads replicates heads
+    return 2 * model.layers * heads_per_gpu * model.head_dim * kv_bytes
+
+
+@dataclass
+class Fit:
+    """One layout on one GPU type: memory per GPU and what the KV cache holds."""
+
+    gpu: str
+    gpu_gb: float
+    tp: int
+    usable: int  # bytes per GPU under gpu_memory_utilization
+    weights: int  # bytes per GPU
+    kv_free: int  # bytes per GPU left for the KV cache
+    kv_tokens: int
+    max_seqs: float  # sequences of max_model_len the KV cache holds at once
+
+
+def fit(model: ModelSize, wbytes: int, kv_bytes: int, gpu: str, util: float, tp: int, max_len: int) -> Fit:
+    """Weights split over tp GPUs; what remains of gpu_memory_utilization holds the KV cache."""
+    gb = GPUS[gpu]
+    usable = int(gb * GB * util)
+    per_gpu = math.ceil(wbytes / tp)
+    free = max(0, usable - per_gpu)
+    tokens = free // kv_bytes_per_token(model, kv_bytes, tp)
+    return Fit(gpu, gb, tp, usable, per_gpu, free, tokens, tokens / max_len)
+
+
+def valid_tp(model: ModelSize, tp: int) -> bool:
+    """vLLM needs the attention heads to divide evenly over the GPUs."""
+    return model.heads % tp == 0
+
+
+def smallest_fit(model: ModelSize, wbytes: int, kv_bytes: int, gpu: str, util: float, max_len: int) -> Optional[Fit]:
+    """The smallest tensor parallel size whose KV cache holds MIN_SEQS sequences of max_model_len."""
+    for tp in TP_SIZES:
+        if valid_tp(model, tp):
+            f = fit(model, wbytes, kv_bytes, gpu, util, tp, max_len)
+            if f.max_seqs >= MIN_SEQS:
+                return f
+    return None
+
+
+def seqs(x: float) -> str:
+    """A sequence count for people: one decimal below 10, whole numbers above."""
+    return f"{x:,.1f}" if x < 10 else f"{x:,.0f}"
+
+
+def gpu_names(choice: str) -> list[str]:
+    """`--gpu` value -> preset names: `all`, an exact name, or an unambiguous prefix (h100, a100-80)."""
+    if choice.lower() == "all":
+        return list(GPUS)
+    key = "".join(ch for ch in choice.lower() if ch.isalnum())
+    norm = {name: "".join(ch for ch in name.lower() if ch.isalnum()) for name in GPUS}
+    hits = [n for n, k in norm.items() if k == key] or [n for n, k in norm.items() if k.startswith(key)]
+    if len(hits) != 1:
+        why = "is ambiguous" if hits else "is not a GPU preset"
+        raise ConfigError(f"--gpu {choice} {why}; choose one of: {', '.join(GPUS)}, all")
+    return hits
+
+
+def advice(
+    model: ModelSize, wbytes: int, kv_bytes: int, gpu: str, util: float, tp: int, max_len: int
+) -> dict[str, Any]:
+    """Layout advice and warnings for the configured tensor parallel size on one GPU type."""
+    now = fit(model, wbytes, kv_bytes, gpu, util, tp, max_len)
+    best = smallest_fit(model, wbytes, kv_bytes, gpu, util, max_len)
+    warnings = []
+    if now.kv_free == 0:
+        warnings.append(
+            f"the weights ({now.weights / GB:.1f} GB per GPU at tensor_parallel_size={tp}) leave no room for a KV "
+            f"cache in {now.usable / GB:.1f} GB ({gpu} x gpu_memory_utilization {util})"
+        )
+    elif now.max_seqs < WARN_SEQS:
+        levers = [f"a lower model.max_model_len (now {max_len:,})"]
+        if kv_bytes > 1:
+            levers.append("an FP8 KV cache (quantization=kv-fp8, or quantization.kv_cache_dtype=fp8)")
+        if 2 * tp <= TP_SIZES[-1] and valid_tp(model, 2 * tp):
+            levers.append(
+                f"tensor parallel {2 * tp} (model.tensor_parallel_size={2 * tp} cluster.gpus_per_task={2 * tp})"
+            )
+        warnings.append(
+            f"the KV cache holds only {seqs(now.max_seqs)} sequences of max_model_len={max_len:,} at once: few "
+            f"sequences in flight, low throughput. Levers: {', '.join(levers)}"
+        )
+    if best is None:
+        text = (
+            f"no tensor parallel size up to {TP_SIZES[-1]} holds the weights plus {MIN_SEQS} sequences of "
+            f"max_model_len={max_len:,} on {gpu}: quantize (quantization=fp8), lower model.max_model_len, or use a larger GPU"
+        )
+    elif best.tp == 1:
+        text = (
+            f"fits one GPU with room for {seqs(best.max_seqs)} sequences of {max_len:,} tokens: run one model copy per GPU "
+            f"(model.tensor_parallel_size=1, cluster.gpus_per_task=1, more array tasks) rather than tensor "
+            f"parallelism ({THROUGHPUT_NOTE})"
+        )
+    else:
+        text = (
+            f"needs tensor parallelism: model.tensor_parallel_size={best.tp} cluster.gpus_per_task={best.tp} is the "
+            f"smallest of {', '.join(map(str, TP_SIZES))} that holds the weights plus {MIN_SEQS}+ sequences of "
+            f"{max_len:,} tokens ({seqs(best.max_seqs)})"
+        )
+    if best is not None and best.tp != tp:
+        text += f"; configured: tensor_parallel_size={tp}"
+    return {"fit": now, "recommended_tp": best.tp if best else None, "layout": text, "warnings": warnings}
