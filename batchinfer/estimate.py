@@ -23,7 +23,7 @@ def input_section(c: dict[str, Any], sample_rows: int) -> tuple[dict[str, Any], 
     from batchinfer.data import detect_format, input_files, plan_shards
     from batchinfer.preview import peek
 
-    files = input_files(c["input"]["path"])
+    files = input_files(c["input"]["path"], c["input"]["split"])
     fmt = detect_format(files, c["input"]["format"])
     rows, sample = peek(files, fmt, sample_rows)
     if rows == 0:
@@ -161,6 +161,9 @@ def estimate(c: dict[str, Any], gpu: str = sizing.DEFAULT_GPU, sample_rows: int 
     if not c["model"]["path"]:
         raise ConfigError("model.path is not set: add model.path=/path/to/hf-model-folder or a preset")
     gpus = sizing.gpu_names(gpu)
+    from batchinfer.prompts import apply_labels
+
+    apply_labels(c)  # the labels' system prompt counts toward prompt tokens
     try:
         folder = model_dir(c["model"]["path"], c["model"]["revision"])
     except ConfigError as e:
