@@ -215,7 +215,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return COMMANDS[args.command](args)
     except BatchinferError as e:
         print(f"batchinfer: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except Stopped as e:
         print(f"batchinfer: {e}; committed rows are safe, run the same command again to finish", file=sys.stderr)
         return 128 + e.signum

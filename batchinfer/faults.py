@@ -7,6 +7,8 @@ import signal
 from collections import Counter
 
 ENV = "BATCHINFER_FAULT"
+# A prompt containing this text kills the engine's processes when it is fed (a "poison row").
+POISON_ENV = "BATCHINFER_POISON"
 POINTS = (
     "in-part-write",  # half of a part's bytes are in its temporary file
     "before-part-rename",  # temporary part complete and fsynced, not yet renamed
@@ -34,3 +36,20 @@ def point(name: str) -> None:
     if os.getpgid(0) == os.getpid():
         os.killpg(0, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def poisoned(prompt: object) -> bool:
+    """Whether BATCHINFER_POISON marks this prompt as one that kills the engine."""
+    marker = os.environ.get(POISON_ENV)
+    return bool(marker) and marker in str(prompt)
+
+
+def kill_engine() -> None:
+    """SIGKILL this process's children (the vLLM engine core), as a CUDA fault or OOM would."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass

@@ -7,16 +7,17 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig
 
 from batchinfer import slurm
-from batchinfer.errors import BatchinferError, ConfigError, RunDirError
+from batchinfer.errors import BatchinferError, ConfigError, EngineFailure, RunDirError
 from batchinfer.merge import incomplete_shards, merge
 from batchinfer.plan import prepare
 from batchinfer.report import all_job_ids, submissions
-from batchinfer.store import RunDir, read_json, write_json
+from batchinfer.store import RunDir, read_json, refused_write, storage_error, write_json
 
 log = logging.getLogger("batchinfer")
 
@@ -73,7 +74,7 @@ class EngineHolder:
 
 def run_shards(run: RunDir, indices: list[int], engine: Any = None) -> None:
     """Finish the given shards in this process with one engine; stop signals commit first."""
-    from batchinfer.worker import ShardWorker, StopFlag, Stopped
+    from batchinfer.worker import CRASHES_TO_ISOLATE, ShardWorker, StopFlag, Stopped
 
     shards = [s for s in run.shards() if s.index in set(indices) and not run.is_done(s.index)]
     if not shards:
@@ -95,6 +96,8 @@ def run_shards(run: RunDir, indices: list[int], engine: Any = None) -> None:
     except BatchinferError:
         raise  # the input or config is wrong: another attempt would fail the same way
     except Exception as e:
+        if isinstance(e, OSError) and refused_write(e) is not None:
+            raise storage_error(Path(e.filename or run.path), e) from None
         if stop.signum is not None:  # the signal reached the engine too: a stop, not a failure
             _stopped(stop.signum)
             raise Stopped(stop.signum) from e
@@ -106,7 +109,13 @@ def run_shards(run: RunDir, indices: list[int], engine: Any = None) -> None:
                 slurm.requeue_self()
             else:
                 log.error("shard %d failed %d times (cluster.max_attempts): giving up", current.index, failures)
-        raise
+            raise
+        log.exception("shard %d failed", current.index)
+        raise EngineFailure(
+            f"shard {current.index} failed: {type(e).__name__}: {e} (traceback above). Committed rows are "
+            f"safe: run the same command again to finish. Rows that were in flight run one at a time "
+            f"first, and a row in flight at {CRASHES_TO_ISOLATE} engine deaths becomes an error row"
+        ) from None
     finally:
         bar.close()
         holder.close(owned=engine is None)

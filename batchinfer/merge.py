@@ -21,7 +21,16 @@ from batchinfer import faults
 from batchinfer.data import Shard
 from batchinfer.errors import RunDirError
 from batchinfer.schema import table_to_jsonl
-from batchinfer.store import OUTPUT_EXT, TMP_PREFIX, RunDir, fsync_dir, read_json, write_json
+from batchinfer.store import (
+    OUTPUT_EXT,
+    TMP_PREFIX,
+    RunDir,
+    fsync_dir,
+    read_json,
+    refused_write,
+    storage_error,
+    write_json,
+)
 
 log = logging.getLogger("batchinfer")
 
@@ -77,18 +86,27 @@ def merge(run: RunDir) -> dict[str, Any]:
     }
     seconds: Counter[str] = Counter()
     shards = run.shards()
-    writer = OutputWriter(run, tmp)
-    for n, shard in enumerate(shards):
-        table = shard_rows_in_order(run, shard)
-        writer.write(table)
-        _accumulate(stats, table)
-        seconds.update(read_json(run.done_path(shard.index)).get("seconds", {}))
-        if n == len(shards) // 2:
-            faults.point("in-merge")
-    files = writer.close()
-    if run.output_format == "hf":
-        files = _save_to_disk(tmp, files)
-    _replace(tmp, out)
+    try:
+        writer = OutputWriter(run, tmp)
+        for n, shard in enumerate(shards):
+            table = shard_rows_in_order(run, shard)
+            writer.write(table)
+            _accumulate(stats, table)
+            seconds.update(read_json(run.done_path(shard.index)).get("seconds", {}))
+            if n == len(shards) // 2:
+                faults.point("in-merge")
+        files = writer.close()
+        if run.output_format == "hf":
+            files = _save_to_disk(tmp, files)
+        _replace(tmp, out)
+    except OSError as e:
+        if refused_write(e) is None:
+            raise
+        try:
+            _remove(tmp)
+        except OSError:
+            pass
+        raise storage_error(out, e) from None
     stats.update(
         shards=len(shards),
         output=out.name,

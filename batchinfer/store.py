@@ -20,7 +20,7 @@ import yaml
 
 from batchinfer import faults
 from batchinfer.data import Shard
-from batchinfer.errors import RunDirError
+from batchinfer.errors import RunDirError, StorageError
 from batchinfer.schema import jsonl_to_table, schema_from_text, table_to_jsonl
 
 PART_RE = re.compile(r"^part-(\d{6})\.(parquet|jsonl)$")
@@ -37,8 +37,51 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# Errors that say the filesystem refuses writes; anything else is a bug and keeps its traceback.
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+
+
+def refused_write(e: OSError) -> Optional[int]:
+    """The errno when e says the filesystem refuses writes (pyarrow puts it only in the text)."""
+    if e.errno in STORAGE_ERRNOS:
+        return e.errno
+    found = re.search(r"\[Errno (\d+)\]", str(e))
+    return int(found.group(1)) if found and int(found.group(1)) in STORAGE_ERRNOS else None
+
+
+def storage_error(path: Path, e: OSError) -> StorageError:
+    """A user-facing error for a write the filesystem refused."""
+    code = refused_write(e)
+    why = {
+        errno.ENOSPC: "the disk is full",
+        errno.EDQUOT: "the disk quota is exceeded",
+        errno.EROFS: "the filesystem is read-only",
+        errno.EFBIG: "the file is too large for the filesystem",
+    }.get(code or 0, "permission denied")
+    return StorageError(
+        f"cannot write {path}: {why} ({os.strerror(code or errno.EACCES)}). Nothing already committed was changed; "
+        f"free space or fix the permissions of {path.parent}, then run the same command again "
+        f"(or `batchinfer resume DIR` for a Slurm run): only the missing rows are redone"
+    )
+
+
 def atomic_write(path: Path, data: bytes, fault_prefix: Optional[str] = None) -> None:
-    """Write data under a temporary name, fsync, rename into place, fsync the folder."""
+    """Write data under a temporary name, fsync, rename into place, fsync the folder.
+
+    A refused write (disk full, read-only) removes the temporary and raises StorageError."""
+    try:
+        _atomic_write(path, data, fault_prefix)
+    except OSError as e:
+        if refused_write(e) is None:
+            raise
+        try:
+            path.with_name(TMP_PREFIX + path.name).unlink(missing_ok=True)
+        except OSError:
+            pass  # read-only: the temporary (if any) is removed by the next writer
+        raise storage_error(path, e) from None
+
+
+def _atomic_write(path: Path, data: bytes, fault_prefix: Optional[str]) -> None:
     tmp = path.with_name(TMP_PREFIX + path.name)
     with open(tmp, "wb") as f:
         if fault_prefix:
@@ -235,7 +278,9 @@ class ShardLock:
 
     def __enter__(self) -> ShardLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Locked through a read-only descriptor (flock does not need write access): a writable
+        # one held for hours would keep the filesystem from being remounted read-only.
+        fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -251,10 +296,17 @@ class ShardLock:
             self.log(f"flock unsupported on this filesystem ({e.strerror}); using an O_EXCL lock file")
             self._excl_lock()
             return self
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps(holder_info()).encode())
-        os.fsync(fd)
         self.fd = fd
+        try:
+            with open(self.path, "w") as f:
+                f.write(json.dumps(holder_info()))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            self.__exit__()
+            if refused_write(e) is None:
+                raise
+            raise storage_error(self.path, e) from None
         return self
 
     def _excl_lock(self) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Optional, Protocol
 from batchinfer import faults
 from batchinfer.data import Shard, get_path, open_input
 from batchinfer.engine import Completion, installed_versions
-from batchinfer.errors import InputError
+from batchinfer.errors import InputError, StorageError
 from batchinfer.openai_batch import ROW_SAMPLING
 from batchinfer.prompts import Prompt, PromptBuilder, RowError
 from batchinfer.schema import error_row, rows_to_table
@@ -25,6 +25,7 @@ from batchinfer.store import RunDir, ShardLock, holder_info, read_json, write_js
 
 log = logging.getLogger("batchinfer")
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+CRASHES_TO_ISOLATE = 2  # engine deaths with a row in flight before that row becomes an error row
 
 
 RequestKey = tuple[tuple[int, ...], str, int]  # prompt tokens, row's own sampling (JSON), -1 or row offset
@@ -106,6 +107,7 @@ class ShardWorker:
         self._dataset: Any = None
         self.device: Optional[str] = None  # set once this worker has an engine
         self.prompts = PromptBuilder(self.cfg["prompt"])
+        self._poison: set[RequestKey] = set()  # fault injection only
 
     @property
     def dataset(self) -> Any:
@@ -193,6 +195,8 @@ class ShardWorker:
             "errors": dict(errors),
             "attempts": old.get("attempts", 0) + 1,
             "failures": old.get("failures", 0),
+            # rows in flight when the engine died, with how often; done rows drop out
+            "suspects": {r: n for r, n in old.get("suspects", {}).items() if int(r) not in rows},
             "seconds": old.get("seconds", {"startup": 0.0, "generate": 0.0, "commit": 0.0}),
             "_rows": rows,
         }
@@ -207,12 +211,12 @@ class ShardWorker:
         rows = self.dataset.select(todo).to_list()
         for offset, (index, row) in enumerate(zip(todo, rows, strict=True)):
             base: dict[str, Any] = {"row": index, "id": row[inp["id_column"]] if inp["id_column"] else index}
-            if inp["columns"]:
-                base["input"] = {c: get_path(row, c) for c in inp["columns"]}
+            base.update(self._carried(row))
             try:
                 own = self._row_sampling(row, base["id"])
                 sampling = self._sampling(own)
-                ids = engine.encode(self.prompts.build(row), self.cfg["prompt"]["chat_template_kwargs"])
+                prompt = self.prompts.build(row)
+                ids = engine.encode(prompt, self.cfg["prompt"]["chat_template_kwargs"])
                 ids = overlong_tokens(ids, self.cfg["prompt"]["overlong"], engine.max_model_len, sampling["max_tokens"])
             except RowError as e:
                 errors.append(dict(error_row(index, base["id"], e.kind, f"row {index}: {e.message}"), **base))
@@ -220,6 +224,8 @@ class ShardWorker:
             dedupe = sampling["temperature"] == 0 or sampling.get("seed") is not None
             key = (tuple(ids), own, -1 if dedupe else offset)
             groups.setdefault(key, []).append(base)
+            if faults.poisoned(prompt):
+                self._poison.add(key)
         return groups, errors
 
     def _generate(self, shard: Shard, todo: list[int], progress: dict[str, Any]) -> None:
@@ -232,8 +238,20 @@ class ShardWorker:
         progress["seconds"]["startup"] += startup
         if self.bar is not None and startup > 1.0:
             self.bar.unpause()  # rows/s and ETA from generation, not from the engine's start-up
+        suspects: dict[str, int] = progress["suspects"]
+        crashed = [r for r in todo if suspects.get(str(r), 0) >= CRASHES_TO_ISOLATE]
+        todo = [r for r in todo if r not in set(crashed)]
         groups, pending = self._requests(shard, todo, engine)
-        queue = deque(sorted(groups))  # sorted token ids: shared prefixes side by side
+        pending += self._crash_rows(crashed)
+        # Rows in flight at an engine death run one at a time first, so a row that kills the
+        # engine again is known exactly; sorted token ids put shared prefixes side by side.
+        isolate = sorted(k for k, members in groups.items() if any(str(m["row"]) in suspects for m in members))
+        queue = deque(isolate + sorted(set(groups) - set(isolate)))
+        n_isolate = len(isolate)
+        if isolate:
+            log.warning(
+                "shard %d: running %d rows in flight at the last engine death one at a time", shard.index, n_isolate
+            )
         in_flight: dict[str, RequestKey] = {}
         target = 2 * engine.max_num_seqs
         last_commit = t_gen = time.monotonic()
@@ -242,15 +260,18 @@ class ShardWorker:
             self.bar.update(len(pending))
         try:
             while queue or in_flight:
-                while queue and len(in_flight) < target:
+                while queue and len(in_flight) < (1 if n_isolate else target):
                     key = queue.popleft()
                     rid = f"{shard.index}-{seq}"
                     seq += 1
                     ids, own, _ = key
                     engine.add(rid, list(ids), engine.sampling_params(self._sampling(own)))
                     in_flight[rid] = key
+                    if key in self._poison:
+                        faults.kill_engine()
                 for c in engine.step():
                     members = groups.pop(in_flight.pop(c.request_id))
+                    n_isolate = max(0, n_isolate - 1)
                     pending.extend(self._result_row(m, c) for m in members)
                     if self.bar is not None:
                         self.bar.update(len(members))
@@ -271,6 +292,12 @@ class ShardWorker:
             stopping = isinstance(e, Stopped) or self.stop.signum is not None
             if in_flight and isinstance(e, Stopped):
                 engine.abort_all()
+            if isinstance(e, StorageError):
+                raise  # committing again would fail the same way; the log says what to fix
+            if not stopping:
+                for key in in_flight.values():
+                    for m in groups[key]:
+                        suspects[str(m["row"])] = suspects.get(str(m["row"]), 0) + 1
             if pending:
                 self._commit(shard, pending, progress, error=None if stopping else repr(e))
             elif not stopping:
@@ -279,6 +306,28 @@ class ShardWorker:
         progress["seconds"]["generate"] += time.monotonic() - t_gen
         if pending:
             self._commit(shard, pending, progress)
+
+    def _carried(self, row: dict[str, Any]) -> dict[str, Any]:
+        """The input columns carried into the output (input.columns), if any."""
+        columns = self.cfg["input"]["columns"]
+        return {"input": {c: get_path(row, c) for c in columns}} if columns else {}
+
+    def _crash_rows(self, rows: list[int]) -> list[dict[str, Any]]:
+        """Error rows for rows that were in flight at two engine deaths (isolated, not retried)."""
+        if not rows:
+            return []
+        inp = self.cfg["input"]
+        data = self.dataset.select(rows).to_list()
+        out = []
+        for index, row in zip(rows, data, strict=True):
+            id_ = row[inp["id_column"]] if inp["id_column"] else index
+            msg = (
+                f"row {index}: the engine died {CRASHES_TO_ISOLATE} times while this row was in flight "
+                f"(the second time alone); it is left out so the shard can finish. Check the Slurm log "
+                f"for the engine's error (out of memory, a kernel fault), or run this row alone"
+            )
+            out.append(dict(error_row(index, id_, "engine_crash", msg), **self._carried(row)))
+        return out
 
     def _commit(
         self, shard: Shard, rows: list[dict[str, Any]], progress: dict[str, Any], error: Optional[str] = None

@@ -7,64 +7,26 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import (
+    ROWS,
     assert_exactly_once,
+    committed_parts_are_whole,
     group_alive,
     kill_group,
-    model_overrides,
     project,
     read_output,
+    resume_and_check,
     run_cli,
-    write_corpus,
 )
 
 from batchinfer.config import compose
 from batchinfer.launch import run_local
-from batchinfer.store import RunDir, read_table
+from batchinfer.store import RunDir
 
 pytestmark = [pytest.mark.engine, pytest.mark.kill]
-ROWS = 600
-
-
-@pytest.fixture(scope="module")
-def workload(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path, engine: Any) -> dict[str, Any]:
-    """A corpus big enough for many commits per shard, and its uninterrupted output."""
-    d = tmp_path_factory.mktemp("kill")
-    corpus = d / "corpus.jsonl"
-    rows = write_corpus(corpus, ROWS, seed=7)
-    base = [
-        f"input.path={corpus}",
-        "input.id_column=id",
-        "sampling.max_tokens=24",
-        "sharding.num_shards=2",
-        "output.commit_every_rows=16",
-        *model_overrides(tiny_model_path),
-    ]
-    clean = read_output(run_local(compose([*base, f"output.dir={d}/clean"]), engine=engine).path)
-    assert_exactly_once(clean, rows)
-    return {"base": base, "rows": rows, "clean": clean, "dir": d}
-
-
-def resume_and_check(workload: dict[str, Any], out: Path, engine: Any) -> None:
-    """Finish the run in-process and compare with the uninterrupted run, row for row."""
-    run = run_local(compose([*workload["base"], f"output.dir={out}"]), engine=engine)
-    rows = read_output(run.path)
-    assert_exactly_once(rows, workload["rows"])
-    assert project(rows) == project(workload["clean"])
-
-
-def committed_parts_are_whole(out: Path) -> int:
-    """Every visible part reads back in full; returns the committed row count."""
-    run = RunDir(out)
-    total = 0
-    for shard in run.shards():
-        for p in run.parts(shard.index):
-            total += read_table(p, run.schema).num_rows
-    return total
 
 
 def test_sigkill_group_after_first_part_then_cli_resume(workload: dict[str, Any], clean_shm: None) -> None:
