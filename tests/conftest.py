@@ -114,17 +114,19 @@ def assert_own_output(out: dict, prompt_text: str) -> None:
 
 
 def run_cli(args: list[str], env: dict | None = None, timeout: float = 600, **kw: Any) -> subprocess.CompletedProcess:
-    """Run the batchinfer CLI in its own process group."""
+    """Run the batchinfer CLI in its own process group (its id is the result's `pid`)."""
     full_env = dict(os.environ, **(env or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "batchinfer.cli", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-        start_new_session=True,
-        **kw,
-    )
+    cmd = [sys.executable, "-m", "batchinfer.cli", *args]
+    opts = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True)
+    with subprocess.Popen(cmd, **opts, **kw) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            raise
+    res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    res.pid = proc.pid  # type: ignore[attr-defined]
+    return res
 
 
 def shm_entries() -> set[str]:

@@ -66,6 +66,7 @@ def test_fault_point_then_resume(workload: dict[str, Any], engine: Any, fault: s
     out = workload["dir"] / fault.replace(":", "-")
     res = run_cli(["run", *workload["base"], f"output.dir={out}"], env={"BATCHINFER_FAULT": fault})
     assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+    assert group_alive(res.pid) == []  # the whole group died: no engine process left behind
     run = RunDir(out)
     committed = committed_parts_are_whole(out)
     assert committed < ROWS
@@ -82,7 +83,7 @@ def test_kill_in_merge_then_merge_again(workload: dict[str, Any], engine: Any) -
     run = run_local(compose([*workload["base"], f"output.dir={out}"]), engine=engine)
     run.output_path.unlink()
     res = run_cli(["merge", str(out)], env={"BATCHINFER_FAULT": "in-merge"})
-    assert res.returncode == -signal.SIGKILL
+    assert res.returncode == -signal.SIGKILL and group_alive(res.pid) == []
     assert not run.output_path.exists() and (out / ".tmp-output.parquet").exists()
     res = run_cli(["merge", str(out)])
     assert res.returncode == 0 and f"merged {ROWS} rows" in res.stdout
