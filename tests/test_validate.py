@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from conftest import fake_model_dir, model_overrides, read_output, run_cli, write_corpus
+from conftest import run_overrides as overrides
 
 from batchinfer.config import compose
 from batchinfer.data import convert_input, detect_format
@@ -54,17 +55,6 @@ EXPECTED_ERRORS = {
 def write_rows(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
-
-
-def overrides(model: Path, corpus: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        f"input.path={corpus}",
-        f"output.dir={out}",
-        "input.id_column=id",
-        "sampling.max_tokens=4",
-        *model_overrides(model),
-        *extra,
-    ]
 
 
 def part_bytes(run_dir: Path) -> dict[str, bytes]:
