@@ -28,12 +28,15 @@ def percentile(counts: Counter[int], q: float) -> int:
 
 
 def histogram(counts: Counter[int], bins: int = 10) -> list[dict[str, int]]:
-    """Rows per equal-width bin of token lengths, [lo, hi] inclusive."""
-    lo, hi = min(counts), max(counts)
-    width = max(1, math.ceil((hi - lo + 1) / bins))
+    """Rows per equal-width bin of token lengths up to p99, [from, to] inclusive; the rare longer
+    prompts share one last bin, so that one outlier does not squeeze every other row into one bar."""
+    lo, hi, top = min(counts), percentile(counts, 0.99), max(counts)
+    width = max(1, math.ceil((hi - lo + 1) / (bins - 1 if top > hi else bins)))
     out = [{"from": a, "to": min(a + width - 1, hi), "rows": 0} for a in range(lo, hi + 1, width)]
+    if top > hi:
+        out.append({"from": hi + 1, "to": top, "rows": 0})
     for value, n in counts.items():
-        out[(value - lo) // width]["rows"] += n
+        out[len(out) - 1 if value > hi else (value - lo) // width]["rows"] += n
     return out
 
 
@@ -114,8 +117,8 @@ OVERLONG = {
 def overlong_outcome(policy: str, count: int, max_len: int) -> str:
     """What prompt.overlong does with the rows at or over max_model_len."""
     if not count:
-        return f"no prompt reaches max_model_len={max_len}"
-    return f"{count} row{'s' if count > 1 else ''} at or over max_model_len={max_len}: {OVERLONG[policy]}"
+        return f"no prompt reaches max_model_len={max_len:,}"
+    return f"{count:,} row{'s' if count > 1 else ''} at or over max_model_len={max_len:,}: {OVERLONG[policy]}"
 
 
 def validate(cfg: DictConfig) -> dict[str, Any]:
@@ -179,7 +182,7 @@ def format_report(r: dict[str, Any]) -> str:
         peak = max(b["rows"] for b in pt["histogram"])
         for b in pt["histogram"]:
             bar = "#" * max(1 if b["rows"] else 0, round(40 * b["rows"] / peak))
-            lines.append(f"  {b['from']:>7,} - {b['to']:<7,} {b['rows']:>9,}  {bar}")
+            lines.append(f"  {b['from']:>7,} - {b['to']:<7,} {b['rows']:>9,}  {bar}".rstrip())
     lines.append(f"overlong     {r['overlong']['outcome']} (prompt.overlong={r['overlong']['policy']})")
     for title, section in (("stops run", r["stops"]), ("error rows", r["error_rows"])):
         for kind, entry in section["by_kind"].items():

@@ -18,7 +18,8 @@ from batchinfer.config import compose
 from batchinfer.data import convert_input, detect_format
 from batchinfer.errors import InputError, RunDirError
 from batchinfer.launch import run_local
-from batchinfer.validate import percentile, validate
+from batchinfer.maxlen import derived_max_model_len
+from batchinfer.validate import histogram, percentile, validate
 
 REPO = Path(__file__).resolve().parent.parent
 LOGIN_NODE = """
@@ -71,6 +72,21 @@ def converted(tmp_path: Path, name: str, data: bytes) -> list[dict]:
 
 
 # ---------------------------------------------------------------- file level, no engine
+
+
+def test_histogram_keeps_outliers_in_one_last_bin_and_max_len_follows_vllm(tmp_path: Path) -> None:
+    counts = Counter(range(1, 101)) + Counter({5000: 1})
+    bins = histogram(counts)
+    assert len(bins) == 10 and bins[-1] == {"from": 101, "to": 5000, "rows": 1}
+    assert bins[0] == {"from": 1, "to": 12, "rows": 12} and sum(b["rows"] for b in bins) == 101
+    assert percentile(counts, 0.5) == 51 and histogram(Counter({7: 3})) == [{"from": 7, "to": 7, "rows": 3}]
+    model = tmp_path / "m"
+    model.mkdir()
+    rope = {"rope_type": "linear", "factor": 2.0}
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 4096, "rope_scaling": rope}))
+    assert derived_max_model_len(model) == (8192, "config.json max_position_embeddings x RoPE factor 2")
+    (model / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1024}))
+    assert derived_max_model_len(model) == (2048, "tokenizer_config.json model_max_length x RoPE factor 2")
 
 
 @pytest.mark.parametrize(
