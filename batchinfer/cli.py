@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default="H100-80GB", help="GPU preset (H100-80GB, H200-141GB, A100-40GB, ...) or `all`")
     p.add_argument("--sample", type=int, default=200, help="rows tokenized to estimate prompt tokens (default 200)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser(
+        "validate", help="read every row, build and count every prompt as a run would; no engine, no DIR"
+    )
+    _add_overrides(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser("status", help="per-shard state, totals, tokens/s and ETA")
     p.add_argument("dir")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -104,6 +109,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     report = estimate(to_dict(cfg), gpu=args.gpu, sample_rows=args.sample)
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
     return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """`batchinfer validate`: exit 0 when every row would run, 1 with error rows, 2 when the run would stop."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from batchinfer.validate import format_report, validate
+
+    cfg = _compose(args)
+    if args.cfg:
+        print(OmegaConf.to_yaml(cfg), end="")
+        return 0
+    report = validate(cfg)
+    print(json.dumps(report, indent=2, default=str) if args.json else format_report(report))
+    return report["exit_code"]
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -185,6 +207,7 @@ COMMANDS = {
     "run": cmd_run,
     "submit": cmd_submit,
     "plan": cmd_plan,
+    "validate": cmd_validate,
     "status": cmd_status,
     "resume": cmd_resume,
     "cancel": cmd_cancel,

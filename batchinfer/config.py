@@ -224,7 +224,7 @@ def compose(overrides: list[str], config_dir: Optional[str] = None) -> DictConfi
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
             cfg = hydra_compose(config_name="config", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(_first_lines(str(e))) from None
+        raise ConfigError(_override_error(e)) from None
     finally:
         GlobalHydra.instance().clear()
     validate(cfg)
@@ -237,11 +237,58 @@ def _first_lines(msg: str) -> str:
     return "\n".join(lines[:4])
 
 
+def _override_error(e: Exception) -> str:
+    """Hydra's "Error merging override k=v" names neither the type nor the range: add both."""
+    from omegaconf.errors import ValidationError
+
+    cause = e.__cause__
+    key = getattr(cause, "full_key", None)
+    if not isinstance(cause, ValidationError) or not key:
+        return _first_lines(str(e))
+    reason = str(cause).splitlines()[0]
+    allowed = _RANGES.get(key)
+    return f"{key}: {reason}" + (f"; {key} takes {allowed[1]}" if allowed else "")
+
+
 _CHOICES = {
     "prompt.mode": ("chat", "raw"),
     "prompt.overlong": ("error_row", "truncate_left", "truncate_right", "fail"),
     "output.format": ("jsonl", "parquet", "openai", "hf"),
     "input.format": (None, "jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf_disk", "openai"),
+}
+
+
+# key -> (check, what is allowed): vLLM or Slurm would reject these later, after submitting.
+_RANGES: dict[str, tuple[Any, str]] = {
+    "sampling.temperature": (lambda v: v >= 0, "a number >= 0 (0 is greedy)"),
+    "sampling.top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "sampling.top_k": (lambda v: v >= -1, "an integer: 0 or -1 (off), or >= 1"),
+    "sampling.min_p": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "sampling.max_tokens": (lambda v: v >= 1, "an integer >= 1"),
+    "sampling.min_tokens": (lambda v: v >= 0, "an integer >= 0"),
+    "sampling.n": (lambda v: v >= 1, "an integer >= 1"),
+    "sampling.logprobs": (lambda v: v >= -1, "an integer >= 0 (-1: the whole vocabulary)"),
+    "sampling.presence_penalty": (lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
+    "sampling.frequency_penalty": (lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
+    "sampling.repetition_penalty": (lambda v: v > 0, "a number > 0 (1 is off)"),
+    "model.gpu_memory_utilization": (lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
+    "model.max_model_len": (lambda v: v >= 1, "an integer >= 1"),
+    "model.tensor_parallel_size": (lambda v: v >= 1, "an integer >= 1"),
+    "model.pipeline_parallel_size": (lambda v: v >= 1, "an integer >= 1"),
+    "model.max_num_seqs": (lambda v: v >= 1, "an integer >= 1"),
+    "model.max_num_batched_tokens": (lambda v: v >= 1, "an integer >= 1"),
+    "sharding.num_shards": (lambda v: v >= 1, "an integer >= 1"),
+    "sharding.rows_per_shard": (lambda v: v >= 1, "an integer >= 1"),
+    "output.commit_every_rows": (lambda v: v >= 1, "an integer >= 1"),
+    "output.commit_every_seconds": (lambda v: v > 0, "a number of seconds > 0"),
+    "output.max_rows_per_file": (lambda v: v >= 1, "an integer >= 1"),
+    "cluster.time": (lambda v: v >= 1, "an integer number of minutes >= 1"),
+    "cluster.gpus_per_task": (lambda v: v >= 0, "an integer >= 0"),
+    "cluster.cpus_per_task": (lambda v: v >= 1, "an integer >= 1"),
+    "cluster.array_parallelism": (lambda v: v >= 1, "an integer >= 1"),
+    "cluster.shards_per_task": (lambda v: v >= 1, "an integer >= 1"),
+    "cluster.signal_lead_s": (lambda v: v >= 0, "an integer number of seconds >= 0"),
+    "cluster.max_attempts": (lambda v: v >= 1, "an integer >= 1"),
 }
 
 
@@ -255,19 +302,15 @@ def validate(cfg: DictConfig) -> None:
     sh = cfg.sharding
     if sh.num_shards is not None and sh.rows_per_shard is not None:
         raise ConfigError("set sharding.num_shards or sharding.rows_per_shard, not both")
-    for key in (
-        "sharding.num_shards",
-        "sharding.rows_per_shard",
-        "sampling.n",
-        "sampling.max_tokens",
-        "output.commit_every_rows",
-        "output.max_rows_per_file",
-        "cluster.shards_per_task",
-        "cluster.max_attempts",
-    ):
+    for key, (ok, allowed) in _RANGES.items():
         value = OmegaConf.select(cfg, key)
-        if value is not None and value < 1:
-            raise ConfigError(f"{key}={value} must be at least 1")
+        if value is not None and not ok(value):
+            raise ConfigError(f"{key}={value} is out of range: it takes {allowed}")
+    if cfg.sampling.min_tokens > cfg.sampling.max_tokens:
+        raise ConfigError(
+            f"sampling.min_tokens={cfg.sampling.min_tokens} is out of range: it takes at most "
+            f"sampling.max_tokens={cfg.sampling.max_tokens}"
+        )
     so = [k for k in ("choice", "regex", "json", "grammar") if cfg.sampling.structured_outputs[k] is not None]
     if len(so) > 1:
         raise ConfigError(f"sampling.structured_outputs: set one of choice, regex, json, grammar (got {', '.join(so)})")
@@ -278,8 +321,6 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"prompt.labels.names has duplicates: {list(labels)}")
     if cfg.sampling.seed_per_row and cfg.sampling.seed is None:
         raise ConfigError("sampling.seed_per_row=true needs sampling.seed (the base the row seeds derive from)")
-    if cfg.sampling.temperature < 0:
-        raise ConfigError(f"sampling.temperature={cfg.sampling.temperature} must be >= 0")
 
 
 def require_run_keys(cfg: DictConfig) -> None:

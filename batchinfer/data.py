@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ import pyarrow as pa
 
 from batchinfer.errors import InputError
 from batchinfer.openai_batch import convert_requests, looks_like_openai_batch
+from batchinfer.textfiles import COMPRESSION_SUFFIXES, first_line, open_text, scan_jsonl, text_lines
 
 FORMATS_BY_SUFFIX = {
     ".jsonl": "jsonl",
@@ -27,7 +27,6 @@ FORMATS_BY_SUFFIX = {
     ".ipc": "arrow",
 }
 FORMATS = ("jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf_disk", "openai")
-COMPRESSION_SUFFIXES = (".gz", ".zst", ".bz2", ".xz")
 GLOB_CHARS = set("*?[")
 HUB_PREFIX = "hf://datasets/"
 
@@ -129,18 +128,6 @@ def detect_format(files: list[Path], fmt: Optional[str]) -> str:
     return fmt
 
 
-def first_line(path: Path) -> str:
-    """The first non-empty line of a (possibly compressed) text file, or ''."""
-    try:
-        with open_text(path) as f:
-            for raw in f:
-                if raw.strip():
-                    return raw.decode("utf-8", errors="replace").removeprefix("\ufeff")
-    except OSError:
-        pass
-    return ""
-
-
 def file_fingerprint(files: list[Path], previous: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Content hash of every input file; reused when names, sizes and mtimes match the previous record."""
     members = sorted(f for p in files for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
@@ -156,67 +143,16 @@ def file_fingerprint(files: list[Path], previous: Optional[dict[str, Any]] = Non
     return {"files": stats, "size": sum(s[1] for s in stats), "fingerprint": h.hexdigest()}
 
 
-def open_text(path: Path) -> Any:
-    """Open a possibly compressed file for binary reading, by its suffix."""
-    name = path.name.lower()
-    if name.endswith(".gz"):
-        import gzip
-
-        return gzip.open(path, "rb")
-    if name.endswith(".bz2"):
-        import bz2
-
-        return bz2.open(path, "rb")
-    if name.endswith(".xz"):
-        import lzma
-
-        return lzma.open(path, "rb")
-    if name.endswith(".zst"):
-        import io
-
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")))
-    return open(path, "rb")
-
-
-def scan_jsonl(path: Path) -> int:
-    """Check every line decodes and parses; return the row count. Errors name file:line."""
-    rows = 0
-    with open_text(path) as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise InputError(
-                    f"{path}:{lineno}: invalid UTF-8 at byte {e.start}; re-encode the file as UTF-8"
-                ) from None
-            if lineno == 1:
-                line = line.removeprefix("\ufeff")
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(
-                    f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); fix or remove the line"
-                ) from None
-            if not isinstance(obj, dict):
-                raise InputError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
-            rows += 1
-    return rows
-
-
-def _load(files: list[Path], fmt: str, cache_dir: Path) -> Any:
+def _load(files: list[Path], fmt: str, cache_dir: Path, shown: str) -> Any:
     import datasets
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    # Its "Failed to read file" log lines would precede our own message about the same failure.
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     names = [str(f) for f in files]
     cache = str(cache_dir)
-    if fmt in ("jsonl", "openai"):
-        for f in files:
-            scan_jsonl(f)
+    if fmt in ("jsonl", "openai") and sum(scan_jsonl(f) for f in files) == 0:
+        raise InputError(f"{shown}: no rows (only blank lines); there is nothing to run")
     if fmt == "openai":
         cache_dir.mkdir(parents=True, exist_ok=True)
         convert_requests(files, cache_dir / "requests.parquet", open_text)
@@ -234,35 +170,52 @@ def _load(files: list[Path], fmt: str, cache_dir: Path) -> Any:
     raise InputError(f"input.format={fmt!r} is not supported ({', '.join(FORMATS)})")
 
 
+def _read_error(files: list[Path], fmt: str, shown: str, e: Exception) -> InputError:
+    """An unreadable input, said as file:line where the cause is bad UTF-8, else in the reader's words."""
+    if fmt in ("csv", "tsv", "json"):
+        for f in files:  # the readers name no line for bad UTF-8; this pass only runs on failure
+            for _ in text_lines(f):
+                pass
+    while e.__cause__ is not None and "error occurred while generating" in str(e):
+        e = e.__cause__  # datasets wraps the reader's own error in a message that says nothing
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    if "corresponds to no data" in reason:  # datasets' words for a header-only CSV
+        return InputError(f"{shown}: no rows (only a header); there is nothing to run")
+    return InputError(f"{shown}: cannot be read as {fmt} ({reason}); check the file or set input.format")
+
+
 def convert_input(
-    files: list[Path], fmt: str, dest: Path, id_column: Optional[str], columns: Optional[list[str]]
+    files: list[Path],
+    fmt: str,
+    dest: Path,
+    id_column: Optional[str],
+    columns: Optional[list[str]],
+    strict_ids: bool = True,
 ) -> int:
-    """Convert the input once into an Arrow dataset at dest; return its row count."""
+    """Convert the input once into an Arrow dataset at dest; return its row count. With strict_ids=False
+    null or duplicate ids are left for the caller to report (`batchinfer validate`)."""
     shown = str(files[0]) if len(files) == 1 else f"{files[0].parent}/ ({len(files)} files)"
     if all(f.is_file() and f.stat().st_size == 0 for f in files):
-        raise InputError(f"{shown}: the file is empty; there is nothing to run")
+        raise InputError(f"{shown}: no rows (the file is empty); there is nothing to run")
     tmp = dest.with_name(dest.name + ".tmp")
     cache = dest.with_name(".hf-cache")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         try:
-            ds = _load(files, fmt, cache)
+            ds = _load(files, fmt, cache, shown)
         except InputError:
             raise
-        except (ValueError, OSError, pa.ArrowException) as e:
-            if "corresponds to no data" in str(e):  # datasets' words for a header-only CSV
-                raise InputError(f"{shown}: no rows (only a header?); there is nothing to run") from None
-            raise InputError(
-                f"{shown}: cannot be read as {fmt} ({str(e).splitlines()[0][:300]}); check the file or set input.format"
-            ) from None
+        except Exception as e:  # the readers raise ValueError, OSError, ArrowException, DatasetGenerationError
+            raise _read_error(files, fmt, shown, e) from None
         if len(ds) == 0:
-            raise InputError(f"{shown}: no rows (only a header?); there is nothing to run")
+            raise InputError(f"{shown}: no rows; there is nothing to run")
         if id_column is not None:
             if id_column not in ds.column_names:
                 raise InputError(
                     f"{shown}: input.id_column={id_column!r} is not a column (columns: {', '.join(ds.column_names)})"
                 )
-            check_ids(shown, ds.data.column(id_column))
+            if strict_ids:
+                check_ids(shown, ds.data.column(id_column), id_column)
         for col in columns or []:
             column_type(ds.data.schema, col, shown)
         ds.save_to_disk(str(tmp))
@@ -296,16 +249,29 @@ def get_path(row: dict[str, Any], dotted: str) -> Any:
     return value
 
 
-def check_ids(path: Any, ids: pa.ChunkedArray) -> None:
-    """Ids must be present and unique; errors name the id and its rows."""
-    if ids.null_count:
-        row = ids.to_pylist().index(None)
-        raise InputError(f"{path}: row {row} has a null id; every row needs an id")
+def id_problems(ids: pa.ChunkedArray, column: str, limit: int = 5) -> tuple[int, list[str]]:
+    """Null and duplicate ids: how many rows have one, and the first `limit` said as messages."""
+    count, shown = 0, []
     seen: dict[Any, int] = {}
     for row, value in enumerate(ids.to_pylist()):
-        if value in seen:
-            raise InputError(f"{path}: duplicate id {value!r} in rows {seen[value]} and {row}; ids must be unique")
-        seen[value] = row
+        if value is None:
+            msg = f"row {row}: input.id_column {column!r} is null or missing; every row needs an id"
+        elif value in seen:
+            msg = f"duplicate id {value!r} in rows {seen[value]} and {row}; ids must be unique"
+        else:
+            seen[value] = row
+            continue
+        count += 1
+        if len(shown) < limit:
+            shown.append(msg)
+    return count, shown
+
+
+def check_ids(path: Any, ids: pa.ChunkedArray, column: str = "id") -> None:
+    """Ids must be present and unique; the error names the id and its rows."""
+    count, shown = id_problems(ids, column, limit=1)
+    if count:
+        raise InputError(f"{path}: {shown[0]}")
 
 
 def open_input(dest: Path) -> Any:

@@ -9,13 +9,9 @@ from typing import Any, Optional
 from batchinfer import sizing
 from batchinfer.config import DEFAULT_ROWS_PER_SHARD
 from batchinfer.errors import ConfigError
+from batchinfer.maxlen import max_model_len
 
 SAMPLE_ROWS = 200
-
-
-def _percentile(values: list[int], q: float) -> int:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
 def input_section(c: dict[str, Any], sample_rows: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -79,11 +75,15 @@ def prompt_section(
         "n": sampling["n"],
     }
     if counts:
+        from collections import Counter
+
+        from batchinfer.validate import percentile
+
         mean = sum(counts) / len(counts)
         out |= {
             "mean": round(mean, 1),
-            "p50": _percentile(counts, 0.5),
-            "p95": _percentile(counts, 0.95),
+            "p50": percentile(Counter(counts), 0.5),
+            "p95": percentile(Counter(counts), 0.95),
             "max": max(counts),
             "estimated_total": round(mean * rows),
             "at_or_over_max_model_len": sum(1 for n in counts if n >= max_len),
@@ -95,9 +95,7 @@ def model_section(c: dict[str, Any], folder: Path) -> tuple[sizing.ModelSize, di
     """Parameters, weight bytes and KV bytes per token of the configured model and quantization."""
     m, q = c["model"], c["quantization"]
     model = sizing.read_model(folder)
-    max_len = m["max_model_len"] or model.max_position
-    if not max_len:
-        raise ConfigError(f"{folder}/config.json has no max_position_embeddings: set model.max_model_len")
+    max_len, _ = max_model_len(m["max_model_len"], folder)
     method = q["method"]
     if model.quant_method:
         method = model.quant_method  # the checkpoint's own; vLLM reads it from config.json

@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,15 @@ log = logging.getLogger("batchinfer")
 
 def resolve_config(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """Plain config with the input resolved, and the input's fingerprint record."""
+    c, files = resolve_input(cfg)
+    previous = None
+    if c["output"]["dir"] and RunDir(c["output"]["dir"]).exists():
+        previous = RunDir(c["output"]["dir"]).run["input"]
+    return c, file_fingerprint(files, previous)
+
+
+def resolve_input(cfg: DictConfig) -> tuple[dict[str, Any], list[Path]]:
+    """Plain config with input path, format, labels and model resolved, and the input files."""
     require_run_keys(cfg)
     c = to_dict(cfg)
     files = input_files(c["input"]["path"], c["input"]["split"])
@@ -59,10 +69,23 @@ def resolve_config(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
         c["output"]["format"] = "openai"
     apply_labels(c)
     c["model"]["path"], c["model"]["revision"] = resolve_model(c["model"]["path"], c["model"]["revision"])
-    previous = None
-    if c["output"]["dir"] and RunDir(c["output"]["dir"]).exists():
-        previous = RunDir(c["output"]["dir"]).run["input"]
-    return c, file_fingerprint(files, previous)
+    return c, files
+
+
+def check_writable(path: Path) -> None:
+    """Create and remove a file in path, or in its nearest existing parent; ConfigError naming the reason.
+    os.access cannot tell: it says yes to root whatever the mode bits."""
+    where = Path(os.path.abspath(path))
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        fd, name = tempfile.mkstemp(prefix=".batchinfer-write-test-", dir=where)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise ConfigError(
+            f"output.dir {path}: not writable ({e.strerror}: {where}); choose a writable output.dir"
+        ) from None
 
 
 def run_dir_for(c: dict[str, Any], fp: str) -> RunDir:
@@ -92,19 +115,24 @@ def prepare(cfg: DictConfig) -> RunDir:
             old["config"] = c  # only settings outside the fingerprint differ (commit intervals, cluster)
             run.write_run(old)
         return run
-    _create(run, c, keys, fp, input_record)
+    created = not run.path.exists()
+    try:
+        _create(run, c, keys, fp, input_record)
+    except BaseException:
+        if created:  # a bad input leaves no half-made DIR behind
+            shutil.rmtree(run.path, ignore_errors=True)
+        raise
     return run
 
 
 def _create(run: RunDir, c: dict[str, Any], keys: dict[str, Any], fp: str, input_record: dict[str, Any]) -> None:
+    check_writable(run.path)
     try:
         run.path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(
             f"output.dir {run.path}: cannot create it ({e.strerror}); choose a writable output.dir"
         ) from None
-    if not os.access(run.path, os.W_OK):
-        raise ConfigError(f"output.dir {run.path}: not writable; choose a writable output.dir")
     inp = c["input"]
     shutil.rmtree(run.input_dir, ignore_errors=True)
     log.info("converting %s (%s) into %s", inp["path"], inp["format"], run.input_dir)

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from batchinfer.data import open_text
 from batchinfer.errors import InputError
 from batchinfer.openai_batch import request_row
+from batchinfer.textfiles import open_text
 
 
 def spread(rows: int, k: int) -> list[int]:

@@ -99,6 +99,33 @@ def _fields(value: Any) -> Any:
     return value
 
 
+# Values a template field cannot take: str.format would paste Python's repr ([1, 2], {'a': 1}).
+NOT_TEXT = {list: "a list", tuple: "a list", dict: "an object (dict)", _Fields: "an object (dict)", bytes: "bytes"}
+
+
+class _RowFormatter(string.Formatter):
+    """str.format over one row: a field that is missing, null, or not text, a number or a bool
+    raises RowError naming it."""
+
+    def get_field(self, field_name: str, args: Any, kwargs: Any) -> Any:
+        try:
+            value, first = super().get_field(field_name, args, kwargs)
+        except (KeyError, AttributeError, IndexError, TypeError):
+            raise RowError("prompt", f"field {field_name!r} is missing in this row; {BRACES_HINT}") from None
+        if value is None:
+            raise RowError("prompt", f"field {field_name!r} is null or missing")
+        if type(value) in NOT_TEXT:
+            raise RowError(
+                "prompt",
+                f"field {field_name!r} is {NOT_TEXT[type(value)]}, not a string, number or bool; "
+                f"to put JSON in a prompt, write it into a string column first (json.dumps)",
+            )
+        return value, first
+
+
+_FORMATTER = _RowFormatter()
+
+
 class PromptBuilder:
     """Renders rows into prompts: template, system prompt, few-shot examples, chat or raw."""
 
@@ -134,20 +161,14 @@ class PromptBuilder:
         return messages
 
     def fill(self, template: str, row: dict[str, Any]) -> str:
-        """str.format the template over a row's fields; errors name the field."""
-        for name in template_fields(template):
-            if name not in row:
-                raise RowError("prompt", f"field {name!r} is missing; {BRACES_HINT}")
-            if row[name] is None:
-                raise RowError("prompt", f"field {name!r} is null")
+        """str.format the template over a row's fields (strings, numbers, bools); errors name the field."""
         try:
-            text = template.format(**{k: _fields(v) for k, v in row.items()})
-        except (KeyError, AttributeError) as e:
-            raise RowError("prompt", f"field {e.args[0]!r} is missing in this row; {BRACES_HINT}") from None
-        except (IndexError, ValueError, TypeError) as e:
+            text = _FORMATTER.vformat(template, (), {k: _fields(v) for k, v in row.items()})
+        except (IndexError, ValueError, TypeError) as e:  # e.g. a format spec the value's type refuses
             raise RowError("prompt", f"prompt.template cannot be filled: {e!r}; {BRACES_HINT}") from None
         if not text.strip():
-            raise RowError("prompt", "the prompt is empty")
+            blank = [n for n in template_fields(template) if isinstance(row.get(n), str) and not row[n].strip()]
+            raise RowError("prompt", "the prompt is empty" + (f" (field {blank[0]!r} is blank)" if blank else ""))
         return text
 
     def _row_messages(self, messages: Any) -> Messages:

@@ -130,17 +130,31 @@ class LoginTokenizer:
 
     def count_chat(self, messages: list[dict[str, Any]], chat_template_kwargs: Optional[dict[str, Any]] = None) -> int:
         """Prompt tokens of a chat: template rendered, then encoded without special tokens (the template has them)."""
-        text = self.render(messages, chat_template_kwargs)
-        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return self.count(messages, chat_template_kwargs)
 
     def count_raw(self, text: str) -> int:
         """Prompt tokens of a raw text prompt: encoded with special tokens, as vLLM does for a text prompt."""
-        # tokenizer.json's post-processor decides BOS/EOS: transformers 5 ignores tokenizer_config's
-        # add_bos_token/add_eos_token whenever a tokenizer.json exists.
-        return len(self.tokenizer.encode(text, add_special_tokens=True).ids)
+        return self.count(text)
+
+    def prompt_text(self, prompt: Any, chat_template_kwargs: Optional[dict[str, Any]] = None) -> tuple[str, bool]:
+        """The text vLLM tokenizes for a built prompt, and whether special tokens are added to it."""
+        if isinstance(prompt, str):
+            # tokenizer.json's post-processor decides BOS/EOS: transformers 5 ignores tokenizer_config's
+            # add_bos_token/add_eos_token whenever a tokenizer.json exists.
+            return prompt, True
+        return self.render(prompt, chat_template_kwargs), False  # the template has the special tokens
 
     def count(self, prompt: Any, chat_template_kwargs: Optional[dict[str, Any]] = None) -> int:
         """Prompt tokens of a built prompt: a str is raw, a list of messages is a chat."""
-        if isinstance(prompt, str):
-            return self.count_raw(prompt)
-        return self.count_chat(prompt, chat_template_kwargs)
+        text, special = self.prompt_text(prompt, chat_template_kwargs)
+        return len(self.tokenizer.encode(text, add_special_tokens=special).ids)
+
+    def encode_texts(self, texts: list[tuple[str, bool]]) -> list[list[int]]:
+        """Token ids of many prompt_text() results, in one parallel batch per special-token setting."""
+        out: list[list[int]] = [[] for _ in texts]
+        for special in (True, False):
+            where = [i for i, (_, s) in enumerate(texts) if s == special]
+            encoded = self.tokenizer.encode_batch([texts[i][0] for i in where], add_special_tokens=special)
+            for i, enc in zip(where, encoded, strict=True):
+                out[i] = enc.ids
+        return out

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -18,8 +17,8 @@ from batchinfer import faults
 from batchinfer.data import Shard, get_path, open_input
 from batchinfer.engine import Completion, installed_versions
 from batchinfer.errors import InputError, StorageError
-from batchinfer.openai_batch import ROW_SAMPLING
 from batchinfer.prompts import Prompt, PromptBuilder, RowError
+from batchinfer.row_sampling import row_sampling
 from batchinfer.schema import error_row, rows_to_table
 from batchinfer.store import RunDir, ShardLock, holder_info, read_json, write_json
 
@@ -142,27 +141,8 @@ class ShardWorker:
         return dict(self.cfg["sampling"], **json.loads(own)) if own else self.cfg["sampling"]
 
     def _row_sampling(self, row: dict[str, Any], id_: Any) -> str:
-        """A row's own sampling overrides as canonical JSON ("" when none): an OpenAI request's
-        fields, input.sampling_column, and the row's seed under sampling.seed_per_row."""
-        own: dict[str, Any] = json.loads(row.get(ROW_SAMPLING) or "{}")
-        column = self.cfg["input"]["sampling_column"]
-        if column and row.get(column) is not None:
-            value = row[column]
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except json.JSONDecodeError as e:
-                    raise RowError("sampling", f"field {column!r} is not a JSON object: {e}") from None
-            if not isinstance(value, dict):
-                raise RowError("sampling", f"field {column!r} must be an object of SamplingParams, got {value!r}")
-            unknown = sorted(set(value) - set(self.cfg["sampling"]) - {"structured_outputs"})
-            if unknown:
-                raise RowError("sampling", f"field {column!r} has unknown sampling keys {unknown}")
-            own.update({k: v for k, v in value.items() if v is not None})
-        s = self.cfg["sampling"]
-        if s["seed_per_row"] and "seed" not in own:
-            own["seed"] = row_seed(s["seed"], id_)
-        return json.dumps(own, sort_keys=True) if own else ""
+        """A row's own sampling overrides as canonical JSON ("" when none)."""
+        return row_sampling(self.cfg, row, id_)
 
     def _reproducibility(self) -> dict[str, Any]:
         """What a reader needs to reproduce these rows: model, revision, settings, software, hardware."""
@@ -373,12 +353,6 @@ class ShardWorker:
             if labels["confidence"] and row["label"] is not None and c.logprob is not None:
                 row["label_confidence"] = math.exp(c.logprob)
         return row
-
-
-def row_seed(seed: int, id_: Any) -> int:
-    """A row's own seed: stable across runs, shards and resumes; 31 bits, as every backend takes."""
-    digest = hashlib.blake2b(f"{seed}:{id_!r}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") & 0x7FFFFFFF
 
 
 def _versions() -> dict[str, Any]:

@@ -50,6 +50,18 @@ def model_overrides(model: Path) -> list[str]:
     return [f"model.path={model}", *ENGINE_OVERRIDES]
 
 
+def run_overrides(model: Path, corpus: Path, out: Path, *extra: str) -> list[str]:
+    """A small run of corpus into out on the tiny model, with the shared engine's settings."""
+    return [
+        f"input.path={corpus}",
+        f"output.dir={out}",
+        "input.id_column=id",
+        "sampling.max_tokens=6",
+        *model_overrides(model),
+        *extra,
+    ]
+
+
 def fake_model_dir(parent: Path) -> Path:
     """A folder that passes the model.path check, for tests that never start an engine."""
     d = parent / "fake-model"

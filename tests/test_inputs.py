@@ -110,7 +110,7 @@ def test_merged_parquet_loads_with_datasets(tmp_path: Path, tiny_model_path: Pat
 
 def test_input_errors_name_the_problem(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
     (tmp_path / "header.csv").write_text("id,text\n")
-    with pytest.raises(InputError, match=r"header.csv: no rows \(only a header\?\)"):
+    with pytest.raises(InputError, match=r"header.csv: no rows \(only a header\); there is nothing to run"):
         run(tmp_path, tiny_model_path, engine, str(tmp_path / "header.csv"))
     with pytest.raises(InputError, match=r"nothing-\*.jsonl: the pattern matches no file"):
         run(tmp_path, tiny_model_path, engine, str(tmp_path / "nothing-*.jsonl"))

@@ -10,7 +10,8 @@ from typing import Any
 import datasets
 import pyarrow.parquet as pq
 import pytest
-from conftest import assert_exactly_once, model_overrides, read_output, write_corpus
+from conftest import assert_exactly_once, read_output, write_corpus
+from conftest import run_overrides as overrides
 
 from batchinfer.config import compose, to_dict
 from batchinfer.errors import ConfigError, InputError
@@ -18,17 +19,6 @@ from batchinfer.launch import run_local
 from batchinfer.store import read_json
 
 pytestmark = pytest.mark.engine
-
-
-def overrides(model: Path, corpus: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        f"input.path={corpus}",
-        f"output.dir={out}",
-        "input.id_column=id",
-        "sampling.max_tokens=6",
-        *model_overrides(model),
-        *extra,
-    ]
 
 
 def test_labels_preset_writes_label_and_confidence(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_exactly_once, assert_own_output, model_overrides, project, read_output, write_corpus
+from conftest import assert_exactly_once, assert_own_output, project, read_output, write_corpus
+from conftest import run_overrides as overrides
 
 from batchinfer.config import compose
 from batchinfer.errors import ConfigError
@@ -18,17 +19,6 @@ from batchinfer.merge import merge
 from batchinfer.store import read_json, read_table
 
 pytestmark = pytest.mark.engine
-
-
-def overrides(model: Path, corpus: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        f"input.path={corpus}",
-        f"output.dir={out}",
-        "input.id_column=id",
-        "sampling.max_tokens=6",
-        *model_overrides(model),
-        *extra,
-    ]
 
 
 @pytest.mark.parametrize(("in_fmt", "out_fmt"), [("jsonl", "parquet"), ("parquet", "jsonl")])

@@ -72,12 +72,38 @@ def test_unknown_key_is_named() -> None:
 
 
 def test_wrong_type_and_choice_are_named() -> None:
-    with pytest.raises(ConfigError, match="sampling.max_tokens"):
-        compose(["sampling.max_tokens=lots"])
+    with pytest.raises(ConfigError) as e:
+        compose(["sampling.max_tokens=abc"])
+    assert str(e.value) == (
+        "sampling.max_tokens: Value 'abc' of type 'str' could not be converted to Integer; "
+        "sampling.max_tokens takes an integer >= 1"
+    )
     with pytest.raises(ConfigError, match=r"prompt.mode='poem' is not one of: chat, raw"):
         compose(["prompt.mode=poem"])
     with pytest.raises(ConfigError, match="not both"):
         compose(["sharding.num_shards=2", "sharding.rows_per_shard=5"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("sampling.temperature=-1", "sampling.temperature=-1.0 is out of range: it takes a number >= 0 (0 is greedy)"),
+        ("sampling.top_p=1.5", "sampling.top_p=1.5 is out of range: it takes a number in (0, 1]"),
+        ("sharding.num_shards=0", "sharding.num_shards=0 is out of range: it takes an integer >= 1"),
+        (
+            "model.gpu_memory_utilization=1.5",
+            "model.gpu_memory_utilization=1.5 is out of range: it takes a fraction in (0, 1]",
+        ),
+        (
+            "sampling.min_tokens=300",
+            "sampling.min_tokens=300 is out of range: it takes at most sampling.max_tokens=256",
+        ),
+    ],
+)
+def test_out_of_range_values_name_key_and_range(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        compose([override])
+    assert str(e.value) == message
 
 
 def test_template_taken_literally_from_the_shell() -> None:
@@ -104,26 +130,33 @@ def test_plan_shards_by_count_and_size() -> None:
 def test_scan_jsonl_names_the_line(tmp_path: Path) -> None:
     p = tmp_path / "bad.jsonl"
     p.write_bytes(b'{"text": "a"}\n{"text": "b"}\n{"text": oops}\n')
-    with pytest.raises(InputError, match=r"bad.jsonl:3: not valid JSON"):
+    with pytest.raises(InputError) as e:
         scan_jsonl(p)
+    assert str(e.value) == f"{p}:3: not valid JSON (Expecting value at column 10); fix or remove the line"
     p.write_bytes(b'{"text": "a"}\n{"text": "\xff"}\n')
-    with pytest.raises(InputError, match=r"bad.jsonl:2: invalid UTF-8"):
+    with pytest.raises(InputError) as e:
         scan_jsonl(p)
+    assert str(e.value) == f"{p}:2: invalid UTF-8 at byte 10 of the line, file offset 24; re-encode the file as UTF-8"
 
 
 def test_missing_and_empty_input(tmp_path: Path) -> None:
     with pytest.raises(InputError, match=r"input.path .*nope.jsonl: no such file"):
         prepare(compose(fake_overrides(tmp_path, tmp_path / "nope.jsonl")))
     (tmp_path / "empty.jsonl").write_text("")
-    with pytest.raises(InputError, match=r"empty.jsonl: the file is empty"):
+    with pytest.raises(InputError, match=r"empty.jsonl: no rows \(the file is empty\); there is nothing to run"):
         prepare(compose(fake_overrides(tmp_path, tmp_path / "empty.jsonl")))
 
 
 def test_duplicate_ids_and_unknown_template_field(tmp_path: Path) -> None:
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"id": "a", "text": "x"}\n{"id": "b", "text": "y"}\n{"id": "a", "text": "z"}\n')
-    with pytest.raises(InputError, match=r"duplicate id 'a' in rows 0 and 2"):
+    with pytest.raises(InputError, match=r"duplicate id 'a' in rows 0 and 2; ids must be unique"):
         prepare(compose(fake_overrides(tmp_path, corpus, "input.id_column=id")))
+    corpus.write_text('{"id": "a", "text": "x"}\n{"text": "y"}\n{"id": null, "text": "z"}\n')
+    with pytest.raises(InputError) as e:
+        prepare(compose(fake_overrides(tmp_path, corpus, "input.id_column=id")))
+    assert str(e.value) == f"{corpus}: row 1: input.id_column 'id' is null or missing; every row needs an id"
+    assert not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match=r"uses \{body\} .* no column 'body' .*\{\{ or \}\}"):
         prepare(compose(fake_overrides(tmp_path, corpus, "prompt.template=Say {body}")))
 
@@ -139,10 +172,31 @@ def test_prompt_builder_chat_raw_and_row_errors() -> None:
     ]
     raw = PromptBuilder({"template": "Q: {text} {{json}}", "system": None, "mode": "raw"})
     assert raw.build({"text": "hi"}) == "Q: hi {json}"
-    with pytest.raises(RowError, match="field 'text' is null"):
+    with pytest.raises(RowError, match="^field 'text' is null or missing$"):
         b.build({"text": None})
-    with pytest.raises(RowError, match="prompt is empty"):
+    with pytest.raises(RowError, match=r"^the prompt is empty \(field 'text' is blank\)$"):
         PromptBuilder({"template": "{text}", "system": None, "mode": "raw"}).build({"text": "  "})
+
+
+def test_template_fields_take_text_numbers_and_bools_not_lists_or_objects() -> None:
+    b = PromptBuilder({"template": "{text} n={n} ok={ok} {meta.k}", "system": None, "mode": "raw"})
+    assert b.build({"text": "t", "n": 2.5, "ok": True, "meta": {"k": 7}}) == "t n=2.5 ok=True 7"
+    cases = [
+        ({"text": ["a", "b"]}, "field 'text' is a list, not a string, number or bool"),
+        ({"meta": {"k": {"x": 1}}}, "field 'meta.k' is an object (dict), not a string, number or bool"),
+        ({"meta": {"k": None}}, "field 'meta.k' is null or missing"),
+        ({"meta": {"j": 1}}, "field 'meta.k' is missing in this row"),
+    ]
+    for change, message in cases:
+        with pytest.raises(RowError) as e:
+            b.build({"text": "t", "n": 1, "ok": False, "meta": {"k": 1}} | change)
+        assert e.value.kind == "prompt" and e.value.message.startswith(message), e.value.message
+    with pytest.raises(RowError) as e:
+        PromptBuilder({"template": "Tags: {meta}", "system": None, "mode": "raw"}).build({"meta": [1]})
+    assert e.value.message == (
+        "field 'meta' is a list, not a string, number or bool; "
+        "to put JSON in a prompt, write it into a string column first (json.dumps)"
+    )
 
 
 def test_overlong_policies() -> None:
@@ -225,7 +279,7 @@ def test_fake_engine_run_commits_often_dedupes_and_merges_in_order(tmp_path: Pat
     assert [r["row"] for r in out] == list(range(30))
     assert [r["id"] for r in out] == [r["id"] for r in rows]
     assert out[7]["text"] == out[9]["text"] == "len11"
-    assert out[11]["error"] == {"kind": "prompt", "message": "row 11: field 'text' is null"}
+    assert out[11]["error"] == {"kind": "prompt", "message": "row 11: field 'text' is null or missing"}
     assert stats["rows"] == 30 and stats["errors"] == {"prompt": 1}
     done = json.loads(run.done_path(0).read_text())
     assert done["device"] == "fake device" and done["model"]["path"] == run.run["config"]["model"]["path"]

@@ -1,0 +1,85 @@
+"""Reading text inputs line by line: compressed files, UTF-8 with file:line errors, JSON lines checks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from batchinfer.errors import InputError
+
+COMPRESSION_SUFFIXES = (".gz", ".zst", ".bz2", ".xz")
+
+
+def first_line(path: Path) -> str:
+    """The first non-empty line of a (possibly compressed) text file, or ''."""
+    try:
+        with open_text(path) as f:
+            for raw in f:
+                if raw.strip():
+                    return raw.decode("utf-8", errors="replace").removeprefix("\ufeff")
+    except OSError:
+        pass
+    return ""
+
+
+def open_text(path: Path) -> Any:
+    """Open a possibly compressed file for binary reading, by its suffix."""
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        import gzip
+
+        return gzip.open(path, "rb")
+    if name.endswith(".bz2"):
+        import bz2
+
+        return bz2.open(path, "rb")
+    if name.endswith(".xz"):
+        import lzma
+
+        return lzma.open(path, "rb")
+    if name.endswith(".zst"):
+        import io
+
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")))
+    return open(path, "rb")
+
+
+def text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a (possibly compressed) UTF-8 file, a leading BOM dropped; a line that is
+    not UTF-8 raises InputError naming file:line and the byte."""
+    offset = 0
+    compressed = path.name.lower().endswith(COMPRESSION_SUFFIXES)
+    with open_text(path) as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                # Offsets in a compressed file would point into its decompressed text: the line is enough.
+                where = "" if compressed else f", file offset {offset + e.start}"
+                raise InputError(
+                    f"{path}:{lineno}: invalid UTF-8 at byte {e.start} of the line{where}; re-encode the file as UTF-8"
+                ) from None
+            offset += len(raw)
+            yield lineno, line.removeprefix("\ufeff") if lineno == 1 else line
+
+
+def scan_jsonl(path: Path) -> int:
+    """Check every line decodes and parses; return the row count. Errors name file:line."""
+    rows = 0
+    for lineno, line in text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(
+                f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); fix or remove the line"
+            ) from None
+        if not isinstance(obj, dict):
+            raise InputError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
+        rows += 1
+    return rows

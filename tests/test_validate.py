@@ -1,0 +1,242 @@
+"""Bad input end to end, and `batchinfer validate`: the same prompts, errors and token counts as a run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import fake_model_dir, model_overrides, read_output, run_cli, write_corpus
+from conftest import run_overrides as overrides
+
+from batchinfer.config import compose
+from batchinfer.data import convert_input, detect_format
+from batchinfer.errors import InputError, RunDirError
+from batchinfer.launch import run_local
+from batchinfer.maxlen import derived_max_model_len
+from batchinfer.validate import histogram, percentile, validate
+
+REPO = Path(__file__).resolve().parent.parent
+LOGIN_NODE = """
+import sys
+from batchinfer.cli import main
+code = main(sys.argv[1:])
+heavy = sorted(m for m in ("vllm", "torch", "transformers") if m in sys.modules)
+print("CODE", code, "HEAVY", heavy)
+"""
+# One row of each row-level problem; the others are fine (numbers and bools format as text).
+BAD_ROWS = [
+    {"id": "ok-0", "text": "the quick brown fox"},
+    {"id": "missing"},
+    {"id": "null", "text": None},
+    {"id": "list", "text": ["a", "b"]},
+    {"id": "dict", "text": {"a": 1}},
+    {"id": "empty", "text": "   "},
+    {"id": "long", "text": "abstract " * 300},
+    {"id": "number", "text": 42},
+    {"id": "bool", "text": True},
+    {"id": "params", "text": "hello world", "params": {"bogus": 1}},
+]
+EXPECTED_ERRORS = {
+    1: ("prompt", "row 1: field 'text' is null or missing"),
+    2: ("prompt", "row 2: field 'text' is null or missing"),
+    3: ("prompt", "row 3: field 'text' is a list, not a string, number or bool; to put JSON in a prompt, "),
+    4: ("prompt", "row 4: field 'text' is an object (dict), not a string, number or bool; to put JSON in a "),
+    5: ("prompt", "row 5: the prompt is empty (field 'text' is blank)"),
+    6: ("overlong", "row 6: prompt has "),
+    9: ("sampling", "row 9: field 'params' has unknown sampling keys ['bogus']"),
+}
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def part_bytes(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.glob("shards/*/part-*"))}
+
+
+def converted(tmp_path: Path, name: str, data: bytes) -> list[dict]:
+    path = tmp_path / name
+    path.write_bytes(data)
+    convert_input([path], detect_format([path], None), tmp_path / "input", None, None)
+    import datasets
+
+    return datasets.load_from_disk(str(tmp_path / "input")).to_list()
+
+
+# ---------------------------------------------------------------- file level, no engine
+
+
+def test_histogram_keeps_outliers_in_one_last_bin_and_max_len_follows_vllm(tmp_path: Path) -> None:
+    counts = Counter(range(1, 101)) + Counter({5000: 1})
+    bins = histogram(counts)
+    assert len(bins) == 10 and bins[-1] == {"from": 101, "to": 5000, "rows": 1}
+    assert bins[0] == {"from": 1, "to": 12, "rows": 12} and sum(b["rows"] for b in bins) == 101
+    assert percentile(counts, 0.5) == 51 and histogram(Counter({7: 3})) == [{"from": 7, "to": 7, "rows": 3}]
+    model = tmp_path / "m"
+    model.mkdir()
+    rope = {"rope_type": "linear", "factor": 2.0}
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 4096, "rope_scaling": rope}))
+    assert derived_max_model_len(model) == (8192, "config.json max_position_embeddings x RoPE factor 2")
+    (model / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1024}))
+    assert derived_max_model_len(model) == (2048, "tokenizer_config.json model_max_length x RoPE factor 2")
+
+
+@pytest.mark.parametrize(
+    "name, data, message",
+    [
+        ("empty.jsonl", b"", "{p}: no rows (the file is empty); there is nothing to run"),
+        ("blank.jsonl", b"  \n\n\t\r\n", "{p}: no rows (only blank lines); there is nothing to run"),
+        (
+            "latin1.csv",
+            b"id,text\na,x\nb,caf\xe9\n",
+            "{p}:3: invalid UTF-8 at byte 5 of the line, file offset 17; re-encode the file as UTF-8",
+        ),
+    ],
+)
+def test_file_level_problems_name_the_file_and_line(tmp_path: Path, name: str, data: bytes, message: str) -> None:
+    with pytest.raises(InputError) as e:
+        converted(tmp_path, name, data)
+    assert str(e.value) == message.format(p=tmp_path / name)
+
+
+@pytest.mark.parametrize(
+    "name, data",
+    [
+        ("bom-crlf.jsonl", b'\xef\xbb\xbf{"id": "a", "text": "x y"}\r\n{"id": "b", "text": "z"}\r\n'),
+        ("bom-crlf.csv", b"\xef\xbb\xbfid,text\r\na,x y\r\nb,z\r\n"),
+    ],
+)
+def test_bom_and_crlf_are_accepted_and_leave_no_trace(tmp_path: Path, name: str, data: bytes) -> None:
+    assert converted(tmp_path, name, data) == [{"id": "a", "text": "x y"}, {"id": "b", "text": "z"}]
+
+
+def test_unwritable_output_dir_stops_before_anything(tmp_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 3)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    args = ["run", f"input.path={corpus}", f"model.path={fake_model_dir(tmp_path)}", f"output.dir={ro}/run"]
+    # Root writes through chmod: a read-only tmpfs in a private mount namespace is what refuses.
+    script = f'mount -t tmpfs -o size=64k,ro tmpfs {ro} && exec "$0" -m batchinfer.cli "$@"'
+    res = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, sys.executable, *args], capture_output=True, text=True, cwd=REPO
+    )
+    assert res.returncode == 2, res.stderr
+    assert (
+        f"batchinfer: error: output.dir {ro}/run: not writable (Read-only file system: {ro}); "
+        "choose a writable output.dir" in res.stderr
+    )
+    assert "Traceback" not in res.stderr and os.listdir(ro) == []
+
+
+# ---------------------------------------------------------------- through the engine
+
+
+@pytest.mark.engine
+def test_row_problems_become_error_rows_and_validate_predicts_them(
+    tmp_path: Path, tiny_model_path: Path, engine: Any
+) -> None:
+    corpus = write_rows(tmp_path / "bad.jsonl", BAD_ROWS)
+    ov = overrides(tiny_model_path, corpus, tmp_path / "run", "input.sampling_column=params")
+    out = read_output(run_local(compose(ov), engine=engine).path)
+    assert [r["id"] for r in out] == [r["id"] for r in BAD_ROWS]  # every row exactly once
+    errors = {r["row"]: (r["error"]["kind"], r["error"]["message"]) for r in out if r["error"]}
+    assert set(errors) == set(EXPECTED_ERRORS)
+    for row, (kind, start) in EXPECTED_ERRORS.items():
+        assert errors[row][0] == kind and errors[row][1].startswith(start), errors[row]
+    assert out[7]["text"] and out[8]["text"]  # 42 and True formatted into the prompt
+
+    report = validate(compose(ov))
+    predicted = {
+        ex["row"]: (kind, ex["message"])
+        for kind, entry in report["error_rows"]["by_kind"].items()
+        for ex in entry["examples"]
+    }
+    assert predicted == errors  # the same code builds the prompts: the same messages
+    assert {k: e["count"] for k, e in report["error_rows"]["by_kind"].items()} == {
+        "prompt": 5,
+        "overlong": 1,
+        "sampling": 1,
+    }
+    assert report["exit_code"] == 1 and report["would_run"] == 3 and report["stops"]["count"] == 0
+    assert report["overlong"]["outcome"] == "1 row at or over max_model_len=128: error rows (kind overlong)"
+
+    cut = validate(compose([*ov, "prompt.overlong=truncate_left"]))
+    assert "overlong" not in cut["error_rows"]["by_kind"] and cut["overlong"]["rows"] == 1
+    stop = validate(compose([*ov, "prompt.overlong=fail"]))
+    assert stop["exit_code"] == 2 and stop["stops"]["by_kind"]["overlong"]["examples"][0]["row"] == 6
+
+
+@pytest.mark.engine
+def test_fixed_input_or_bad_config_leave_committed_rows_alone(
+    tmp_path: Path, tiny_model_path: Path, engine: Any
+) -> None:
+    corpus = write_rows(tmp_path / "bad.jsonl", BAD_ROWS[:4])
+    ov = overrides(tiny_model_path, corpus, tmp_path / "run")
+    run_local(compose(ov), engine=engine)
+    before = part_bytes(tmp_path / "run")
+    assert before
+    write_rows(corpus, [dict(r, text="fixed") for r in BAD_ROWS[:4]])
+    with pytest.raises(RunDirError, match=r"made with a different config: input.fingerprint \("):
+        run_local(compose(ov), engine=engine)
+    res = run_cli(["run", *ov, "sampling.top_p=1.5"])
+    assert res.returncode == 2
+    assert "batchinfer: error: sampling.top_p=1.5 is out of range: it takes a number in (0, 1]" in res.stderr
+    assert part_bytes(tmp_path / "run") == before
+
+
+@pytest.mark.engine
+def test_clean_corpus_validates_and_counts_like_vllm(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
+    corpus = tmp_path / "clean.jsonl"
+    write_corpus(corpus, 60, seed=5, max_words=30)
+    ov = overrides(tiny_model_path, corpus, tmp_path / "run", "prompt.system=Be brief", "prompt.template=Topic: {text}")
+    out = read_output(run_local(compose(ov), engine=engine).path)
+    vllm_counts = Counter(r["prompt_tokens"] for r in out)
+    report = validate(compose(ov))
+    pt = report["prompt_tokens"]
+    assert report["exit_code"] == 0 and report["error_rows"]["count"] == 0 and report["would_run"] == 60
+    assert pt["rows"] == 60 and pt["total"] == sum(r["prompt_tokens"] for r in out)
+    assert (pt["min"], pt["max"]) == (min(vllm_counts), max(vllm_counts))
+    assert [pt["p50"], pt["p90"], pt["p99"]] == [percentile(vllm_counts, q) for q in (0.5, 0.9, 0.99)]
+    assert sum(b["rows"] for b in pt["histogram"]) == 60
+    assert report["model"]["max_model_len"] == 128 and report["model"]["max_model_len_source"] == "model.max_model_len"
+
+
+def test_validate_cli_exit_codes_and_no_engine_imports(tmp_path: Path, tiny_model_path: Path) -> None:
+    bad = write_rows(tmp_path / "bad.jsonl", BAD_ROWS)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+
+    def login(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-c", LOGIN_NODE, "validate", *args, *model_overrides(tiny_model_path)]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env)
+
+    res = login(f"input.path={bad}", "input.id_column=id")
+    assert "CODE 1 HEAVY []" in res.stdout, res.stderr
+    assert "error rows   prompt: 5" in res.stdout
+    assert "id 'missing': row 1: field 'text' is null or missing" in res.stdout
+    assert not (tmp_path / "runs").exists()  # validate makes no run directory
+
+    dup = write_rows(tmp_path / "dup.jsonl", [{"id": "a", "text": "x"}, {"id": "b", "text": "y"}, {"id": "a"}])
+    res = run_cli(["validate", "--json", f"input.path={dup}", "input.id_column=id", *model_overrides(tiny_model_path)])
+    report = json.loads(res.stdout)
+    assert res.returncode == 2 and report["exit_code"] == 2
+    assert report["stops"]["by_kind"]["ids"]["examples"] == [
+        {"message": f"{dup}: duplicate id 'a' in rows 0 and 2; ids must be unique"}
+    ]
+    assert report["error_rows"]["by_kind"]["prompt"]["count"] == 1  # reported too, though ids stop the run
+
+    (tmp_path / "broken.jsonl").write_text('{"id": "a", "text": "x"}\n{"id": "b", text}\n')
+    res = login(f"input.path={tmp_path / 'broken.jsonl'}")
+    assert "CODE 2 HEAVY []" in res.stdout
+    assert f"batchinfer: error: {tmp_path}/broken.jsonl:2: not valid JSON (Expecting property name" in res.stderr
+    res = run_cli(["validate", f"input.path={bad}", f"model.path={tmp_path}/nope"])
+    assert res.returncode == 2 and f"model.path {tmp_path}/nope: no model folder with a config.json there" in res.stderr
+    assert "Traceback" not in res.stderr
