@@ -220,9 +220,13 @@ class ShardWorker:
             self.bar.unpause()  # rows/s and ETA from generation, not from the engine's start-up
         suspects: dict[str, int] = progress["suspects"]
         crashed = [r for r in todo if suspects.get(str(r), 0) >= CRASHES_TO_ISOLATE]
-        todo = [r for r in todo if r not in set(crashed)]
+        if crashed:
+            todo = sorted(set(todo) - set(crashed))
+        t_tok = time.monotonic()
         groups, pending = self._requests(shard, todo, engine)
         pending += self._crash_rows(crashed)
+        # Rendering + tokenizing prompts is part of the work (LLM.chat does it inside its call).
+        progress["seconds"]["tokenize"] = progress["seconds"].get("tokenize", 0.0) + time.monotonic() - t_tok
         # Rows in flight at an engine death run one at a time first, so a row that kills the
         # engine again is known exactly; sorted token ids put shared prefixes side by side.
         isolate = sorted(k for k, members in groups.items() if any(str(m["row"]) in suspects for m in members))

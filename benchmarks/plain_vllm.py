@@ -1,0 +1,56 @@
+"""(a) Plain vLLM as the classic Slurm batch script runs it: one LLM.chat over all rows.
+
+usage: python plain_vllm.py ROWS.jsonl MODEL MAX_TOKENS [--system S] [--choice a,b] [--max-model-len N]
+prints one JSON line: startup, generate seconds, prompt and output tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def main() -> None:
+    """Run and report."""
+    p = argparse.ArgumentParser()
+    p.add_argument("rows")
+    p.add_argument("model")
+    p.add_argument("max_tokens", type=int)
+    p.add_argument("--system")
+    p.add_argument("--choice")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    a = p.parse_args()
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    llm = LLM(model=a.model, dtype="bfloat16", max_model_len=a.max_model_len, enforce_eager=True, seed=0)
+    startup = time.perf_counter() - t0
+    rows = [json.loads(line) for line in open(a.rows)]
+    so = StructuredOutputsParams(choice=a.choice.split(",")) if a.choice else None
+    params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, structured_outputs=so)
+    system = [{"role": "system", "content": a.system}] if a.system else []
+    conversations = [[*system, {"role": "user", "content": r["text"]}] for r in rows]
+    t1 = time.perf_counter()
+    outs = llm.chat(conversations, params, use_tqdm=False)
+    generate = time.perf_counter() - t1
+    texts = [o.outputs[0].text for o in outs]
+    with open(a.rows + ".plain-out.jsonl", "w") as f:
+        for r, t in zip(rows, texts, strict=True):
+            f.write(json.dumps({"id": r["id"], "text": t}) + "\n")
+    print(
+        json.dumps(
+            {
+                "startup": startup,
+                "generate": generate,
+                "rows": len(outs),
+                "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+                "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
