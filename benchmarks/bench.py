@@ -32,7 +32,8 @@ def run_json(cmd: list[str]) -> dict[str, Any]:
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[:4])} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    # vLLM logs to stdout as well: the result is the last line that is a JSON object.
+    return json.loads(next(ln for ln in reversed(res.stdout.splitlines()) if ln.startswith('{"startup"')))
 
 
 def plain(rows: Path, p: Profile) -> dict[str, Any]:
@@ -75,7 +76,7 @@ def pipeline(rows: Path, p: Profile, out: Path) -> dict[str, Any]:
 
 
 def hf(rows: Path, p: Profile) -> dict[str, Any]:
-    """(c) transformers generate in batches of 16, on the first 32 rows (it is slow)."""
+    """(c) transformers generate in batches of 8, on the first 16 rows (it is slow)."""
     cmd = [sys.executable, str(HERE / "hf_generate.py"), str(rows), str(MODEL), str(p.max_tokens)]
     cmd += ["--system", p.system] if p.system else []
     r = run_json(cmd)

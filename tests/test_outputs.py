@@ -251,3 +251,26 @@ def test_reasoning_goes_to_its_own_column(tmp_path: Path, tiny_model_path: Path)
         assert r["text"] in ("yes", "no") and 3 <= len(r["reasoning"]) <= 8 and r["reasoning"].isalpha(), r
         assert "<think>" not in r["text"] and math.isfinite(r["output_tokens"])
     assert run.run["output_schema"]["columns"]["reasoning"] == "string"
+
+
+def test_ngram_speculative_decoding_keeps_greedy_outputs(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
+    """speculative=ngram is a throughput knob: same rows as without it, on its own engine."""
+    from batchinfer.engine import Engine, llm_kwargs
+
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 24, seed=26)
+    plain = read_output(run_local(compose(overrides(tiny_model_path, corpus, tmp_path / "plain")), engine=engine).path)
+    cfg = compose(overrides(tiny_model_path, corpus, tmp_path / "spec", "speculative=ngram"))
+    assert llm_kwargs(to_dict(cfg))["speculative_config"]["method"] == "ngram"
+    eng = Engine(to_dict(cfg))
+    try:
+        run = run_local(cfg, engine=eng)
+    finally:
+        eng.close()
+    out = read_output(run.path)
+    assert_exactly_once(out, rows)
+    assert [(r["text"], r["output_tokens"]) for r in out] == [(r["text"], r["output_tokens"]) for r in plain]
+    # Not in the fingerprint: a run may switch it on or off when resumed.
+    from batchinfer.store import RunDir
+
+    assert RunDir(tmp_path / "plain").run["fingerprint"] == run.run["fingerprint"]
