@@ -21,11 +21,13 @@ from batchinfer.errors import InputError, StorageError
 from batchinfer.openai_batch import ROW_SAMPLING
 from batchinfer.prompts import Prompt, PromptBuilder, RowError
 from batchinfer.schema import error_row, rows_to_table
+from batchinfer.stats import with_rates
 from batchinfer.store import RunDir, ShardLock, holder_info, read_json, write_json
 
 log = logging.getLogger("batchinfer")
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 CRASHES_TO_ISOLATE = 2  # engine deaths with a row in flight before that row becomes an error row
+SERIES_POINTS = 500  # progress.json keeps at most this many {t, rows_done, output_tokens} points
 
 
 RequestKey = tuple[tuple[int, ...], str, int]  # prompt tokens, row's own sampling (JSON), -1 or row offset
@@ -133,7 +135,7 @@ class ShardWorker:
             if todo:
                 self._generate(shard, todo, progress)
             faults.point("before-done")
-            done = dict(progress, finished=time.time(), **self._reproducibility())
+            done = dict(with_rates(progress), finished=time.time(), **self._reproducibility())
             write_json(self.run.done_path(shard.index), done)
             return done
 
@@ -197,7 +199,10 @@ class ShardWorker:
             "failures": old.get("failures", 0),
             # rows in flight when the engine died, with how often; done rows drop out
             "suspects": {r: n for r, n in old.get("suspects", {}).items() if int(r) not in rows},
-            "seconds": old.get("seconds", {"startup": 0.0, "generate": 0.0, "commit": 0.0}),
+            "seconds": old.get("seconds", {"startup": 0.0, "prepare": 0.0, "generate": 0.0, "commit": 0.0}),
+            # prompt tokens sent to the engine and those it served from its prefix cache (None: not reported)
+            "prefix_cache": old.get("prefix_cache"),
+            "series": old.get("series", []),  # one point per commit, for charts
             "_rows": rows,
         }
 
@@ -236,8 +241,12 @@ class ShardWorker:
         self.device = getattr(engine, "device", None)
         startup = time.monotonic() - t0
         progress["seconds"]["startup"] += startup
+        t_prepare = time.monotonic()
         if self.bar is not None and startup > 1.0:
             self.bar.unpause()  # rows/s and ETA from generation, not from the engine's start-up
+        if progress["prefix_cache"] is None and getattr(engine, "prefix_caching", False):
+            progress["prefix_cache"] = {"queries": 0, "hits": 0}
+        cache = progress["prefix_cache"]
         suspects: dict[str, int] = progress["suspects"]
         crashed = [r for r in todo if suspects.get(str(r), 0) >= CRASHES_TO_ISOLATE]
         todo = [r for r in todo if r not in set(crashed)]
@@ -255,6 +264,9 @@ class ShardWorker:
         in_flight: dict[str, RequestKey] = {}
         target = 2 * engine.max_num_seqs
         last_commit = t_gen = time.monotonic()
+        # tokenizing and grouping requests holds the GPU too (older records lack the key)
+        progress["seconds"]["prepare"] = progress["seconds"].get("prepare", 0.0) + t_gen - t_prepare
+        add_point(progress)  # generation starts: the gap since the last attempt's commit shows as 0 tok/s
         seq = 0
         if self.bar is not None and pending:
             self.bar.update(len(pending))
@@ -273,6 +285,9 @@ class ShardWorker:
                     members = groups.pop(in_flight.pop(c.request_id))
                     n_isolate = max(0, n_isolate - 1)
                     pending.extend(self._result_row(m, c) for m in members)
+                    if cache is not None and c.cached_tokens is not None:
+                        cache["queries"] += c.prompt_tokens
+                        cache["hits"] += c.cached_tokens
                     if self.bar is not None:
                         self.bar.update(len(members))
                 faults.point("in-generate")
@@ -344,11 +359,12 @@ class ShardWorker:
             if r["error"]:
                 progress["errors"][r["error"]["kind"]] = progress["errors"].get(r["error"]["kind"], 0) + 1
         progress["seconds"]["commit"] += time.monotonic() - t0
+        add_point(progress)
         self._write_progress(shard, progress, error=error)
         faults.point("after-progress")
 
     def _write_progress(self, shard: Shard, progress: dict[str, Any], error: Optional[str] = None) -> None:
-        record = dict(progress, updated=time.time(), holder=holder_info())
+        record = dict(with_rates(progress), updated=time.time(), holder=holder_info())
         if error:
             record["last_error"] = error
         write_json(self.run.progress_path(shard.index), record)
@@ -379,6 +395,16 @@ def row_seed(seed: int, id_: Any) -> int:
     """A row's own seed: stable across runs, shards and resumes; 31 bits, as every backend takes."""
     digest = hashlib.blake2b(f"{seed}:{id_!r}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") & 0x7FFFFFFF
+
+
+def add_point(progress: dict[str, Any]) -> None:
+    """Append a time-series point; past SERIES_POINTS, every other point goes (first and last stay)."""
+    series = progress["series"]
+    series.append(
+        {"t": round(time.time(), 1), "rows_done": progress["rows_done"], "output_tokens": progress["output_tokens"]}
+    )
+    if len(series) > SERIES_POINTS:
+        series[:] = series[:-1:2] + series[-1:]
 
 
 def _versions() -> dict[str, Any]:
