@@ -26,14 +26,24 @@ def _pyplot() -> Any:
     return plt
 
 
-def rate_steps(series: list[dict[str, Any]], t0: float) -> tuple[list[float], list[float]]:
-    """(minutes since t0, output tok/s) between consecutive points, as steps."""
-    xs, ys = [], []
-    for a, b in zip(series, series[1:], strict=False):
-        dt = b["t"] - a["t"]
-        if dt > 0:
+def rate_steps(series: list[dict[str, Any]], t0: float, window: float) -> tuple[list[float], list[float]]:
+    """(minutes since t0, output tok/s) as steps over windows of at least `window` seconds: requests
+    finish in bursts (a batch ends together), so the rate between two close commits means little."""
+    cuts = [series[0]]
+    for b in series[1:]:
+        if b["t"] - cuts[-1]["t"] >= window:
+            cuts.append(b)
+    if cuts[-1] is not series[-1]:  # a short tail joins the window before it
+        if len(cuts) > 1:
+            cuts[-1] = series[-1]
+        else:
+            cuts.append(series[-1])
+    xs: list[float] = []
+    ys: list[float] = []
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        if b["t"] > a["t"]:
             xs += [(a["t"] - t0) / 60, (b["t"] - t0) / 60]
-            ys += [(b["output_tokens"] - a["output_tokens"]) / dt] * 2
+            ys += [(b["output_tokens"] - a["output_tokens"]) / (b["t"] - a["t"])] * 2
     return xs, ys
 
 
@@ -44,13 +54,14 @@ def throughput_chart(shards: list[dict[str, Any]], path: Path) -> bool:
         return False
     plt = _pyplot()
     t0 = min(s["series"][0]["t"] for s in with_series)
+    window = (max(s["series"][-1]["t"] for s in with_series) - t0) / 60  # ~60 steps across the run
     fig, ax = plt.subplots(figsize=(8, 4))
     for s in with_series:
-        xs, ys = rate_steps(s["series"], t0)
+        xs, ys = rate_steps(s["series"], t0, window)
         label = f"shard {s['shard']}" if len(with_series) <= LEGEND_MAX else None
         ax.plot(xs, ys, linewidth=1.2, label=label)
     ax.set(xlabel="minutes since the first shard started generating", ylabel="output tokens/s")
-    ax.set_title("Output tokens/s per shard, between commits")
+    ax.set_title("Output tokens/s per shard (between commits at least a 60th of the run apart)")
     ax.set_ylim(bottom=0)
     if len(with_series) <= LEGEND_MAX:
         ax.legend(fontsize="small")

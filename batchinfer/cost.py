@@ -86,9 +86,7 @@ def cost(
 
 def cost_lines(c: dict[str, Any]) -> list[str]:
     """The cost section of the report, as markdown lines."""
-    what = (
-        "CPU tasks (cluster.gpus_per_task=0), counted as 1 GPU each" if c["cpu"] else f"{c['gpus_per_task']} per task"
-    )
+    what = "CPU tasks, no GPU: each counted as 1 GPU" if c["cpu"] else f"{c['gpus_per_task']} per task"
     lines = [f"- GPU-hours: {c['gpu_hours']:,.4f} (start-up + prepare + generate + commit seconds x GPUs: {what})"]
     if "usd" in c:
         lines.append(

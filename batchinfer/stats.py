@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 from batchinfer.store import RunDir, read_json
 
 PHASES = ("startup", "prepare", "generate", "commit")  # seconds a task holds its GPUs, by what it does
+SERIES_POINTS = 500  # progress.json keeps at most this many {t, rows_done, output_tokens} points
 
 
 def with_rates(progress: dict[str, Any]) -> dict[str, Any]:
@@ -21,6 +23,16 @@ def with_rates(progress: dict[str, Any]) -> dict[str, Any]:
         total_tokens_per_s=round((prompt + output) / gen, 2) if gen else None,
         prefix_cache_hit_rate=round(cache["hits"] / cache["queries"], 4) if cache.get("queries") else None,
     )
+
+
+def add_point(progress: dict[str, Any]) -> None:
+    """Append a time-series point; past SERIES_POINTS, every other point goes (first and last stay)."""
+    series = progress["series"]
+    series.append(
+        {"t": round(time.time(), 1), "rows_done": progress["rows_done"], "output_tokens": progress["output_tokens"]}
+    )
+    if len(series) > SERIES_POINTS:
+        series[:] = series[:-1:2] + series[-1:]
 
 
 def shard_record(run: RunDir, index: int) -> dict[str, Any]:

@@ -21,13 +21,12 @@ from batchinfer.errors import InputError, StorageError
 from batchinfer.openai_batch import ROW_SAMPLING
 from batchinfer.prompts import Prompt, PromptBuilder, RowError
 from batchinfer.schema import error_row, rows_to_table
-from batchinfer.stats import with_rates
+from batchinfer.stats import add_point, with_rates
 from batchinfer.store import RunDir, ShardLock, holder_info, read_json, write_json
 
 log = logging.getLogger("batchinfer")
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 CRASHES_TO_ISOLATE = 2  # engine deaths with a row in flight before that row becomes an error row
-SERIES_POINTS = 500  # progress.json keeps at most this many {t, rows_done, output_tokens} points
 
 
 RequestKey = tuple[tuple[int, ...], str, int]  # prompt tokens, row's own sampling (JSON), -1 or row offset
@@ -395,16 +394,6 @@ def row_seed(seed: int, id_: Any) -> int:
     """A row's own seed: stable across runs, shards and resumes; 31 bits, as every backend takes."""
     digest = hashlib.blake2b(f"{seed}:{id_!r}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") & 0x7FFFFFFF
-
-
-def add_point(progress: dict[str, Any]) -> None:
-    """Append a time-series point; past SERIES_POINTS, every other point goes (first and last stay)."""
-    series = progress["series"]
-    series.append(
-        {"t": round(time.time(), 1), "rows_done": progress["rows_done"], "output_tokens": progress["output_tokens"]}
-    )
-    if len(series) > SERIES_POINTS:
-        series[:] = series[:-1:2] + series[-1:]
 
 
 def _versions() -> dict[str, Any]:

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import fake_model_dir, model_overrides, read_output, run_cli, write_corpus
+from conftest import fake_model_dir, read_output, run_cli, write_corpus
+from test_run import overrides
 
 from batchinfer.config import compose
 from batchinfer.cost import GPU_HOUR_PRICES, cost
 from batchinfer.report import summarize
-from batchinfer.stats import PHASES, with_rates
-from batchinfer.worker import SERIES_POINTS, add_point
+from batchinfer.stats import PHASES, SERIES_POINTS, add_point, with_rates
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -85,17 +85,8 @@ def test_rates_and_eta_of_running_tasks() -> None:
 # ---------------------------------------------------------------- real runs (shared engine)
 
 
-def report_overrides(model: Path, corpus: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        f"input.path={corpus}",
-        f"output.dir={out}",
-        "input.id_column=id",
-        "sampling.max_tokens=6",
-        "sharding.num_shards=3",
-        "output.commit_every_rows=8",
-        *model_overrides(model),
-        *extra,
-    ]
+def report_overrides(model: Path, corpus: Path, out: Path) -> list[str]:
+    return overrides(model, corpus, out, "sharding.num_shards=3", "output.commit_every_rows=8")
 
 
 def assert_png(path: Path) -> None:
@@ -144,13 +135,13 @@ def test_report_of_a_finished_run(tmp_path: Path, tiny_model_path: Path, engine:
     assert c["cpu"] and c["gpus_per_task"] == 1 and c["gpu_hours"] == pytest.approx(seconds / 3600, rel=1e-12)
     assert c["usd"] == c["gpu_hours"] * 2.5 and c["usd_per_1k_output_tokens"] == 1000 * c["usd"] / 540
     assert c["usd_per_1k_total_tokens"] == 1000 * c["usd"] / (tot["prompt_tokens"] + 540)
-    assert c["joules_per_output_token"] == 300 * c["gpu_hours"] * 3600 / 540
+    assert c["joules_per_output_token"] == pytest.approx(300 * c["gpu_hours"] * 3600 / 540, rel=1e-12)
     # The table (report.md, printed) shows the same totals; the charts are real PNGs.
     text = run_cli(["report", str(run.path), "--gpu-hour-price", "2.5"]).stdout
     md = (run.path / "report" / "report.md").read_text()
     assert text.startswith(md) and "finished: 3 shards, 90 rows" in md
     assert f"| **total** | **90** | **{tot['prompt_tokens']:,}** | **540** |" in md
-    assert f"cost ${c['usd']:,.4f}" in md and "CPU tasks (cluster.gpus_per_task=0)" in md
+    assert f"cost ${c['usd']:,.4f}" in md and "CPU tasks, no GPU: each counted as 1 GPU" in md
     for name in ("throughput.png", "time-split.png", "lengths.png"):
         assert_png(run.path / "report" / name)
         assert f"]({name})" in md
@@ -195,3 +186,11 @@ def test_report_imports_no_vllm_or_torch(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-c", LOGIN_NODE, *args], capture_output=True, text=True, timeout=120)
     assert "CODE 0 HEAVY []" in res.stdout, res.stdout + res.stderr
     assert "**partial run**: 0 of 1 shards done" in res.stdout and "GPU-hours: 0.0000" in res.stdout
+
+
+def test_readme_lists_the_preset_prices() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    names = next(ln for ln in readme.splitlines() if ln.startswith("| `--gpu` |"))
+    prices = next(ln for ln in readme.splitlines() if ln.startswith("| assumed $/GPU-hour |"))
+    cells = [[c.strip() for c in ln.strip("|").split("|")[1:]] for ln in (names, prices)]
+    assert dict(zip(cells[0], map(float, cells[1]), strict=True)) == GPU_HOUR_PRICES
