@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="per-shard state, totals, tokens/s and ETA")
     p.add_argument("dir")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("report", help="throughput table, charts and cost of a run, into DIR/report/")
+    p.add_argument("dir")
+    p.add_argument("--gpu-hour-price", type=float, metavar="USD", help="price of one GPU-hour (wins over --gpu)")
+    p.add_argument("--gpu", metavar="PRESET", help="price from a GPU preset's assumed list price (H100-80GB, ...)")
+    p.add_argument("--gpu-watts", type=float, metavar="W", help="average power per GPU, for kWh and J per token")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of the table")
     p = sub.add_parser("resume", help="resubmit only incomplete shards with the frozen config")
     p.add_argument("dir")
     p.add_argument("overrides", nargs="*", help="settings outside the fingerprint, e.g. cluster.time=120")
@@ -149,6 +155,22 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """`batchinfer report DIR`."""
+    import json
+
+    from batchinfer.report import write_report
+    from batchinfer.store import RunDir
+
+    run = RunDir(args.dir)
+    run.run  # noqa: B018  (refuses a folder without run.yaml)
+    rep, text = write_report(run, price=args.gpu_hour_price, gpu=args.gpu, watts=args.gpu_watts)
+    print(json.dumps(rep, indent=2) if args.json else text, end="" if not args.json else "\n")
+    if not args.json:
+        print(f"written: {run.path / 'report'}/")
+    return 0
+
+
 def cmd_resume(args: argparse.Namespace) -> int:
     """`batchinfer resume DIR`."""
     from batchinfer.launch import resume
@@ -209,6 +231,7 @@ COMMANDS = {
     "plan": cmd_plan,
     "validate": cmd_validate,
     "status": cmd_status,
+    "report": cmd_report,
     "resume": cmd_resume,
     "cancel": cmd_cancel,
     "worker": cmd_worker,

@@ -28,6 +28,7 @@ class Completion:
     output_tokens: int
     reasoning: Optional[list[Optional[str]]] = None  # per sample, when model.reasoning_parser is set
     logprob: Optional[float] = None  # first sample's cumulative logprob, when logprobs were asked for
+    cached_tokens: Optional[int] = None  # prompt tokens served from the prefix cache (None: not reported)
 
 
 def model_key(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -138,6 +139,7 @@ class Engine:
         vc = self.engine.vllm_config
         self.max_model_len: int = vc.model_config.max_model_len
         self.max_num_seqs: int = vc.scheduler_config.max_num_seqs
+        self.prefix_caching = bool(vc.cache_config.enable_prefix_caching)
         self.startup_seconds = time.monotonic() - start
         self.device = device_name()
         self._closed = False
@@ -230,6 +232,8 @@ class Engine:
                     output_tokens=sum(len(s.token_ids) for s in samples),
                     reasoning=[r for r, _ in split] if self._reasoner is not None else None,
                     logprob=samples[0].cumulative_logprob if samples else None,
+                    # Set by the scheduler for every request, also with stat logging off (LLM's default).
+                    cached_tokens=getattr(out, "num_cached_tokens", None),
                 )
             )
         return done

@@ -1,4 +1,5 @@
-"""`status`: per-shard state from the run directory plus squeue/sacct, totals, tokens/s, ETA."""
+"""`status`: per-shard state from the run directory plus squeue/sacct, totals, tokens/s, ETA;
+`report`: the throughput table, charts and cost of a finished or partial run."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from batchinfer.stats import markdown_table, shard_stats, totals, with_rates
 from batchinfer.store import RunDir, read_json
 
 RUNNING = {"RUNNING", "COMPLETING", "CONFIGURING"}
@@ -61,11 +63,16 @@ def shard_status(run: RunDir, states: dict[str, str]) -> list[dict[str, Any]]:
     for shard in run.shards():
         rec: dict[str, Any] = {"shard": shard.index, "rows": shard.rows, "rows_done": 0, "output_tokens": 0}
         progress_path = run.done_path(shard.index) if run.is_done(shard.index) else run.progress_path(shard.index)
-        progress = read_json(progress_path) if progress_path.is_file() else {}
+        progress = with_rates(read_json(progress_path) if progress_path.is_file() else {})
+        gen = progress.get("seconds", {}).get("generate", 0.0)
         rec.update(
             rows_done=progress.get("rows_done", 0),
             output_tokens=progress.get("output_tokens", 0),
-            generate_seconds=progress.get("seconds", {}).get("generate", 0.0),
+            generate_seconds=gen,
+            output_tokens_per_s=progress["output_tokens_per_s"],
+            total_tokens_per_s=progress["total_tokens_per_s"],
+            rows_per_s=round(progress.get("rows_done", 0) / gen, 3) if gen else None,
+            updated=progress.get("updated"),
             attempts=progress.get("attempts", 0),
         )
         task = tasks.get(shard.index)
@@ -93,15 +100,40 @@ def shard_status(run: RunDir, states: dict[str, str]) -> list[dict[str, Any]]:
     return out
 
 
+def running_rates(records: list[dict[str, Any]]) -> tuple[float, float, int]:
+    """(rows/s, output tok/s, tasks) of the running array tasks together. A task's shards run one at
+    a time, so each running task counts once, at the rate of its most recently updated shard; a task
+    without a rate yet (its engine is starting) counts at the mean rate of the shards that have one."""
+    known = [r for r in records if r["rows_per_s"]]
+    mean = (
+        (sum(r["rows_per_s"] for r in known) / len(known), sum(r["output_tokens_per_s"] for r in known) / len(known))
+        if known
+        else (0.0, 0.0)
+    )
+    tasks: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        if r["state"] == "running":
+            tasks.setdefault(r["job"], []).append(r)
+    rows_s = tokens_s = 0.0
+    for shards in tasks.values():
+        rated = [r for r in shards if r["rows_per_s"]]
+        if rated:
+            r = max(rated, key=lambda r: r["updated"] or 0)
+            rows_s, tokens_s = rows_s + r["rows_per_s"], tokens_s + r["output_tokens_per_s"]
+        else:
+            rows_s, tokens_s = rows_s + mean[0], tokens_s + mean[1]
+    return rows_s, tokens_s, len(tasks)
+
+
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Totals, output tokens/s over generation time, and an ETA from the running shards' rate."""
+    """Totals; output tokens/s of one task while generating (all tokens over all generate seconds) and
+    of the running tasks together; ETA = rows left / the running tasks' rows/s."""
     rows = sum(r["rows"] for r in records)
     done = sum(r["rows_done"] for r in records)
     tokens = sum(r["output_tokens"] for r in records)
     gen = sum(r["generate_seconds"] for r in records)
-    rate_rows = done / gen if gen else 0.0
-    running = sum(1 for r in records if r["state"] == "running")
-    eta = (rows - done) / (rate_rows * running) if rate_rows and running and done < rows else None
+    rows_s, tokens_s, running = running_rates(records)
+    eta = (rows - done) / rows_s if rows_s and done < rows else None
     counts: dict[str, int] = {}
     for r in records:
         counts[r["state"]] = counts.get(r["state"], 0) + 1
@@ -112,6 +144,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "rows_done": done,
         "output_tokens": tokens,
         "output_tokens_per_s": round(tokens / gen, 1) if gen else None,
+        "running_tasks": running,
+        "running_output_tokens_per_s": round(tokens_s, 1) if running else None,
+        "running_rows_per_s": round(rows_s, 3) if running else None,
         "eta_seconds": round(eta) if eta is not None else None,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
@@ -119,22 +154,87 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def format_status(run: RunDir, records: list[dict[str, Any]], totals: dict[str, Any]) -> str:
     """A plain table for people and Slurm logs."""
-    lines = [f"{run.path}", f"{'shard':>5}  {'state':<8} {'rows':>15}  {'job':<14} {'attempts':>8}  note"]
+    head = f"{'shard':>5}  {'state':<8} {'rows':>15}  {'tok/s':>8}  {'job':<14} {'attempts':>8}  note"
+    lines = [f"{run.path}", head]
     for r in records:
         rows = f"{r['rows_done']} of {r['rows']}"
+        tps = f"{r['output_tokens_per_s']:.1f}" if r["output_tokens_per_s"] else "-"
         note = r.get("error") or ""
         lines.append(
-            f"{r['shard']:>5}  {r['state']:<8} {rows:>15}  {r['job'] or '-':<14} {r['attempts']:>8}  {note[:100]}"
+            f"{r['shard']:>5}  {r['state']:<8} {rows:>15}  {tps:>8}  {r['job'] or '-':<14} {r['attempts']:>8}  {note[:100]}"
         )
     states = ", ".join(f"{n} {s}" for s, n in sorted(totals["states"].items()))
-    tps = totals["output_tokens_per_s"]
-    eta = totals["eta_seconds"]
+    tps, now, eta = totals["output_tokens_per_s"], totals["running_output_tokens_per_s"], totals["eta_seconds"]
+    tasks = totals["running_tasks"]
     lines.append(
         f"total: {totals['rows_done']} of {totals['rows']} rows; shards: {states}; "
         f"output tokens: {totals['output_tokens']}"
-        + (f" ({tps} tok/s while generating)" if tps else "")
-        + (f"; ETA {eta // 60} min {eta % 60} s" if eta is not None else "")
+        + (f" ({tps} tok/s per task while generating)" if tps else "")
+        + (f"; now {now} tok/s over {tasks} running task{'s' * (tasks != 1)}" if now else "")
+        + (f"; ETA {eta // 3600} h {eta % 3600 // 60} min {eta % 60} s" if eta is not None else "")
     )
     if run.output_path.exists():
         lines.append(f"merged: {run.output_path}")
     return "\n".join(lines)
+
+
+def build_report(
+    run: RunDir, price: Optional[float] = None, gpu: Optional[str] = None, watts: Optional[float] = None
+) -> dict[str, Any]:
+    """Per-shard stats, totals and cost of DIR as it is now (finished or partial); no Slurm calls."""
+    from batchinfer.cost import cost, gpus_per_task
+
+    shards = shard_stats(run)
+    tot = totals(shards)
+    gpus = gpus_per_task(run.run["config"], [s["device"] for s in shards])
+    return {
+        "dir": str(run.path),
+        "partial": tot["shards_done"] < tot["shards"],
+        "merged": run.output_path.exists(),
+        "totals": tot,
+        "cost": cost(tot, gpus, price=price, gpu=gpu, watts=watts),
+        "shards": shards,
+    }
+
+
+def format_report(rep: dict[str, Any], charts: list[Path]) -> str:
+    """report.md: what the run was, the table, the cost, the charts."""
+    from batchinfer.cost import cost_lines
+
+    tot = rep["totals"]
+    if rep["partial"]:
+        state = (
+            f"**partial run**: {tot['shards_done']} of {tot['shards']} shards done, {tot['rows_done']:,} of "
+            f"{tot['rows']:,} rows committed; the figures cover committed rows only"
+        )
+    else:
+        state = f"finished: {tot['shards']} shards, {tot['rows']:,} rows" + (
+            "" if rep["merged"] else " (not merged yet)"
+        )
+    lines = [f"# batchinfer report: {rep['dir']}", "", state, "", *markdown_table(rep["shards"], tot), ""]
+    lines += [
+        "tok/s: tokens over generate seconds (one task while generating); total = prompt + output tokens. "
+        "Prefix cache hits: prompt tokens vLLM served from its prefix cache.",
+        "",
+        "## Cost",
+        "",
+        *cost_lines(rep["cost"]),
+    ]
+    if charts:
+        lines += ["", "## Charts", "", *(f"![{c.stem}]({c.name})" for c in charts)]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(run: RunDir, **kw: Any) -> tuple[dict[str, Any], str]:
+    """Write DIR/report/{report.md, report.json, *.png}; return the report and its markdown."""
+    from batchinfer.charts import write_charts
+    from batchinfer.store import write_json
+
+    rep = build_report(run, **kw)
+    folder = run.path / "report"
+    folder.mkdir(exist_ok=True)
+    charts = write_charts(run, rep["shards"], folder)
+    text = format_report(rep, charts)
+    (folder / "report.md").write_text(text)
+    write_json(folder / "report.json", dict(rep, charts=[str(c) for c in charts]))
+    return rep, text

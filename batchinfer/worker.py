@@ -20,6 +20,7 @@ from batchinfer.errors import InputError, StorageError
 from batchinfer.prompts import Prompt, PromptBuilder, RowError
 from batchinfer.row_sampling import row_sampling
 from batchinfer.schema import error_row, rows_to_table
+from batchinfer.stats import add_point, with_rates
 from batchinfer.store import RunDir, ShardLock, holder_info, read_json, write_json
 
 log = logging.getLogger("batchinfer")
@@ -132,7 +133,7 @@ class ShardWorker:
             if todo:
                 self._generate(shard, todo, progress)
             faults.point("before-done")
-            done = dict(progress, finished=time.time(), **self._reproducibility())
+            done = dict(with_rates(progress), finished=time.time(), **self._reproducibility())
             write_json(self.run.done_path(shard.index), done)
             return done
 
@@ -177,7 +178,10 @@ class ShardWorker:
             "failures": old.get("failures", 0),
             # rows in flight when the engine died, with how often; done rows drop out
             "suspects": {r: n for r, n in old.get("suspects", {}).items() if int(r) not in rows},
-            "seconds": old.get("seconds", {"startup": 0.0, "generate": 0.0, "commit": 0.0}),
+            "seconds": old.get("seconds", {"startup": 0.0, "prepare": 0.0, "generate": 0.0, "commit": 0.0}),
+            # prompt tokens sent to the engine and those it served from its prefix cache (None: not reported)
+            "prefix_cache": old.get("prefix_cache"),
+            "series": old.get("series", []),  # one point per commit, for charts
             "_rows": rows,
         }
 
@@ -216,17 +220,18 @@ class ShardWorker:
         self.device = getattr(engine, "device", None)
         startup = time.monotonic() - t0
         progress["seconds"]["startup"] += startup
+        t_prepare = time.monotonic()
         if self.bar is not None and startup > 1.0:
             self.bar.unpause()  # rows/s and ETA from generation, not from the engine's start-up
+        if progress["prefix_cache"] is None and getattr(engine, "prefix_caching", False):
+            progress["prefix_cache"] = {"queries": 0, "hits": 0}
+        cache = progress["prefix_cache"]
         suspects: dict[str, int] = progress["suspects"]
         crashed = [r for r in todo if suspects.get(str(r), 0) >= CRASHES_TO_ISOLATE]
         if crashed:
             todo = sorted(set(todo) - set(crashed))
-        t_tok = time.monotonic()
         groups, pending = self._requests(shard, todo, engine)
         pending += self._crash_rows(crashed)
-        # Rendering + tokenizing prompts is part of the work (LLM.chat does it inside its call).
-        progress["seconds"]["tokenize"] = progress["seconds"].get("tokenize", 0.0) + time.monotonic() - t_tok
         # Rows in flight at an engine death run one at a time first, so a row that kills the
         # engine again is known exactly; sorted token ids put shared prefixes side by side.
         isolate = sorted(k for k, members in groups.items() if any(str(m["row"]) in suspects for m in members))
@@ -239,6 +244,10 @@ class ShardWorker:
         in_flight: dict[str, RequestKey] = {}
         target = 2 * engine.max_num_seqs
         last_commit = t_gen = time.monotonic()
+        # Rendering, tokenizing and grouping prompts holds the GPU too, and LLM.chat counts it
+        # inside its call (older records lack the key).
+        progress["seconds"]["prepare"] = progress["seconds"].get("prepare", 0.0) + t_gen - t_prepare
+        add_point(progress)  # generation starts: the gap since the last attempt's commit shows as 0 tok/s
         seq = 0
         if self.bar is not None and pending:
             self.bar.update(len(pending))
@@ -257,6 +266,9 @@ class ShardWorker:
                     members = groups.pop(in_flight.pop(c.request_id))
                     n_isolate = max(0, n_isolate - 1)
                     pending.extend(self._result_row(m, c) for m in members)
+                    if cache is not None and c.cached_tokens is not None:
+                        cache["queries"] += c.prompt_tokens
+                        cache["hits"] += c.cached_tokens
                     if self.bar is not None:
                         self.bar.update(len(members))
                 faults.point("in-generate")
@@ -328,11 +340,12 @@ class ShardWorker:
             if r["error"]:
                 progress["errors"][r["error"]["kind"]] = progress["errors"].get(r["error"]["kind"], 0) + 1
         progress["seconds"]["commit"] += time.monotonic() - t0
+        add_point(progress)
         self._write_progress(shard, progress, error=error)
         faults.point("after-progress")
 
     def _write_progress(self, shard: Shard, progress: dict[str, Any], error: Optional[str] = None) -> None:
-        record = dict(progress, updated=time.time(), holder=holder_info())
+        record = dict(with_rates(progress), updated=time.time(), holder=holder_info())
         if error:
             record["last_error"] = error
         write_json(self.run.progress_path(shard.index), record)

@@ -60,10 +60,10 @@ def pipeline(rows: Path, p: Profile, out: Path) -> dict[str, Any]:
         raise SystemExit(f"batchinfer run failed:\n{res.stderr[-3000:]}")
     stats = json.loads((out / "stats.json").read_text())
     s = stats["seconds"]
-    work = s.get("tokenize", 0.0) + s["generate"] + s["commit"]
+    work = s.get("prepare", 0.0) + s["generate"] + s["commit"]
     return {
         "startup": s["startup"],
-        "tokenize": s.get("tokenize", 0.0),
+        "prepare": s.get("prepare", 0.0),
         "generate": s["generate"],
         "commit": s["commit"],
         "merge": stats["merge_seconds"],
@@ -176,12 +176,12 @@ def format_table(results: list[dict[str, Any]]) -> str:
     }
     lines = [
         "| profile | dup | system | out tok/s | total tok/s | rows/s | ratio vs plain | start-up s | "
-        "tokenize s | generate s | commit s | merge s |",
+        "prepare s | generate s | commit s | merge s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ratio = r["output_tok_s"] / plain_rate[(r["profile"], r["duplicate_rate"])]
-        split = [r.get(k) for k in ("startup", "tokenize", "generate", "commit", "merge")]
+        split = [r.get(k) for k in ("startup", "prepare", "generate", "commit", "merge")]
         cells = ["" if v is None else f"{v:.2f}" for v in split]
         lines.append(
             f"| {r['profile']} | {r['duplicate_rate']:.0%} | {r['system']} | {r['output_tok_s']:.1f} | "

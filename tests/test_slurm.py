@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -221,6 +222,40 @@ def test_cancel_of_running_task_commits_and_does_not_requeue(
     assert "received SIGTERM: committing and stopping" in logs and "requeued" not in logs
     st = status_json(run_dir)
     assert 0 < st["shards"][0]["rows_done"] < st["shards"][0]["rows"] and st["shards"][0]["state"] == "failed"
+
+
+def test_status_shows_tok_s_and_eta_of_a_running_array(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:
+    extra = ["sharding.num_shards=2", "sampling.max_tokens=64", "output.commit_every_rows=16"]
+    _, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 6000, 17, *extra)
+
+    def running_with_rows() -> bool:
+        return any(s["state"] == "running" and s["rows_done"] > 0 for s in status_json(run_dir)["shards"])
+
+    try:
+        wait_for(running_with_rows, timeout=600, what="a running shard with committed rows")
+        st = status_json(run_dir)
+        text = run_cli(["status", str(run_dir)]).stdout
+    finally:
+        res = run_cli(["cancel", str(run_dir)])
+        wait_for(lambda: not queued(run_dir), timeout=120, what="cancelled jobs to leave squeue")
+    assert res.returncode == 0, res.stderr
+    shard = next(s for s in st["shards"] if s["state"] == "running" and s["rows_done"] > 0)
+    totals = st["totals"]
+    assert shard["output_tokens_per_s"] > 0 and shard["rows_per_s"] > 0
+    assert totals["running_tasks"] == 1 and totals["running_output_tokens_per_s"] == round(
+        shard["output_tokens_per_s"], 1
+    )
+    assert totals["eta_seconds"] > 0 and totals["eta_seconds"] == round(
+        (6000 - totals["rows_done"]) / shard["rows_per_s"]
+    )
+    # The text (a moment later: figures may have moved on) shows a shard's tok/s, the total and the ETA.
+    line = re.search(rf"^\s*{shard['shard']}\s+running\s+\d+ of 3000\s+([\d.]+)\s", text, re.M)
+    now = re.search(r"now ([\d.]+) tok/s over 1 running task; ETA (\d+) h (\d+) min (\d+) s", text)
+    assert line and now, text
+    assert float(line.group(1)) > 0 and float(now.group(1)) > 0 and sum(map(int, now.groups()[1:])) > 0
+    # The worker on the compute node is this checkout's (it records the time series).
+    progress = json.loads((run_dir / f"shards/{shard['shard']:05d}/progress.json").read_text())
+    assert progress["series"] and progress["series"][-1]["rows_done"] == progress["rows_done"]
 
 
 def test_resume_refuses_keys_that_change_outputs(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:

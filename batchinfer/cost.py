@@ -1,0 +1,114 @@
+"""GPU-hours, dollars and energy of a run's tokens."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from batchinfer.errors import ConfigError
+from batchinfer.sizing import gpu_names
+
+# Assumed on-demand list prices, USD per GPU-hour, of specialized GPU clouds (Lambda-style price
+# pages, 2025; hyperscalers list 2-4x more). Not fetched: pass --gpu-hour-price for your own rate.
+GPU_HOUR_PRICES = {
+    "H100-80GB": 2.99,
+    "H200-141GB": 3.79,
+    "A100-40GB": 1.29,
+    "A100-80GB": 1.79,
+    "L40S-48GB": 1.00,
+    "B200-180GB": 4.99,
+}
+PRICES_NOTE = "assumed 2025 on-demand list price of specialized GPU clouds; pass --gpu-hour-price for yours"
+
+
+def hourly_price(price: Optional[float], gpu: Optional[str]) -> tuple[Optional[float], Optional[str]]:
+    """(USD per GPU-hour, where it comes from): --gpu-hour-price wins over a --gpu preset's price."""
+    if price is not None:
+        if price < 0:
+            raise ConfigError(f"--gpu-hour-price {price}: must not be negative")
+        return price, "--gpu-hour-price"
+    if gpu is None:
+        return None, None
+    names = gpu_names(gpu)
+    if len(names) != 1:
+        raise ConfigError(f"--gpu {gpu}: name one GPU preset for a price ({', '.join(GPU_HOUR_PRICES)})")
+    return GPU_HOUR_PRICES[names[0]], f"{names[0]} preset ({PRICES_NOTE})"
+
+
+def gpus_per_task(cfg: dict[str, Any], devices: list[Optional[str]]) -> int:
+    """GPUs a task holds (0: CPU): cluster.gpus_per_task under Slurm; in a local run the engine's
+    tensor x pipeline parallel GPUs, or 0 when the recorded device is a CPU."""
+    if cfg["cluster"]["name"] != "local":
+        return int(cfg["cluster"]["gpus_per_task"])
+    if any(d and not d.startswith("CPU") for d in devices):
+        return cfg["model"]["tensor_parallel_size"] * cfg["model"]["pipeline_parallel_size"]
+    return 0
+
+
+def cost(
+    tot: dict[str, Any],
+    gpus_per_task: int,
+    price: Optional[float] = None,
+    gpu: Optional[str] = None,
+    watts: Optional[float] = None,
+) -> dict[str, Any]:
+    """GPU-hours = (start-up + prepare + generate + commit seconds of all shards) x GPUs per task / 3600;
+    with a price, USD and USD per 1K output / total tokens; with watts per GPU, kWh and J per token."""
+    gpus = gpus_per_task or 1
+    gpu_seconds = sum(tot["seconds"].values()) * gpus
+    out_tok, all_tok = tot["output_tokens"], tot["prompt_tokens"] + tot["output_tokens"]
+    rec: dict[str, Any] = {
+        "gpus_per_task": gpus,
+        "cpu": not gpus_per_task,  # cluster.gpus_per_task=0: CPU tasks, counted as 1 "GPU" each
+        "gpu_hours": gpu_seconds / 3600,
+    }
+    usd_per_hour, source = hourly_price(price, gpu)
+    if usd_per_hour is not None:
+        usd = rec["gpu_hours"] * usd_per_hour
+        rec.update(
+            usd_per_gpu_hour=usd_per_hour,
+            price_source=source,
+            usd=usd,
+            usd_per_1k_output_tokens=1000 * usd / out_tok if out_tok else None,
+            usd_per_1k_total_tokens=1000 * usd / all_tok if all_tok else None,
+        )
+    if watts is not None:
+        if watts <= 0:
+            raise ConfigError(f"--gpu-watts {watts}: must be positive")
+        joules = watts * gpu_seconds
+        rec.update(
+            watts_per_gpu=watts,
+            kwh=joules / 3.6e6,
+            joules_per_output_token=joules / out_tok if out_tok else None,
+            joules_per_total_token=joules / all_tok if all_tok else None,
+        )
+    return rec
+
+
+def cost_lines(c: dict[str, Any]) -> list[str]:
+    """The cost section of the report, as markdown lines."""
+    what = "CPU tasks, no GPU: each counted as 1 GPU" if c["cpu"] else f"{c['gpus_per_task']} per task"
+    lines = [f"- GPU-hours: {c['gpu_hours']:,.4f} (start-up + prepare + generate + commit seconds x GPUs: {what})"]
+    if "usd" in c:
+        lines.append(
+            f"- price: ${c['usd_per_gpu_hour']:,.2f} per GPU-hour ({c['price_source']}); cost ${c['usd']:,.4f}"
+        )
+        lines.append(
+            f"- ${_money(c['usd_per_1k_output_tokens'])} per 1K output tokens, "
+            f"${_money(c['usd_per_1k_total_tokens'])} per 1K total (prompt + output) tokens"
+        )
+    else:
+        lines.append("- cost: pass --gpu-hour-price USD or --gpu PRESET")
+    if "kwh" in c:
+        lines.append(
+            f"- energy at {c['watts_per_gpu']:g} W per GPU: {c['kwh']:,.4f} kWh; "
+            f"{_money(c['joules_per_output_token'])} J per output token, "
+            f"{_money(c['joules_per_total_token'])} J per total token"
+        )
+    return lines
+
+
+def _money(x: Optional[float]) -> str:
+    """Small amounts with 4 significant digits (0.0001234), large ones with 2 decimals."""
+    if x is None:
+        return "-"
+    return f"{x:,.2f}" if x >= 100 else f"{x:.4g}"

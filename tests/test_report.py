@@ -1,0 +1,196 @@
+"""`batchinfer report` (table, charts, cost) and the throughput figures behind it and `status`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import fake_model_dir, read_output, run_cli, write_corpus
+from test_run import overrides
+
+from batchinfer.config import compose
+from batchinfer.cost import GPU_HOUR_PRICES, cost
+from batchinfer.report import summarize
+from batchinfer.stats import PHASES, SERIES_POINTS, add_point, with_rates
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- arithmetic, no engine
+
+
+def test_cost_arithmetic_is_exact() -> None:
+    tot = {
+        "seconds": {"startup": 1800.0, "prepare": 0.0, "generate": 5400.0, "commit": 0.0},
+        "prompt_tokens": 80_000,
+        "output_tokens": 20_000,
+    }
+    c = cost(tot, 2, price=2.5, watts=500)
+    assert c["gpu_hours"] == 4.0 and c["gpus_per_task"] == 2 and not c["cpu"]
+    assert c["usd"] == 10.0 and c["usd_per_1k_output_tokens"] == 0.5 and c["usd_per_1k_total_tokens"] == 0.1
+    assert c["kwh"] == 2.0 and c["joules_per_output_token"] == 360.0 and c["joules_per_total_token"] == 72.0
+    cpu = cost(tot, 0, gpu="h100")  # CPU tasks count as one GPU each; a preset's assumed price
+    assert cpu["cpu"] and cpu["gpu_hours"] == 2.0 and cpu["usd"] == 2.0 * GPU_HOUR_PRICES["H100-80GB"]
+    assert "assumed" in cpu["price_source"] and "usd" not in cost(tot, 1)
+
+
+def test_series_is_thinned_to_its_cap() -> None:
+    progress: dict[str, Any] = {"series": [], "rows_done": 0, "output_tokens": 0}
+    for i in range(3 * SERIES_POINTS):
+        progress.update(rows_done=i, output_tokens=10 * i)
+        add_point(progress)
+        assert len(progress["series"]) <= SERIES_POINTS
+    rows = [p["rows_done"] for p in progress["series"]]
+    assert rows[0] == 0 and rows[-1] == 3 * SERIES_POINTS - 1 and rows == sorted(rows)
+    assert len(json.dumps(progress["series"])) < 40_000  # progress.json stays small
+
+
+def test_rates_and_eta_of_running_tasks() -> None:
+    rec = with_rates({"seconds": {"generate": 4.0}, "prompt_tokens": 100, "output_tokens": 20})
+    assert rec["output_tokens_per_s"] == 5.0 and rec["total_tokens_per_s"] == 30.0
+    assert rec["prefix_cache_hit_rate"] is None  # engine did not report it
+    assert with_rates({"prefix_cache": {"queries": 200, "hits": 50}})["prefix_cache_hit_rate"] == 0.25
+
+    def shard(i: int, state: str, job: str, done: int, rps: Any, updated: float = 0) -> dict[str, Any]:
+        return {
+            "shard": i,
+            "state": state,
+            "job": job,
+            "rows": 100,
+            "rows_done": done,
+            "output_tokens": done * 10,
+            "generate_seconds": done / rps if rps else 0.0,
+            "rows_per_s": rps,
+            "output_tokens_per_s": rps * 10 if rps else None,
+            "updated": updated,
+        }
+
+    records = [
+        shard(0, "done", "7_0", 100, 2.0),
+        shard(1, "running", "7_1", 50, 1.0),
+        shard(2, "running", "7_2", 0, None),  # engine starting: counts at the mean known rate, 1.5
+        shard(3, "running", "7_3", 40, 4.0, updated=2),  # task 7_3 runs shards 3 and 4 one at a time
+        shard(4, "running", "7_3", 20, 3.0, updated=1),
+        shard(5, "pending", "7_4", 0, None),
+    ]
+    t = summarize(records)
+    assert t["running_tasks"] == 3 and t["running_rows_per_s"] == 1.0 + 2.5 + 4.0
+    assert t["eta_seconds"] == round((600 - 210) / 7.5) and t["running_output_tokens_per_s"] == 75.0
+
+
+# ---------------------------------------------------------------- real runs (shared engine)
+
+
+def report_overrides(model: Path, corpus: Path, out: Path) -> list[str]:
+    return overrides(model, corpus, out, "sharding.num_shards=3", "output.commit_every_rows=8")
+
+
+def assert_png(path: Path) -> None:
+    import matplotlib.image
+
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 5000, path
+    h, w, _ = matplotlib.image.imread(path).shape
+    assert h > 200 and w > 400
+
+
+@pytest.mark.engine
+def test_report_of_a_finished_run(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
+    from batchinfer.launch import run_local
+
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 90, seed=3)
+    run = run_local(compose(report_overrides(tiny_model_path, corpus, tmp_path / "run")), engine=engine)
+    res = run_cli(["report", str(run.path), "--gpu-hour-price", "2.5", "--gpu-watts", "300", "--json"])
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(res.stdout)
+    out = read_output(run.path)
+    dones = [json.loads(p.read_text()) for p in sorted(run.path.glob("shards/*/DONE.json"))]
+    tot = rep["totals"]
+    assert not rep["partial"] and rep["merged"]
+    assert tot["rows_done"] == len(out) == sum(d["rows_done"] for d in dones) == 90
+    assert tot["prompt_tokens"] == sum(r["prompt_tokens"] for r in out) == sum(d["prompt_tokens"] for d in dones)
+    assert tot["output_tokens"] == sum(r["output_tokens"] for r in out) == 90 * 6
+    for s, d in zip(rep["shards"], dones, strict=True):
+        assert (s["rows_done"], s["prompt_tokens"], s["output_tokens"]) == (
+            d["rows_done"],
+            d["prompt_tokens"],
+            d["output_tokens"],
+        )
+        assert s["output_tokens_per_s"] == round(d["output_tokens"] / d["seconds"]["generate"], 2) > 0
+        assert len(d["series"]) >= 3 and d["series"][-1]["rows_done"] == d["rows_done"]
+        # Prefix-cache counts come with every finished request (no stat logging needed); identical
+        # prompts are sent once, so the engine saw at most the rows' prompt tokens.
+        assert (d["prefix_cache"] is not None) == engine.prefix_caching
+        if d["prefix_cache"]:
+            assert 0 <= d["prefix_cache"]["hits"] <= d["prefix_cache"]["queries"] <= d["prompt_tokens"]
+            assert s["prefix_cache_hit_rate"] == round(d["prefix_cache"]["hits"] / d["prefix_cache"]["queries"], 4)
+    # Cost: every shard's recorded seconds x 1 (a CPU task counts as one GPU) at $2.50 per GPU-hour.
+    c = rep["cost"]
+    seconds = sum(d["seconds"].get(p, 0.0) for d in dones for p in PHASES)
+    assert c["cpu"] and c["gpus_per_task"] == 1 and c["gpu_hours"] == pytest.approx(seconds / 3600, rel=1e-12)
+    assert c["usd"] == c["gpu_hours"] * 2.5 and c["usd_per_1k_output_tokens"] == 1000 * c["usd"] / 540
+    assert c["usd_per_1k_total_tokens"] == 1000 * c["usd"] / (tot["prompt_tokens"] + 540)
+    assert c["joules_per_output_token"] == pytest.approx(300 * c["gpu_hours"] * 3600 / 540, rel=1e-12)
+    # The table (report.md, printed) shows the same totals; the charts are real PNGs.
+    text = run_cli(["report", str(run.path), "--gpu-hour-price", "2.5"]).stdout
+    md = (run.path / "report" / "report.md").read_text()
+    assert text.startswith(md) and "finished: 3 shards, 90 rows" in md
+    assert f"| **total** | **90** | **{tot['prompt_tokens']:,}** | **540** |" in md
+    assert f"cost ${c['usd']:,.4f}" in md and "CPU tasks, no GPU: each counted as 1 GPU" in md
+    for name in ("throughput.png", "time-split.png", "lengths.png"):
+        assert_png(run.path / "report" / name)
+        assert f"]({name})" in md
+
+
+@pytest.mark.engine
+def test_report_of_a_partial_run_says_partial(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
+    from batchinfer.launch import run_shards
+    from batchinfer.plan import prepare
+
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 60, seed=4)
+    run = prepare(compose(report_overrides(tiny_model_path, corpus, tmp_path / "run")))
+    run_shards(run, [1], engine=engine)
+    res = run_cli(["report", str(run.path), "--gpu", "a100-80"])
+    assert res.returncode == 0, res.stderr
+    assert "**partial run**: 1 of 3 shards done, 20 of 60 rows committed" in res.stdout
+    assert "| 0 | 0 of 20 |" in res.stdout and "$1.79 per GPU-hour (A100-80GB preset (assumed" in res.stdout
+    rep = json.loads((run.path / "report" / "report.json").read_text())
+    assert rep["partial"] and not rep["merged"] and rep["totals"]["rows_done"] == 20
+    assert_png(run.path / "report" / "lengths.png")  # from the committed parts
+
+
+LOGIN_NODE = """
+import sys
+from batchinfer.cli import main
+code = main(sys.argv[1:])
+heavy = sorted(m for m in ("vllm", "torch", "transformers") if m in sys.modules)
+print("CODE", code, "HEAVY", heavy)
+"""
+
+
+def test_report_imports_no_vllm_or_torch(tmp_path: Path) -> None:
+    from batchinfer.plan import prepare
+
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 10)
+    run = prepare(
+        compose([f"input.path={corpus}", f"model.path={fake_model_dir(tmp_path)}", f"output.dir={tmp_path}/r"])
+    )
+    args = ["report", str(run.path), "--gpu", "h100", "--gpu-watts", "700"]
+    res = subprocess.run([sys.executable, "-c", LOGIN_NODE, *args], capture_output=True, text=True, timeout=120)
+    assert "CODE 0 HEAVY []" in res.stdout, res.stdout + res.stderr
+    assert "**partial run**: 0 of 1 shards done" in res.stdout and "GPU-hours: 0.0000" in res.stdout
+
+
+def test_readme_lists_the_preset_prices() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    names = next(ln for ln in readme.splitlines() if ln.startswith("| `--gpu` |"))
+    prices = next(ln for ln in readme.splitlines() if ln.startswith("| assumed $/GPU-hour |"))
+    cells = [[c.strip() for c in ln.strip("|").split("|")[1:]] for ln in (names, prices)]
+    assert dict(zip(cells[0], map(float, cells[1]), strict=True)) == GPU_HOUR_PRICES
