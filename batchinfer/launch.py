@@ -225,6 +225,7 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False) -> dic
                 print(f"  task {i}: shards {shards}")
         print(f"merge job: {slurm.merge_parameters(cluster, ['<array ids>'])}")
         return {"submission": number, "dry_run": True, "arrays": [{"tasks": dict(enumerate(ch))} for ch in chunks]}
+    security.make_private(run.path, c["output"]["private"])  # set by `resume output.private=true`
     arrays = []
     # Secrets reach the jobs through sbatch's environment (--export=ALL), never a file; the jobs
     # keep this umask, so with output.private their logs and parts are private too.
