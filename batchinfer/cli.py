@@ -68,14 +68,25 @@ def _compose(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return compose(args.overrides, config_dir=args.config_dir)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    """`batchinfer run`."""
+def _print_cfg(cfg) -> int:  # type: ignore[no-untyped-def]
+    """`--cfg job`: the resolved config, secret cluster.env values shown as <redacted>."""
+    import copy
+
     from omegaconf import OmegaConf
 
+    from batchinfer.security import redact_env
+
+    shown = copy.deepcopy(cfg)
+    shown.cluster.env = redact_env(OmegaConf.to_container(cfg.cluster.env))
+    print(OmegaConf.to_yaml(shown), end="")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """`batchinfer run`."""
     cfg = _compose(args)
     if args.cfg:
-        print(OmegaConf.to_yaml(cfg), end="")
-        return 0
+        return _print_cfg(cfg)
     from batchinfer.launch import run_local
 
     run_local(cfg)
@@ -84,12 +95,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """`batchinfer submit`."""
-    from omegaconf import OmegaConf
-
     cfg = _compose(args)
     if args.cfg:
-        print(OmegaConf.to_yaml(cfg), end="")
-        return 0
+        return _print_cfg(cfg)
     from batchinfer.launch import submit
 
     submit(cfg, dry_run=args.dry_run)
@@ -100,16 +108,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """`batchinfer plan`."""
     import json
 
-    from omegaconf import OmegaConf
-
     from batchinfer.config import to_dict
     from batchinfer.estimate import estimate
     from batchinfer.plan_text import format_plan
 
     cfg = _compose(args)
     if args.cfg:
-        print(OmegaConf.to_yaml(cfg), end="")
-        return 0
+        return _print_cfg(cfg)
     if args.sample < 1:
         raise BatchinferError(f"--sample {args.sample}: must be at least 1")
     report = estimate(to_dict(cfg), gpu=args.gpu, sample_rows=args.sample)
@@ -140,10 +145,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from batchinfer import slurm
     from batchinfer.report import all_job_ids, format_status, shard_status, shard_tasks, summarize
+    from batchinfer.security import exposure_warning
     from batchinfer.store import RunDir
 
     run = RunDir(args.dir)
-    run.run  # noqa: B018  (refuses a folder without run.yaml)
+    warning = exposure_warning(run.path, run.run["input"]["path"])  # also refuses a folder without run.yaml
+    if warning:
+        print(warning, file=sys.stderr)
     ids = sorted({t["job"] for t in shard_tasks(run).values()} | set(all_job_ids(run)))
     states = slurm.job_states(ids) if ids else {}
     records = shard_status(run, states)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,7 +144,8 @@ class OutputConfig:
     commit_every_seconds: float = 60.0
     # Split the merged output into DIR/output/output-NNNNN-of-MMMMM.<ext> files of at most this many rows.
     max_rows_per_file: Optional[int] = None
-    private: bool = False
+    # false (the umask decides) | true = user (0700 folders, 0600 files) | group (0750/0640).
+    private: Any = False
 
 
 @dataclass
@@ -216,9 +218,13 @@ def compose(overrides: list[str], config_dir: Optional[str] = None) -> DictConfi
     overrides = quote_literals(list(overrides))
     if config_dir:
         cdir = Path(config_dir).expanduser().resolve()
+        if not cdir.exists():
+            raise ConfigError(f"--config-dir {config_dir}: no such directory (resolved to {cdir})")
         if not cdir.is_dir():
-            raise ConfigError(f"--config-dir {config_dir}: not a directory")
-        overrides.append(f"hydra.searchpath=[file://{cdir}]")
+            raise ConfigError(f"--config-dir {config_dir}: not a directory (resolved to {cdir})")
+        if not os.access(cdir, os.R_OK | os.X_OK):
+            raise ConfigError(f"--config-dir {config_dir}: not readable (permission denied)")
+        overrides.append(f"hydra.searchpath=[{hydra_literal(f'file://{cdir}')}]")  # any folder name
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
@@ -321,6 +327,10 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"prompt.labels.names has duplicates: {list(labels)}")
     if cfg.sampling.seed_per_row and cfg.sampling.seed is None:
         raise ConfigError("sampling.seed_per_row=true needs sampling.seed (the base the row seeds derive from)")
+    from batchinfer.security import check_config_secrets, private_mode
+
+    private_mode(cfg.output.private)
+    check_config_secrets(to_dict(cfg))
 
 
 def require_run_keys(cfg: DictConfig) -> None:

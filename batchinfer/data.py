@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -13,6 +12,7 @@ import pyarrow as pa
 
 from batchinfer.errors import InputError
 from batchinfer.openai_batch import convert_requests, looks_like_openai_batch
+from batchinfer.security import remove_path
 from batchinfer.textfiles import COMPRESSION_SUFFIXES, first_line, open_text, scan_jsonl, text_lines
 
 FORMATS_BY_SUFFIX = {
@@ -63,6 +63,8 @@ def input_files(path: str, split: str = "train") -> list[Path]:
     p = Path(os.path.abspath(Path(path).expanduser()))
     if not p.exists():
         raise InputError(f"input.path {path}: no such file (resolved to {p})")
+    if not os.access(p, os.R_OK):
+        raise InputError(f"input.path {path}: not readable (permission denied; resolved to {p})")
     if p.is_dir() and not is_saved_dataset(p):
         raise InputError(f"input.path {path}: a folder, but not a `Dataset.save_to_disk` folder; give a file or a glob")
     return [p]
@@ -199,7 +201,8 @@ def convert_input(
         raise InputError(f"{shown}: no rows (the file is empty); there is nothing to run")
     tmp = dest.with_name(dest.name + ".tmp")
     cache = dest.with_name(".hf-cache")
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_path(tmp, ignore_errors=True)
+    remove_path(cache, ignore_errors=True)  # a symlink here would send datasets' cache outside DIR
     try:
         try:
             ds = _load(files, fmt, cache, shown)
@@ -222,8 +225,8 @@ def convert_input(
         os.replace(tmp, dest)
         return len(ds)
     finally:
-        shutil.rmtree(cache, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_path(cache, ignore_errors=True)
+        remove_path(tmp, ignore_errors=True)
 
 
 def column_type(schema: pa.Schema, dotted: str, source: str) -> pa.DataType:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import signal
 import sys
 import time
@@ -12,7 +13,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from batchinfer import slurm
+from batchinfer import security, slurm
 from batchinfer.errors import BatchinferError, ConfigError, EngineFailure, RunDirError
 from batchinfer.merge import incomplete_shards, merge
 from batchinfer.plan import prepare
@@ -74,6 +75,11 @@ class EngineHolder:
 
 def run_shards(run: RunDir, indices: list[int], engine: Any = None) -> None:
     """Finish the given shards in this process with one engine; stop signals commit first."""
+    with security.private_umask(run.run["config"]["output"]["private"]):
+        _run_shards(run, indices, engine)
+
+
+def _run_shards(run: RunDir, indices: list[int], engine: Any) -> None:
     from batchinfer.worker import CRASHES_TO_ISOLATE, ShardWorker, StopFlag, Stopped
 
     shards = [s for s in run.shards() if s.index in set(indices) and not run.is_done(s.index)]
@@ -211,6 +217,7 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False) -> dic
     chunks = slurm.split_tasks(tasks, limit)
     number = len(submissions(run))
     folder = run.logs_dir / f"submission-{number:03d}"
+    slurm.check_log_folder(folder)
     if dry_run:
         for n, chunk in enumerate(chunks):
             print(f"array {n}: {len(chunk)} tasks, sbatch parameters {slurm.array_parameters(cluster, len(chunk))}")
@@ -218,13 +225,17 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False) -> dic
                 print(f"  task {i}: shards {shards}")
         print(f"merge job: {slurm.merge_parameters(cluster, ['<array ids>'])}")
         return {"submission": number, "dry_run": True, "arrays": [{"tasks": dict(enumerate(ch))} for ch in chunks]}
+    security.make_private(run.path, c["output"]["private"])  # set by `resume output.private=true`
     arrays = []
-    for chunk in chunks:
-        ex = slurm.executor(folder, slurm.array_parameters(cluster, len(chunk)))
-        jobs = ex.map_array(slurm_task, [str(run.path)] * len(chunk), chunk)
-        arrays.append({"job_id": jobs[0].job_id.split("_")[0], "tasks": {str(i): ch for i, ch in enumerate(chunk)}})
-    mex = slurm.executor(folder, slurm.merge_parameters(cluster, [a["job_id"] for a in arrays]))
-    merge_job = mex.submit(slurm_merge, str(run.path))
+    # Secrets reach the jobs through sbatch's environment (--export=ALL), never a file; the jobs
+    # keep this umask, so with output.private their logs and parts are private too.
+    with security.submission_env(cluster["env"]), security.private_umask(c["output"]["private"]):
+        for chunk in chunks:
+            ex = slurm.executor(folder, slurm.array_parameters(cluster, len(chunk)))
+            jobs = ex.map_array(slurm_task, [str(run.path)] * len(chunk), chunk)
+            arrays.append({"job_id": jobs[0].job_id.split("_")[0], "tasks": {str(i): ch for i, ch in enumerate(chunk)}})
+        mex = slurm.executor(folder, slurm.merge_parameters(cluster, [a["job_id"] for a in arrays]))
+        merge_job = mex.submit(slurm_merge, str(run.path))
     record = {
         "submission": number,
         "time": time.time(),
@@ -232,15 +243,16 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False) -> dic
         "arrays": arrays,
         "merge": merge_job.job_id,
     }
-    with open(run.path / "jobs.jsonl", "a") as f:
+    with security.private_umask(c["output"]["private"]), open(run.path / "jobs.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
     ids = ", ".join(a["job_id"] for a in arrays)
     print(
         f"submitted {len(indices)} shards of {run.path} as {len(tasks)} array tasks (job {ids}); merge job {merge_job.job_id}"
     )
-    print(f"  status:  batchinfer status {run.path}")
-    print(f"  resume:  batchinfer resume {run.path}    (after preemption, time limits or failures)")
-    print(f"  cancel:  batchinfer cancel {run.path}")
+    shown = shlex.quote(str(run.path))  # commands to copy into a shell
+    print(f"  status:  batchinfer status {shown}")
+    print(f"  resume:  batchinfer resume {shown}    (after preemption, time limits or failures)")
+    print(f"  cancel:  batchinfer cancel {shown}")
     return record
 
 

@@ -6,7 +6,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from batchinfer import faults
 from batchinfer.data import Shard
 from batchinfer.errors import RunDirError
 from batchinfer.schema import table_to_jsonl
+from batchinfer.security import private_umask, remove_path
 from batchinfer.store import (
     OUTPUT_EXT,
     TMP_PREFIX,
@@ -66,6 +66,11 @@ def shard_rows_in_order(run: RunDir, shard: Shard) -> pa.Table:
 
 def merge(run: RunDir) -> dict[str, Any]:
     """Write DIR/output* and DIR/stats.json; refuses, naming them, while shards are incomplete."""
+    with private_umask(run.run["config"]["output"].get("private")):
+        return _merge(run)
+
+
+def _merge(run: RunDir) -> dict[str, Any]:
     missing = incomplete_shards(run)
     if missing:
         raise RunDirError(
@@ -76,7 +81,7 @@ def merge(run: RunDir) -> dict[str, Any]:
     t0 = time.monotonic()
     out = run.output_path
     tmp = out.with_name(TMP_PREFIX + out.name)
-    _remove(tmp)  # a killed merge's leftovers
+    remove_path(tmp)  # a killed merge's leftovers
     stats: dict[str, Any] = {
         "rows": 0,
         "errors": Counter(),
@@ -103,7 +108,7 @@ def merge(run: RunDir) -> dict[str, Any]:
         if refused_write(e) is None:
             raise
         try:
-            _remove(tmp)
+            remove_path(tmp)
         except OSError:
             pass
         raise storage_error(out, e) from None
@@ -191,16 +196,16 @@ def _save_to_disk(folder: Path, parquet_files: list[Path]) -> list[Path]:
     import datasets
 
     cache = folder.with_name(folder.name + "-cache")
-    _remove(cache)
+    remove_path(cache)
     try:
         ds = datasets.Dataset.from_parquet([str(f) for f in parquet_files], cache_dir=str(cache))
         staged = folder.with_name(folder.name + "-hf")
-        _remove(staged)
+        remove_path(staged)
         ds.save_to_disk(str(staged), num_shards=len(parquet_files))
         del ds
     finally:
-        _remove(cache)
-    _remove(folder)
+        remove_path(cache)
+    remove_path(folder)
     os.replace(staged, folder)
     for f in folder.iterdir():
         with open(f, "rb+") as fh:
@@ -209,22 +214,14 @@ def _save_to_disk(folder: Path, parquet_files: list[Path]) -> list[Path]:
     return sorted(folder.iterdir())
 
 
-def _remove(path: Path) -> None:
-    """Delete a file or folder of ours; a symlink is unlinked, never followed."""
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.is_dir():
-        shutil.rmtree(path)
-
-
 def _replace(tmp: Path, out: Path) -> None:
     """Put the finished output in place: a file atomically, a folder by swapping names."""
     if tmp.is_dir() and out.exists():
         old = out.with_name(TMP_PREFIX + "old-" + out.name)
-        _remove(old)
+        remove_path(old)
         os.replace(out, old)
         os.replace(tmp, out)
-        _remove(old)
+        remove_path(old)
     else:
         os.replace(tmp, out)
     fsync_dir(out.parent)

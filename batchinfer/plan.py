@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import tempfile
 import time
@@ -38,6 +37,7 @@ from batchinfer.errors import ConfigError, RunDirError
 from batchinfer.models import resolve_model
 from batchinfer.prompts import apply_labels, check_fields, load_template
 from batchinfer.schema import output_schema, schema_summary, schema_to_text
+from batchinfer.security import make_private, private_umask, remove_path
 from batchinfer.store import RunDir, write_json
 
 log = logging.getLogger("batchinfer")
@@ -98,6 +98,13 @@ def run_dir_for(c: dict[str, Any], fp: str) -> RunDir:
 
 def prepare(cfg: DictConfig) -> RunDir:
     """Create the run directory (input converted once, plan, schema) or reopen it if unchanged."""
+    with private_umask(cfg.output.private):
+        run = _prepare(cfg)
+        make_private(run.path, cfg.output.private)
+    return run
+
+
+def _prepare(cfg: DictConfig) -> RunDir:
     c, input_record = resolve_config(cfg)
     keys = fingerprint_keys(c, input_record["fingerprint"])
     fp = fingerprint(keys)
@@ -134,7 +141,7 @@ def _create(run: RunDir, c: dict[str, Any], keys: dict[str, Any], fp: str, input
             f"output.dir {run.path}: cannot create it ({e.strerror}); choose a writable output.dir"
         ) from None
     inp = c["input"]
-    shutil.rmtree(run.input_dir, ignore_errors=True)
+    remove_path(run.input_dir, ignore_errors=True)  # a symlinked DIR/input: the link goes, never its target
     log.info("converting %s (%s) into %s", inp["path"], inp["format"], run.input_dir)
     rows = convert_input(
         input_files(inp["path"], inp["split"]), inp["format"], run.input_dir, inp["id_column"], inp["columns"]

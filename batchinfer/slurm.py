@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.errors import ConfigError
+from batchinfer.security import export_option, is_secret_name
 
 log = logging.getLogger("batchinfer")
 ACTIVE_STATES = {
@@ -60,13 +61,29 @@ def check_gpus(cfg: dict[str, Any]) -> None:
 
 
 def env_lines(env: dict[str, Any]) -> list[str]:
-    """`export K=V` lines, values quoted so no config value reaches the shell unquoted."""
+    """`export K=V` lines, values quoted so no config value reaches the shell unquoted.
+
+    Secret-named variables get no line: the sbatch script lands in DIR/logs, so they travel in
+    the environment of the sbatch call instead (security.submission_env)."""
     lines = []
     for k, v in env.items():
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(k)):
             raise ConfigError(f"cluster.env: {k!r} is not a valid environment variable name")
-        lines.append(f"unset {k}" if v is None else f"export {k}={shlex.quote(str(v))}")
+        if v is None:
+            lines.append(f"unset {k}")
+        elif not is_secret_name(k):
+            lines.append(f"export {k}={shlex.quote(str(v))}")
     return lines
+
+
+def check_log_folder(folder: Path) -> None:
+    """Slurm cannot take every path: an #SBATCH line ends at a newline, and % starts a filename pattern."""
+    for char, why in (("\n", "a newline"), ("%", "a % (Slurm reads %j, %A... in log paths)")):
+        if char in str(folder):
+            raise ConfigError(
+                f"output.dir {str(folder.parent.parent)!r} contains {why}, which Slurm cannot take in "
+                f"the log paths of its jobs; choose an output.dir without it"
+            )
 
 
 def array_parameters(cluster: dict[str, Any], n_tasks: int) -> dict[str, Any]:
@@ -76,7 +93,7 @@ def array_parameters(cluster: dict[str, Any], n_tasks: int) -> dict[str, Any]:
         "signal_delay_s": cluster["signal_lead_s"],
         "array_parallelism": min(cluster["array_parallelism"], max(n_tasks, 1)),
         "setup": [*cluster["setup"], *env_lines(cluster["env"])],
-        "additional_parameters": {"requeue": True, **(cluster["sbatch_extra"] or {})},
+        "additional_parameters": {"requeue": True, **export_option(cluster["sbatch_extra"] or {}, cluster["env"])},
     }
     for key in ("partition", "account", "qos", "cpus_per_task", "mem", "constraint"):
         if cluster.get(key) is not None:

@@ -22,6 +22,7 @@ from batchinfer import faults
 from batchinfer.data import Shard
 from batchinfer.errors import RunDirError, StorageError
 from batchinfer.schema import jsonl_to_table, schema_from_text, table_to_jsonl
+from batchinfer.security import redact_config
 
 PART_RE = re.compile(r"^part-(\d{6})\.(parquet|jsonl)$")
 TMP_PREFIX = ".tmp-"
@@ -163,8 +164,9 @@ class RunDir:
         return self._run
 
     def write_run(self, record: dict[str, Any]) -> None:
-        """Write run.yaml atomically."""
-        text = yaml.dump(record, Dumper=_NoAliasDumper, sort_keys=False, allow_unicode=True)
+        """Write run.yaml atomically; secret cluster.env values are stored as <redacted> (kept in memory)."""
+        stored = dict(record, config=redact_config(record["config"])) if "config" in record else record
+        text = yaml.dump(stored, Dumper=_NoAliasDumper, sort_keys=False, allow_unicode=True)
         atomic_write(self.run_yaml, text.encode())
         self._run = record
 
@@ -280,7 +282,7 @@ class ShardLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Locked through a read-only descriptor (flock does not need write access): a writable
         # one held for hours would keep the filesystem from being remounted read-only.
-        fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o666)  # the umask decides
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -313,7 +315,7 @@ class ShardLock:
         path = self.path.with_name("lock.excl")
         for _ in range(2):
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             except FileExistsError:
                 info = _read_holder(path)
                 if _holder_alive(info):

@@ -9,12 +9,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from conftest import assert_exactly_once, model_overrides, project, read_output, run_cli, write_corpus
 
-from batchinfer.config import compose
+from batchinfer.config import compose, hydra_literal
 from batchinfer.launch import run_local
 
 pytestmark = [pytest.mark.slurm, pytest.mark.engine]
@@ -35,12 +35,13 @@ def slurm_env() -> dict[str, str]:
     return dict(os.environ)
 
 
-def cluster_overrides(tmp: Path, corpus: Path, model: Path, *extra: str) -> list[str]:
+def cluster_overrides(tmp: Path, corpus: Path, model: Path, *extra: str, out: Optional[Path] = None) -> list[str]:
+    """A small CPU run into out (default tmp/run); paths quoted for Hydra's grammar, as a user types them."""
     return [
         "cluster=slurm",
-        f"input.path={corpus}",
+        f"input.path={hydra_literal(str(corpus))}",
         "input.id_column=id",
-        f"output.dir={tmp}/run",
+        f"output.dir={hydra_literal(str(out or tmp / 'run'))}",
         "cluster.gpus_per_task=0",
         "cluster.cpus_per_task=2",
         "cluster.mem=null",
