@@ -127,7 +127,7 @@ def _prepare(cfg: DictConfig) -> RunDir:
         _create(run, c, keys, fp, input_record)
     except BaseException:
         if created:  # a bad input leaves no half-made DIR behind
-            shutil.rmtree(run.path, ignore_errors=True)
+            remove_path(run.path, ignore_errors=True)
         raise
     return run
 
