@@ -76,7 +76,7 @@ def pipeline(rows: Path, p: Profile, out: Path) -> dict[str, Any]:
 
 
 def hf(rows: Path, p: Profile) -> dict[str, Any]:
-    """(c) transformers generate in batches of 8, on the first 16 rows (it is slow)."""
+    """(c) transformers generate in batches of 8, on the first 8 rows (it is slow)."""
     cmd = [sys.executable, str(HERE / "hf_generate.py"), str(rows), str(MODEL), str(p.max_tokens)]
     cmd += ["--system", p.system] if p.system else []
     r = run_json(cmd)

@@ -19,7 +19,7 @@ def main() -> None:
     p.add_argument("max_tokens", type=int)
     p.add_argument("--system")
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--limit", type=int, default=16)
+    p.add_argument("--limit", type=int, default=8)
     a = p.parse_args()
     t0 = time.perf_counter()
     import torch

@@ -51,11 +51,11 @@ class Profile:
 
 
 PROFILES = {
-    "chat": Profile("chat", rows=192, duplicate_rate=0.10, max_tokens=64),
+    "chat": Profile("chat", rows=128, duplicate_rate=0.10, max_tokens=64),
     "classification": Profile(
-        "classification", rows=288, duplicate_rate=0.30, max_tokens=4, system=CLASSIFY_SYSTEM, choice=TOPICS
+        "classification", rows=192, duplicate_rate=0.30, max_tokens=4, system=CLASSIFY_SYSTEM, choice=TOPICS
     ),
-    "codegen": Profile("codegen", rows=48, duplicate_rate=0.0, max_tokens=160),
+    "codegen": Profile("codegen", rows=32, duplicate_rate=0.0, max_tokens=160),
 }
 
 
