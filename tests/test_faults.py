@@ -51,6 +51,19 @@ def wait_for_part(proc: subprocess.Popen, out: Path) -> None:
         time.sleep(0.05)
 
 
+def base_and_clean_run(corpus: Path, model: Path, engine: Any, max_tokens: int) -> tuple[list[str], list[dict]]:
+    """Overrides committing every 16 rows, and the rows of an uninterrupted run with them."""
+    base = [
+        f"input.path={corpus}",
+        "input.id_column=id",
+        f"sampling.max_tokens={max_tokens}",
+        "output.commit_every_rows=16",
+        *model_overrides(model),
+    ]
+    clean = read_output(run_local(compose([*base, f"output.dir={corpus.parent / 'clean'}"]), engine=engine).path)
+    return base, clean
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_sigkill_at_a_random_moment_then_resume(
     workload: dict[str, Any], engine: Any, seed: int, clean_shm: None
@@ -90,14 +103,7 @@ def test_row_that_kills_the_engine_twice_becomes_an_error_row(
     rows = write_corpus(corpus, 200, seed=31)
     rows[57]["text"] = "quick POISON fox"
     corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    base = [
-        f"input.path={corpus}",
-        "input.id_column=id",
-        "sampling.max_tokens=8",
-        "output.commit_every_rows=16",
-        *model_overrides(tiny_model_path),
-    ]
-    clean = read_output(run_local(compose([*base, f"output.dir={tmp_path / 'clean'}"]), engine=engine).path)
+    base, clean = base_and_clean_run(corpus, tiny_model_path, engine, max_tokens=8)
     out = tmp_path / "poisoned"
     args = ["run", *base, f"output.dir={out}"]
     env = {"BATCHINFER_POISON": "POISON"}
@@ -161,14 +167,7 @@ def test_full_or_read_only_disk_while_committing(
     """As root chmod does not stop writes: a small tmpfs in a private mount namespace does."""
     corpus = tmp_path / "c.jsonl"
     rows = write_corpus(corpus, 1500, seed=32)
-    base = [
-        f"input.path={corpus}",
-        "input.id_column=id",
-        "sampling.max_tokens=24",
-        "output.commit_every_rows=16",
-        *model_overrides(tiny_model_path),
-    ]
-    clean = read_output(run_local(compose([*base, f"output.dir={tmp_path / 'clean'}"]), engine=engine).path)
+    base, clean = base_and_clean_run(corpus, tiny_model_path, engine, max_tokens=24)
     mnt, out = tmp_path / "mnt", tmp_path / "out"
     mnt.mkdir()
     out.mkdir()
