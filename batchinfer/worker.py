@@ -248,7 +248,7 @@ class ShardWorker:
         # inside its call (older records lack the key).
         progress["seconds"]["prepare"] = progress["seconds"].get("prepare", 0.0) + t_gen - t_prepare
         add_point(progress)  # generation starts: the gap since the last attempt's commit shows as 0 tok/s
-        seq = 0
+        seq = finished = 0
         if self.bar is not None and pending:
             self.bar.update(len(pending))
         try:
@@ -266,11 +266,13 @@ class ShardWorker:
                     members = groups.pop(in_flight.pop(c.request_id))
                     n_isolate = max(0, n_isolate - 1)
                     pending.extend(self._result_row(m, c) for m in members)
+                    finished += len(members)
                     if cache is not None and c.cached_tokens is not None:
                         cache["queries"] += c.prompt_tokens
                         cache["hits"] += c.cached_tokens
                     if self.bar is not None:
                         self.bar.update(len(members))
+                faults.trace_finished(finished)
                 faults.point("in-generate")
                 if self.stop.signum is not None:
                     raise Stopped(self.stop.signum)

@@ -46,6 +46,7 @@ def build(root: Path, rows: int, shards: int, part_rows: int) -> Path:
     run = RunDir(run.path)
     text = "a label and a short explanation of it, as a model writes " * 2
     for shard in run.shards():
+        run.shard_dir(shard.index).mkdir(parents=True, exist_ok=True)
         for start in range(shard.start, shard.stop, part_rows):
             stop = min(start + part_rows, shard.stop)
             batch = [
