@@ -25,6 +25,7 @@ from batchinfer.store import RunDir, ShardLock, holder_info, read_json, write_js
 
 log = logging.getLogger("batchinfer")
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+PREFIX_TOKENS = 32  # a system prompt or template head (longer shared runs stay in the prefix cache)
 CRASHES_TO_ISOLATE = 2  # engine deaths with a row in flight before that row becomes an error row
 
 
@@ -233,9 +234,9 @@ class ShardWorker:
         groups, pending = self._requests(shard, todo, engine)
         pending += self._crash_rows(crashed)
         # Rows in flight at an engine death run one at a time first, so a row that kills the
-        # engine again is known exactly; sorted token ids put shared prefixes side by side.
+        # engine again is known exactly; then work_order: shared prefixes together, by length.
         isolate = sorted(k for k, members in groups.items() if any(str(m["row"]) in suspects for m in members))
-        queue = deque(isolate + sorted(set(groups) - set(isolate)))
+        queue = deque(isolate + sorted(set(groups) - set(isolate), key=work_order))
         n_isolate = len(isolate)
         if isolate:
             log.warning(
@@ -376,3 +377,10 @@ class ShardWorker:
 
 def _versions() -> dict[str, Any]:
     return dict(installed_versions(), python=sys.version.split()[0])
+
+
+def work_order(key: RequestKey) -> tuple[Any, ...]:
+    """Requests sharing their first PREFIX_TOKENS tokens side by side (prefix-cache hits), and
+    within such a group by length, so a batch's sequences finish close together."""
+    ids = key[0]
+    return (ids[:PREFIX_TOKENS], len(ids), key)

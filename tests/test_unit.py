@@ -407,3 +407,13 @@ def test_hub_name_pinned_to_cached_revision(tmp_path: Path, monkeypatch) -> None
         ConfigError, match=r"org/missing: not in the local Hugging Face cache.*huggingface-cli download org/missing"
     ):
         resolve_model("org/missing", None)
+
+
+def test_work_order_groups_shared_prefixes_then_sorts_by_length() -> None:
+    from batchinfer.worker import PREFIX_TOKENS, work_order
+
+    a, b = tuple(range(PREFIX_TOKENS)), tuple(range(100, 100 + PREFIX_TOKENS))
+    keys = [(b + (1, 2, 3), "", -1), (a + (9,) * 10, "", -1), (b + (5,), "", -1), (a + (7,), "", -1)]
+    ordered = sorted(keys, key=work_order)
+    assert [len(k[0]) - PREFIX_TOKENS for k in ordered] == [1, 10, 1, 3]
+    assert [k[0][:PREFIX_TOKENS] for k in ordered] == [a, a, b, b]
