@@ -51,15 +51,20 @@ def wait_for_part(proc: subprocess.Popen, out: Path) -> None:
         time.sleep(0.05)
 
 
-def base_and_clean_run(corpus: Path, model: Path, engine: Any, max_tokens: int) -> tuple[list[str], list[dict]]:
-    """Overrides committing every 16 rows, and the rows of an uninterrupted run with them."""
-    base = [
+def fault_overrides(corpus: Path, model: Path, max_tokens: int) -> list[str]:
+    """A run of corpus on the tiny model that commits every 16 rows."""
+    return [
         f"input.path={corpus}",
         "input.id_column=id",
         f"sampling.max_tokens={max_tokens}",
         "output.commit_every_rows=16",
         *model_overrides(model),
     ]
+
+
+def base_and_clean_run(corpus: Path, model: Path, engine: Any, max_tokens: int) -> tuple[list[str], list[dict]]:
+    """Overrides committing every 16 rows, and the rows of an uninterrupted run with them."""
+    base = fault_overrides(corpus, model, max_tokens)
     clean = read_output(run_local(compose([*base, f"output.dir={corpus.parent / 'clean'}"]), engine=engine).path)
     return base, clean
 
@@ -79,12 +84,17 @@ def test_sigkill_at_a_random_moment_then_resume(
 
 
 def test_second_worker_refuses_and_a_dead_holders_lock_is_free(
-    workload: dict[str, Any], engine: Any, clean_shm: None
+    tmp_path: Path, tiny_model_path: Path, engine: Any, clean_shm: None
 ) -> None:
-    out = workload["dir"] / "two-workers"
-    proc = start_run([*workload["base"], f"output.dir={out}"])
+    # One shard long enough (4,000 rows) to still be generating while the second worker starts.
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 4000, seed=33)
+    base = fault_overrides(corpus, tiny_model_path, max_tokens=24)
+    out = tmp_path / "two-workers"
+    proc = start_run([*base, f"output.dir={out}"])
     wait_for_part(proc, out)
     res = run_cli(["worker", str(out), "0"], timeout=120)
+    assert not RunDir(out).is_done(0)  # the first worker was still writing the shard
     assert res.returncode == 2, res.stderr[-2000:]
     assert f"00000: shard is being written by host {socket.gethostname()} pid {proc.pid}" in res.stderr
     kill_group(proc)
@@ -93,7 +103,7 @@ def test_second_worker_refuses_and_a_dead_holders_lock_is_free(
         with pytest.raises(RunDirError, match="being written by"):
             with ShardLock(RunDir(out).shard_dir(0)):
                 pass
-    resume_and_check(workload, out, engine)
+    assert_exactly_once(read_output(run_local(compose([*base, f"output.dir={out}"]), engine=engine).path), rows)
 
 
 def test_row_that_kills_the_engine_twice_becomes_an_error_row(
