@@ -108,7 +108,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """`batchinfer plan`."""
     import json
 
-    from batchinfer.config import to_dict
     from batchinfer.estimate import estimate
     from batchinfer.plan_text import format_plan
 
@@ -117,7 +116,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _print_cfg(cfg)
     if args.sample < 1:
         raise BatchinferError(f"--sample {args.sample}: must be at least 1")
-    report = estimate(to_dict(cfg), gpu=args.gpu, sample_rows=args.sample)
+    report = estimate(cfg, gpu=args.gpu, sample_rows=args.sample)
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
     return 0
 

@@ -333,9 +333,9 @@ def validate(cfg: DictConfig) -> None:
     check_config_secrets(to_dict(cfg))
 
 
-def require_run_keys(cfg: DictConfig) -> None:
+def require_run_keys(cfg: DictConfig, input_required: bool = True) -> None:
     """The keys a run cannot start without."""
-    if not cfg.input.path:
+    if input_required and not cfg.input.path:
         raise ConfigError("input.path is not set: add input.path=/path/to/corpus.jsonl")
     if not cfg.model.path:
         raise ConfigError("model.path is not set: add model.path=/path/to/hf-model-folder or a preset")

@@ -11,6 +11,7 @@ from typing import Any, Optional
 import pyarrow as pa
 
 from batchinfer.errors import InputError
+from batchinfer.models import looks_local
 from batchinfer.openai_batch import convert_requests, looks_like_openai_batch
 from batchinfer.security import remove_path
 from batchinfer.textfiles import COMPRESSION_SUFFIXES, first_line, open_text, scan_jsonl, text_lines
@@ -74,9 +75,7 @@ def looks_like_hub_dataset(path: str) -> bool:
     """hf://datasets/org/name[@rev], or org/name when no such local path exists."""
     if path.startswith(HUB_PREFIX):
         return True
-    if path.startswith(("/", ".", "~")) or path.count("/") != 1 or GLOB_CHARS & set(path):
-        return False
-    return not Path(path).exists() and not Path(path).suffix
+    return not looks_local(path) and not GLOB_CHARS & set(path) and not Path(path).suffix
 
 
 def hub_dataset_files(name: str, split: str) -> list[Path]:

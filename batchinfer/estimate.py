@@ -4,23 +4,27 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from batchinfer import sizing
 from batchinfer.config import DEFAULT_ROWS_PER_SHARD
 from batchinfer.errors import ConfigError
 from batchinfer.maxlen import max_model_len
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
 SAMPLE_ROWS = 200
 
 
-def input_section(c: dict[str, Any], sample_rows: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def input_section(
+    c: dict[str, Any], files: list[Path], sample_rows: int
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Input rows, shards and array tasks, plus a sample of rows; reads the input, converts nothing."""
-    from batchinfer.data import detect_format, input_files, plan_shards
+    from batchinfer.data import plan_shards
     from batchinfer.preview import peek
 
-    files = input_files(c["input"]["path"], c["input"]["split"])
-    fmt = detect_format(files, c["input"]["format"])
+    fmt = c["input"]["format"]
     rows, sample = peek(files, fmt, sample_rows)
     if rows == 0:
         raise ConfigError(f"input.path {c['input']['path']}: no rows; there is nothing to plan")
@@ -47,6 +51,7 @@ def prompt_section(
     from jinja2.exceptions import TemplateError
 
     from batchinfer.prompts import PromptBuilder, RowError, check_fields
+    from batchinfer.requests import build_request
     from batchinfer.tokens import LoginTokenizer
 
     builder = PromptBuilder(c["prompt"])
@@ -58,9 +63,9 @@ def prompt_section(
     kwargs = c["prompt"]["chat_template_kwargs"]
     counts: list[int] = []
     errors: list[str] = []
-    for row in sample:
+    for i, row in enumerate(sample):
         try:
-            counts.append(tok.count(builder.build(row), kwargs))
+            counts.append(len(build_request(c, builder, row, i, lambda p: tok.encode(p, kwargs)).ids))
         except (RowError, TemplateError) as e:
             errors.append(str(e))  # an error row in a run, not a failed plan
     sampling = c["sampling"]
@@ -152,22 +157,19 @@ def gpu_rows(
     return out
 
 
-def estimate(c: dict[str, Any], gpu: str = sizing.DEFAULT_GPU, sample_rows: int = SAMPLE_ROWS) -> dict[str, Any]:
-    """The whole plan of a resolved config dict: input, prompt tokens, model, GPUs."""
+def estimate(cfg: DictConfig, gpu: str = sizing.DEFAULT_GPU, sample_rows: int = SAMPLE_ROWS) -> dict[str, Any]:
+    """The whole plan of a composed config: input, prompt tokens, model, GPUs."""
+    from batchinfer.plan import resolve_input
     from batchinfer.tokens import model_dir
 
-    if not c["model"]["path"]:
-        raise ConfigError("model.path is not set: add model.path=/path/to/hf-model-folder or a preset")
     gpus = sizing.gpu_names(gpu)
-    from batchinfer.prompts import apply_labels
-
-    apply_labels(c)  # the labels' system prompt counts toward prompt tokens
     try:
+        c, files = resolve_input(cfg, input_required=False)  # as `run` resolves it, labels included
         folder = model_dir(c["model"]["path"], c["model"]["revision"])
     except ConfigError as e:
         if "Hugging Face cache" not in str(e):
             raise
-        name = c["model"]["path"]
+        name = cfg.model.path
         raise ConfigError(
             f"{e}. For `plan` alone the small files are enough: `huggingface-cli download {name} config.json "
             f"tokenizer.json tokenizer_config.json`"
@@ -180,7 +182,7 @@ def estimate(c: dict[str, Any], gpu: str = sizing.DEFAULT_GPU, sample_rows: int 
             f"{c['quantization']['method']} is not used for sizing"
         )
     if c["input"]["path"]:
-        report["input"], sample = input_section(c, sample_rows)
+        report["input"], sample = input_section(c, files, sample_rows)
         if (folder / "tokenizer.json").is_file():
             report["prompt_tokens"] = prompt_section(c, folder, report["input"]["rows"], sample, ms["max_model_len"])
         else:

@@ -52,10 +52,15 @@ def resolve_config(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     return c, file_fingerprint(files, previous)
 
 
-def resolve_input(cfg: DictConfig) -> tuple[dict[str, Any], list[Path]]:
-    """Plain config with input path, format, labels and model resolved, and the input files."""
-    require_run_keys(cfg)
+def resolve_input(cfg: DictConfig, input_required: bool = True) -> tuple[dict[str, Any], list[Path]]:
+    """Plain config with input path, format, labels and model resolved, and the input files (none
+    when input.path is unset and not required: `plan` sizes a model alone)."""
+    require_run_keys(cfg, input_required)
     c = to_dict(cfg)
+    apply_labels(c)
+    c["model"]["path"], c["model"]["revision"] = resolve_model(c["model"]["path"], c["model"]["revision"])
+    if not c["input"]["path"]:
+        return c, []
     files = input_files(c["input"]["path"], c["input"]["split"])
     if looks_like_hub_dataset(c["input"]["path"]):
         pass  # the name stays: the files' snapshot folder records the revision in the fingerprint
@@ -67,8 +72,6 @@ def resolve_input(cfg: DictConfig) -> tuple[dict[str, Any], list[Path]]:
     if c["input"]["format"] == "openai":  # custom_id is the id; answers follow the Batch output format
         c["input"]["id_column"] = c["input"]["id_column"] or "custom_id"
         c["output"]["format"] = "openai"
-    apply_labels(c)
-    c["model"]["path"], c["model"]["revision"] = resolve_model(c["model"]["path"], c["model"]["revision"])
     return c, files
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from batchinfer.errors import InputError
 from batchinfer.openai_batch import request_row
-from batchinfer.textfiles import open_text
+from batchinfer.textfiles import json_object, open_text, text_lines
 
 
 def spread(rows: int, k: int) -> list[int]:
@@ -23,31 +23,21 @@ def _line_files(files: list[Path], fmt: str, k: int) -> tuple[int, list[dict[str
     for path in files:
         with open_text(path) as f:
             counts.append(sum(1 for raw in f if raw.strip()))
-    rows = sum(counts)
-    wanted = set(spread(rows, k))
+    wanted = set(spread(sum(counts), k))
     sample: list[dict[str, Any]] = []
     base = 0
     for path, n in zip(files, counts, strict=True):
-        if not wanted & set(range(base, base + n)):
-            base += n
-            continue
-        with open_text(path) as f:
+        if wanted & set(range(base, base + n)):
             row = base
-            for lineno, raw in enumerate(f, start=1):
-                if not raw.strip():
+            for lineno, line in text_lines(path):
+                if not line.strip():
                     continue
                 if row in wanted:
-                    where = f"{path}:{lineno}"
-                    try:
-                        obj = json.loads(raw.decode("utf-8").removeprefix("\ufeff"))
-                    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                        raise InputError(f"{where}: not valid JSON ({e}); fix or remove the line") from None
-                    if not isinstance(obj, dict):
-                        raise InputError(f"{where}: expected a JSON object per line, got {type(obj).__name__}")
-                    sample.append(request_row(obj, where) if fmt == "openai" else obj)
+                    obj = json_object(path, lineno, line)
+                    sample.append(request_row(obj, f"{path}:{lineno}") if fmt == "openai" else obj)
                 row += 1
         base += n
-    return rows, sample
+    return sum(counts), sample
 
 
 def _table(files: list[Path], fmt: str) -> Any:

@@ -67,19 +67,24 @@ def text_lines(path: Path) -> Iterator[tuple[int, str]]:
             yield lineno, line.removeprefix("\ufeff") if lineno == 1 else line
 
 
+def json_object(path: Path, lineno: int, line: str) -> dict[str, Any]:
+    """One JSON lines row; errors name file:line."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(
+            f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); fix or remove the line"
+        ) from None
+    if not isinstance(obj, dict):
+        raise InputError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
+    return obj
+
+
 def scan_jsonl(path: Path) -> int:
     """Check every line decodes and parses; return the row count. Errors name file:line."""
     rows = 0
     for lineno, line in text_lines(path):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(
-                f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); fix or remove the line"
-            ) from None
-        if not isinstance(obj, dict):
-            raise InputError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
-        rows += 1
+        if line.strip():
+            json_object(path, lineno, line)
+            rows += 1
     return rows

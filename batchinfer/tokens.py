@@ -144,17 +144,11 @@ class LoginTokenizer:
             return prompt, True
         return self.render(prompt, chat_template_kwargs), False  # the template has the special tokens
 
-    def count(self, prompt: Any, chat_template_kwargs: Optional[dict[str, Any]] = None) -> int:
-        """Prompt tokens of a built prompt: a str is raw, a list of messages is a chat."""
+    def encode(self, prompt: Any, chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+        """Token ids of a built prompt, as vLLM makes them: a str is raw, a list of messages is a chat."""
         text, special = self.prompt_text(prompt, chat_template_kwargs)
-        return len(self.tokenizer.encode(text, add_special_tokens=special).ids)
+        return self.tokenizer.encode(text, add_special_tokens=special).ids
 
-    def encode_texts(self, texts: list[tuple[str, bool]]) -> list[list[int]]:
-        """Token ids of many prompt_text() results, in one parallel batch per special-token setting."""
-        out: list[list[int]] = [[] for _ in texts]
-        for special in (True, False):
-            where = [i for i, (_, s) in enumerate(texts) if s == special]
-            encoded = self.tokenizer.encode_batch([texts[i][0] for i in where], add_special_tokens=special)
-            for i, enc in zip(where, encoded, strict=True):
-                out[i] = enc.ids
-        return out
+    def count(self, prompt: Any, chat_template_kwargs: Optional[dict[str, Any]] = None) -> int:
+        """Prompt tokens of a built prompt."""
+        return len(self.encode(prompt, chat_template_kwargs))

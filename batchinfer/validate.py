@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 from collections import Counter
@@ -75,34 +74,27 @@ def check_rows(c: dict[str, Any], ds: Any, tok: Any, max_len: int) -> tuple[Tall
     from jinja2.exceptions import TemplateError
 
     from batchinfer.prompts import PromptBuilder, RowError
-    from batchinfer.row_sampling import row_sampling
-    from batchinfer.worker import overlong_tokens
+    from batchinfer.requests import build_request, overlong_tokens, row_id
 
-    inp, prompt = c["input"], c["prompt"]
+    prompt = c["prompt"]
     builder = PromptBuilder(prompt)
     errors, stops, lengths, overlong = Tally(), Tally(), Counter[int](), 0
+    kwargs = prompt["chat_template_kwargs"]
     for start in range(0, len(ds), BATCH_ROWS):
         rows = ds.select(range(start, min(start + BATCH_ROWS, len(ds)))).to_list()
-        built: list[tuple[int, Any, str, tuple[str, bool]]] = []
         for index, row in enumerate(rows, start=start):
-            id_ = row[inp["id_column"]] if inp["id_column"] else index
+            example = {"row": index, "id": row_id(c, row, index)}
             try:
-                own = row_sampling(c, row, id_)
-                built.append((index, id_, own, tok.prompt_text(builder.build(row), prompt["chat_template_kwargs"])))
+                req = build_request(c, builder, row, index, lambda p: tok.encode(p, kwargs))
+                lengths[len(req.ids)] += 1
+                overlong += len(req.ids) >= max_len
+                overlong_tokens(req.ids, prompt["overlong"], max_len, req.sampling["max_tokens"])
             except RowError as e:
-                errors.add(e.kind, {"row": index, "id": id_, "message": f"row {index}: {e.message}"})
+                errors.add(e.kind, dict(example, message=f"row {index}: {e.message}"))
             except TemplateError as e:  # the engine's chat template raises the same: the shard would fail
-                stops.add("chat_template", {"row": index, "id": id_, "message": f"row {index}: chat template: {e}"})
-        for (index, id_, own, _), ids in zip(built, tok.encode_texts([b[3] for b in built]), strict=True):
-            lengths[len(ids)] += 1
-            overlong += len(ids) >= max_len
-            sampling = dict(c["sampling"], **json.loads(own)) if own else c["sampling"]
-            try:
-                overlong_tokens(ids, prompt["overlong"], max_len, sampling["max_tokens"])
-            except RowError as e:
-                errors.add(e.kind, {"row": index, "id": id_, "message": f"row {index}: {e.message}"})
+                stops.add("chat_template", dict(example, message=f"row {index}: chat template: {e}"))
             except InputError as e:  # prompt.overlong=fail stops the run
-                stops.add("overlong", {"row": index, "id": id_, "message": f"row {index}: {e}"})
+                stops.add("overlong", dict(example, message=f"row {index}: {e}"))
     return errors, stops, lengths, overlong
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import signal
@@ -16,9 +15,9 @@ from typing import Any, Optional, Protocol
 from batchinfer import faults
 from batchinfer.data import Shard, get_path, open_input
 from batchinfer.engine import Completion, installed_versions
-from batchinfer.errors import InputError, StorageError
+from batchinfer.errors import StorageError
 from batchinfer.prompts import Prompt, PromptBuilder, RowError
-from batchinfer.row_sampling import row_sampling
+from batchinfer.requests import build_request, overlong_tokens, row_id, sampling_for
 from batchinfer.schema import error_row, rows_to_table
 from batchinfer.stats import add_point, with_rates
 from batchinfer.store import RunDir, ShardLock, holder_info, read_json, write_json
@@ -78,24 +77,6 @@ class StopFlag:
         self.signum = signum
 
 
-def overlong_tokens(ids: list[int], policy: str, max_model_len: int, max_tokens: int) -> list[int]:
-    """Apply prompt.overlong to a prompt vLLM would reject (prompt_tokens >= max_model_len)."""
-    if len(ids) < max_model_len:
-        return ids
-    msg = f"prompt has {len(ids)} tokens; model.max_model_len is {max_model_len}"
-    if policy == "fail":
-        raise InputError(
-            f"{msg} (prompt.overlong=fail); raise model.max_model_len or choose error_row/truncate_left/truncate_right"
-        )
-    if policy == "error_row":
-        raise RowError(
-            "overlong", f"{msg}; raise model.max_model_len or set prompt.overlong=truncate_left|truncate_right"
-        )
-    # Leave room for max_tokens of output, but never keep less than half the context.
-    keep = max(max_model_len - max_tokens, max_model_len // 2)
-    return ids[-keep:] if policy == "truncate_left" else ids[:keep]
-
-
 class ShardWorker:
     """Runs shards of one run directory on one (lazily started) engine."""
 
@@ -137,14 +118,6 @@ class ShardWorker:
             done = dict(with_rates(progress), finished=time.time(), **self._reproducibility())
             write_json(self.run.done_path(shard.index), done)
             return done
-
-    def _sampling(self, own: str) -> dict[str, Any]:
-        """The run's sampling config with a row's own overrides (JSON) on top."""
-        return dict(self.cfg["sampling"], **json.loads(own)) if own else self.cfg["sampling"]
-
-    def _row_sampling(self, row: dict[str, Any], id_: Any) -> str:
-        """A row's own sampling overrides as canonical JSON ("" when none)."""
-        return row_sampling(self.cfg, row, id_)
 
     def _reproducibility(self) -> dict[str, Any]:
         """What a reader needs to reproduce these rows: model, revision, settings, software, hardware."""
@@ -190,19 +163,18 @@ class ShardWorker:
         self, shard: Shard, todo: list[int], engine: EngineLike
     ) -> tuple[dict[RequestKey, list[dict[str, Any]]], list[dict[str, Any]]]:
         """Group rows by prompt tokens and sampling (identical requests once); bad rows become error rows."""
-        inp = self.cfg["input"]
         groups: dict[RequestKey, list[dict[str, Any]]] = {}
         errors: list[dict[str, Any]] = []
         rows = self.dataset.select(todo).to_list()
+        kwargs = self.cfg["prompt"]["chat_template_kwargs"]
         for offset, (index, row) in enumerate(zip(todo, rows, strict=True)):
-            base: dict[str, Any] = {"row": index, "id": row[inp["id_column"]] if inp["id_column"] else index}
-            base.update(self._carried(row))
+            base: dict[str, Any] = {"row": index, "id": row_id(self.cfg, row, index), **self._carried(row)}
             try:
-                own = self._row_sampling(row, base["id"])
-                sampling = self._sampling(own)
-                prompt = self.prompts.build(row)
-                ids = engine.encode(prompt, self.cfg["prompt"]["chat_template_kwargs"])
-                ids = overlong_tokens(ids, self.cfg["prompt"]["overlong"], engine.max_model_len, sampling["max_tokens"])
+                req = build_request(self.cfg, self.prompts, row, index, lambda p: engine.encode(p, kwargs))
+                sampling, own, prompt = req.sampling, req.own, req.prompt
+                ids = overlong_tokens(
+                    req.ids, self.cfg["prompt"]["overlong"], engine.max_model_len, sampling["max_tokens"]
+                )
             except RowError as e:
                 errors.append(dict(error_row(index, base["id"], e.kind, f"row {index}: {e.message}"), **base))
                 continue
@@ -259,7 +231,7 @@ class ShardWorker:
                     rid = f"{shard.index}-{seq}"
                     seq += 1
                     ids, own, _ = key
-                    engine.add(rid, list(ids), engine.sampling_params(self._sampling(own)))
+                    engine.add(rid, list(ids), engine.sampling_params(sampling_for(self.cfg, own)))
                     in_flight[rid] = key
                     if key in self._poison:
                         faults.kill_engine()
@@ -315,11 +287,10 @@ class ShardWorker:
         """Error rows for rows that were in flight at two engine deaths (isolated, not retried)."""
         if not rows:
             return []
-        inp = self.cfg["input"]
         data = self.dataset.select(rows).to_list()
         out = []
         for index, row in zip(rows, data, strict=True):
-            id_ = row[inp["id_column"]] if inp["id_column"] else index
+            id_ = row_id(self.cfg, row, index)
             msg = (
                 f"row {index}: the engine died {CRASHES_TO_ISOLATE} times while this row was in flight "
                 f"(the second time alone); it is left out so the shard can finish. Check the Slurm log "

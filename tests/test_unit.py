@@ -19,9 +19,10 @@ from batchinfer.launch import run_shards
 from batchinfer.merge import merge
 from batchinfer.plan import prepare
 from batchinfer.prompts import PromptBuilder, RowError
+from batchinfer.requests import overlong_tokens
 from batchinfer.schema import error_row, output_schema, rows_to_table
 from batchinfer.store import RunDir, ShardLock
-from batchinfer.worker import StopFlag, overlong_tokens
+from batchinfer.worker import StopFlag
 
 
 class FakeEngine:
@@ -417,3 +418,47 @@ def test_work_order_groups_shared_prefixes_then_sorts_by_length() -> None:
     ordered = sorted(keys, key=work_order)
     assert [len(k[0]) - PREFIX_TOKENS for k in ordered] == [1, 10, 1, 3]
     assert [k[0][:PREFIX_TOKENS] for k in ordered] == [a, a, b, b]
+
+
+def test_trace_records_rows_finished_per_step(tmp_path: Path, monkeypatch) -> None:
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 20)
+    run = prepare(compose(fake_overrides(tmp_path, corpus, "output.commit_every_rows=4")))
+    trace = tmp_path / "trace.txt"
+    monkeypatch.setenv("BATCHINFER_TRACE", str(trace))
+    run_shards(run, [0], engine=_keyed(FakeEngine(), run))
+    counts = [int(line.split()[1]) for line in trace.read_text().splitlines()]
+    assert counts == sorted(counts) and counts[-1] == 20  # what redo_bench compares with committed rows
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(28, "No space left on device"),
+        OSError("[Errno 28] Error writing bytes to file: No space left on device"),
+    ],
+)
+def test_merge_on_a_full_disk_leaves_no_partial_output(tmp_path: Path, monkeypatch, error: OSError) -> None:
+    """pyarrow puts the errno only in its message: both forms are a StorageError naming the output."""
+    from batchinfer import merge as merge_module
+    from batchinfer.errors import StorageError
+
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 12)
+    run = prepare(compose(fake_overrides(tmp_path, corpus, "sharding.num_shards=2")))
+    run_shards(run, [0, 1], engine=_keyed(FakeEngine(), run))
+    calls = {"n": 0}
+    real = merge_module.OutputWriter.write
+
+    def write(self, table):  # the second shard's rows hit a full disk
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise error
+        real(self, table)
+
+    monkeypatch.setattr(merge_module.OutputWriter, "write", write)
+    with pytest.raises(StorageError, match=rf"cannot write {run.output_path}: the disk is full"):
+        merge(run)
+    assert not run.output_path.exists() and not list(run.path.glob(".tmp-*"))
+    monkeypatch.setattr(merge_module.OutputWriter, "write", real)
+    assert merge(run)["rows"] == 12 and len(read_output(run.path)) == 12

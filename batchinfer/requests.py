@@ -1,0 +1,94 @@
+"""An input row -> what the engine gets: id, own sampling, prompt tokens. One code path for the
+worker and `batchinfer validate`, so validate predicts exactly the error rows a run writes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from batchinfer.errors import InputError
+from batchinfer.openai_batch import ROW_SAMPLING
+from batchinfer.prompts import Prompt, PromptBuilder, RowError
+
+
+@dataclass
+class RowRequest:
+    """A row ready for the engine (its prompt tokens before the overlong policy)."""
+
+    id: Any
+    own: str  # the row's own sampling overrides, canonical JSON ("" when none)
+    sampling: dict[str, Any]
+    prompt: Prompt
+    ids: list[int]
+
+
+def row_id(cfg: dict[str, Any], row: dict[str, Any], index: int) -> Any:
+    """The row's id: input.id_column, else its index."""
+    column = cfg["input"]["id_column"]
+    return row[column] if column else index
+
+
+def sampling_for(cfg: dict[str, Any], own: str) -> dict[str, Any]:
+    """The run's sampling config with a row's own overrides (JSON) on top."""
+    return dict(cfg["sampling"], **json.loads(own)) if own else cfg["sampling"]
+
+
+def build_request(
+    cfg: dict[str, Any], builder: PromptBuilder, row: dict[str, Any], index: int, encode: Callable[[Prompt], list[int]]
+) -> RowRequest:
+    """Id, sampling, prompt and token ids of a row; a bad row raises RowError."""
+    id_ = row_id(cfg, row, index)
+    own = row_sampling(cfg, row, id_)
+    prompt = builder.build(row)
+    return RowRequest(id_, own, sampling_for(cfg, own), prompt, encode(prompt))
+
+
+def overlong_tokens(ids: list[int], policy: str, max_model_len: int, max_tokens: int) -> list[int]:
+    """Apply prompt.overlong to a prompt vLLM would reject (prompt_tokens >= max_model_len)."""
+    if len(ids) < max_model_len:
+        return ids
+    msg = f"prompt has {len(ids)} tokens; model.max_model_len is {max_model_len}"
+    if policy == "fail":
+        raise InputError(
+            f"{msg} (prompt.overlong=fail); raise model.max_model_len or choose error_row/truncate_left/truncate_right"
+        )
+    if policy == "error_row":
+        raise RowError(
+            "overlong", f"{msg}; raise model.max_model_len or set prompt.overlong=truncate_left|truncate_right"
+        )
+    # Leave room for max_tokens of output, but never keep less than half the context.
+    keep = max(max_model_len - max_tokens, max_model_len // 2)
+    return ids[-keep:] if policy == "truncate_left" else ids[:keep]
+
+
+def row_sampling(cfg: dict[str, Any], row: dict[str, Any], id_: Any) -> str:
+    """A row's own sampling overrides as canonical JSON ("" when none): an OpenAI request's
+    fields, input.sampling_column, and the row's seed under sampling.seed_per_row."""
+    own: dict[str, Any] = json.loads(row.get(ROW_SAMPLING) or "{}")
+    column = cfg["input"]["sampling_column"]
+    if column and row.get(column) is not None:
+        value = row[column]
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise RowError("sampling", f"field {column!r} is not a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise RowError("sampling", f"field {column!r} must be an object of SamplingParams, got {value!r}")
+        unknown = sorted(set(value) - set(cfg["sampling"]) - {"structured_outputs"})
+        if unknown:
+            raise RowError("sampling", f"field {column!r} has unknown sampling keys {unknown}")
+        own.update({k: v for k, v in value.items() if v is not None})
+    s = cfg["sampling"]
+    if s["seed_per_row"] and "seed" not in own:
+        own["seed"] = row_seed(s["seed"], id_)
+    return json.dumps(own, sort_keys=True) if own else ""
+
+
+def row_seed(seed: int, id_: Any) -> int:
+    """A row's own seed: stable across runs, shards and resumes; 31 bits, as every backend takes."""
+    digest = hashlib.blake2b(f"{seed}:{id_!r}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
