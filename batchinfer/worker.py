@@ -16,11 +16,12 @@ from batchinfer import faults
 from batchinfer.data import Shard, get_path, open_input
 from batchinfer.engine import Completion, installed_versions
 from batchinfer.errors import StorageError
+from batchinfer.locks import ShardLock, holder_info
 from batchinfer.prompts import Prompt, PromptBuilder, RowError
 from batchinfer.requests import build_request, overlong_tokens, row_id, sampling_for
 from batchinfer.schema import error_row, rows_to_table
 from batchinfer.stats import add_point, with_rates
-from batchinfer.store import RunDir, ShardLock, holder_info, read_json, write_json
+from batchinfer.store import RunDir, read_json, write_json
 
 log = logging.getLogger("batchinfer")
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)

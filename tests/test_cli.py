@@ -95,8 +95,8 @@ def test_merge_of_incomplete_dir_names_shards(tmp_path: Path) -> None:
 
 
 def test_lock_refusal_from_a_second_process(tmp_path: Path) -> None:
+    from batchinfer.locks import ShardLock
     from batchinfer.plan import prepare
-    from batchinfer.store import ShardLock
 
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, 4)

@@ -31,7 +31,8 @@ from conftest import (
 from batchinfer.config import compose
 from batchinfer.errors import RunDirError
 from batchinfer.launch import run_local
-from batchinfer.store import RunDir, ShardLock
+from batchinfer.locks import ShardLock
+from batchinfer.store import RunDir
 
 pytestmark = [pytest.mark.engine, pytest.mark.kill]
 

@@ -16,12 +16,13 @@ from batchinfer.data import Shard, plan_shards, scan_jsonl
 from batchinfer.engine import Completion
 from batchinfer.errors import ConfigError, InputError, RunDirError
 from batchinfer.launch import run_shards
+from batchinfer.locks import ShardLock
 from batchinfer.merge import merge
 from batchinfer.plan import prepare
 from batchinfer.prompts import PromptBuilder, RowError
 from batchinfer.requests import overlong_tokens
 from batchinfer.schema import error_row, output_schema, rows_to_table
-from batchinfer.store import RunDir, ShardLock
+from batchinfer.store import RunDir
 from batchinfer.worker import StopFlag
 
 
