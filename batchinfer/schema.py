@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from typing import Any, Optional
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 ERROR_TYPE = pa.struct([("kind", pa.string()), ("message", pa.string())])
 
@@ -79,12 +82,155 @@ def rows_to_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
 
 
 def table_to_jsonl(table: pa.Table) -> bytes:
-    """JSON lines of a table, one object per row, in schema column order."""
+    """JSON lines of a table, one object per row, in schema column order (types as in wire_type)."""
+    if any(_needs_wire(f.type) for f in table.schema):
+        table = pa.table(
+            [_column(c, f.type, _to_wire) for c, f in zip(table.columns, table.schema, strict=True)], table.column_names
+        )
     lines = [json.dumps(r, ensure_ascii=False, default=str) for r in table.to_pylist()]
     return ("\n".join(lines) + "\n").encode() if lines else b""
 
 
 def jsonl_to_table(data: bytes, schema: pa.Schema) -> pa.Table:
-    """Parse JSON lines written by table_to_jsonl back into the run's schema."""
+    """Parse JSON lines written by table_to_jsonl back into the run's schema, value for value."""
     rows = [json.loads(line) for line in data.splitlines() if line.strip()]
-    return pa.Table.from_pylist(rows, schema=schema)
+    if not any(_needs_wire(f.type) for f in schema):
+        return pa.Table.from_pylist(rows, schema=schema)
+    wire = pa.schema([f.with_type(wire_type(f.type)) for f in schema], metadata=schema.metadata)
+    table = pa.Table.from_pylist(rows, schema=wire)
+    columns = [_column(c, f.type, _from_wire) for c, f in zip(table.columns, schema, strict=True)]
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+# JSON has strings, numbers, bools, lists and objects: Arrow types without a JSON counterpart
+# travel as text (or a number) that pyarrow casts back exactly, in the forms pandas and
+# Python's fromisoformat read: dates and times ISO 8601, timestamps ISO 8601 with the column's
+# fractional digits and, when it has a time zone, the local time and its offset; decimals as
+# strings (floats would round); binary as base64; durations as integers in the column's unit.
+def wire_type(typ: pa.DataType) -> pa.DataType:
+    """The type a column has in JSON lines (strings for dates, timestamps, decimals, binary...)."""
+    t = pa.types
+    if t.is_dictionary(typ):
+        return wire_type(typ.value_type)
+    if t.is_map(typ):
+        return pa.list_(pa.struct([("key", wire_type(typ.key_type)), ("value", wire_type(typ.item_type))]))
+    if t.is_struct(typ):
+        return pa.struct([f.with_type(wire_type(f.type)) for f in typ])
+    if t.is_list(typ) or t.is_large_list(typ) or t.is_fixed_size_list(typ):
+        item = typ.value_field.with_type(wire_type(typ.value_type))
+        if t.is_fixed_size_list(typ):
+            return pa.list_(item, typ.list_size)
+        return pa.large_list(item) if t.is_large_list(typ) else pa.list_(item)
+    if t.is_duration(typ):
+        return pa.int64()
+    if _is_text_leaf(typ):
+        return pa.string()
+    return typ
+
+
+def _is_text_leaf(typ: pa.DataType) -> bool:
+    t = pa.types
+    return (
+        t.is_temporal(typ)
+        and not t.is_duration(typ)
+        or t.is_decimal(typ)
+        or t.is_binary(typ)
+        or t.is_large_binary(typ)
+        or t.is_fixed_size_binary(typ)
+        or t.is_binary_view(typ)
+    )
+
+
+def _needs_wire(typ: pa.DataType) -> bool:
+    return wire_type(typ) != typ
+
+
+def _column(col: pa.ChunkedArray, typ: pa.DataType, convert: Any) -> pa.ChunkedArray:
+    chunks = [convert(chunk, typ) for chunk in col.chunks]
+    return pa.chunked_array(chunks, type=chunks[0].type if chunks else _empty_type(typ, convert))
+
+
+def _empty_type(typ: pa.DataType, convert: Any) -> pa.DataType:
+    return wire_type(typ) if convert is _to_wire else typ
+
+
+def _nested(arr: pa.Array, typ: pa.DataType, convert: Any) -> Optional[pa.Array]:
+    """Nested arrays rebuilt around their converted children (None for a leaf). Children are
+    converted on their own: a cast of a whole struct would also parse the filler of null rows."""
+    t = pa.types
+    mask = arr.is_null() if arr.null_count else None
+    if t.is_struct(typ):
+        children = [convert(child, f.type) for child, f in zip(arr.flatten(), typ, strict=True)]
+        fields = [f.with_type(c.type) for c, f in zip(children, typ, strict=True)]
+        return pa.StructArray.from_arrays(children, fields=fields, mask=mask)
+    if t.is_map(typ):  # offsets index the whole child arrays, also in a slice
+        keys = convert(arr.values.field(0), typ.key_type)
+        items = convert(arr.values.field(1), typ.item_type)
+        if convert is _from_wire:
+            return pa.MapArray.from_arrays(_offsets(arr), keys, items, type=typ, mask=mask)
+        entries = pa.StructArray.from_arrays([keys, items], fields=list(wire_type(typ).value_type))
+        return pa.ListArray.from_arrays(_offsets(arr), entries, type=wire_type(typ), mask=mask)
+    if t.is_list(typ) or t.is_large_list(typ):
+        values = convert(arr.values, typ.value_type)
+        out_type = typ if convert is _from_wire else wire_type(typ)
+        cls = pa.LargeListArray if t.is_large_list(typ) else pa.ListArray
+        return cls.from_arrays(_offsets(arr), values, type=out_type, mask=mask)
+    if t.is_fixed_size_list(typ):
+        size = typ.list_size
+        values = arr.values[arr.offset * size : (arr.offset + len(arr)) * size]
+        if mask is not None:  # a null list still holds `size` filler values (""), never to be parsed
+            hidden = pa.array(np.repeat(mask.to_numpy(zero_copy_only=False), size))
+            values = pc.if_else(hidden, pa.scalar(None, values.type), values)
+        values = convert(values, typ.value_type)
+        out_type = typ if convert is _from_wire else wire_type(typ)
+        return pa.FixedSizeListArray.from_arrays(values, type=out_type, mask=mask)
+    return None
+
+
+def _offsets(arr: pa.Array) -> pa.Array:
+    # A sliced array's offsets are a slice too, which from_arrays refuses together with a mask.
+    return pa.array(arr.offsets.to_numpy(), arr.offsets.type)
+
+
+_OFFSET = re.compile(r"([+-]\d\d)(\d\d)$")
+
+
+def _to_wire(arr: pa.Array, typ: pa.DataType) -> pa.Array:
+    if not _needs_wire(typ):
+        return arr
+    t = pa.types
+    if t.is_dictionary(typ):
+        return _to_wire(arr.dictionary_decode(), typ.value_type)
+    nested = _nested(arr, typ, _to_wire)
+    if nested is not None:
+        return nested
+    if t.is_timestamp(typ):
+        fmt = "%Y-%m-%dT%H:%M:%S" + ("%z" if typ.tz else "")  # %S carries the unit's fraction
+        text = pc.strftime(arr, format=fmt)
+        # strftime's %z is +0900; ISO 8601's extended form (and pyarrow's own cast back) is +09:00.
+        return pc.replace_substring_regex(text, _OFFSET.pattern, r"\1:\2") if typ.tz else text
+    if t.is_duration(typ):
+        return arr.cast(pa.int64())
+    if t.is_binary(typ) or t.is_large_binary(typ) or t.is_fixed_size_binary(typ) or t.is_binary_view(typ):
+        # No base64 kernel in pyarrow.compute: encode the values themselves.
+        return pa.array([None if v is None else base64.b64encode(v).decode() for v in arr.to_pylist()], pa.string())
+    return arr.cast(pa.string())  # dates, times and decimals: ISO 8601 / exact decimal text
+
+
+def _from_wire(arr: pa.Array, typ: pa.DataType) -> pa.Array:
+    if not _needs_wire(typ):
+        return arr
+    t = pa.types
+    if t.is_dictionary(typ):
+        return _from_wire(arr, typ.value_type).cast(typ)
+    nested = _nested(arr, typ, _from_wire)
+    if nested is not None:
+        return nested
+    if t.is_time(typ):  # no string -> time cast: read it as a time of day on 1970-01-01
+        unit = typ.unit
+        day = pc.binary_join_element_wise("1970-01-01T", arr, "")
+        return day.cast(pa.timestamp(unit)).cast(typ)
+    if t.is_binary(typ) or t.is_large_binary(typ) or t.is_fixed_size_binary(typ) or t.is_binary_view(typ):
+        raw = [None if v is None else base64.b64decode(v) for v in arr.to_pylist()]
+        return pa.array(raw, pa.binary()).cast(typ)
+    return arr.cast(typ)  # dates, timestamps (ISO 8601, offsets), decimals, durations (integers)

@@ -1,0 +1,169 @@
+"""JSONL parts and outputs keep every Arrow type the input readers produce, value for value."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchinfer.schema import jsonl_to_table, table_to_jsonl
+
+UTC = dt.timezone.utc
+T0 = dt.datetime(2024, 2, 29, 23, 59, 58, 123456)
+
+# type, values (one null each), the JSON text of the first value
+CASES: list[tuple[pa.DataType, list[Any], Any]] = [
+    (pa.date32(), [dt.date(2024, 2, 29), None, dt.date(1, 1, 1)], "2024-02-29"),
+    (pa.date64(), [dt.date(2024, 2, 29), None], "2024-02-29"),
+    (pa.timestamp("s"), [T0.replace(microsecond=0), None], "2024-02-29T23:59:58"),
+    (pa.timestamp("ms"), [T0.replace(microsecond=123000), None], "2024-02-29T23:59:58.123"),
+    (pa.timestamp("us"), [T0, None, dt.datetime(1900, 1, 1)], "2024-02-29T23:59:58.123456"),
+    (pa.timestamp("ns"), [1_709_251_198_123_456_789, None], "2024-02-29T23:59:58.123456789"),
+    (pa.timestamp("us", tz="UTC"), [T0.replace(tzinfo=UTC), None], "2024-02-29T23:59:58.123456+00:00"),
+    (pa.timestamp("ms", tz="Asia/Tokyo"), [dt.datetime(2024, 1, 1, tzinfo=UTC), None], "2024-01-01T09:00:00.000+09:00"),
+    (pa.timestamp("s", tz="-05:30"), [dt.datetime(2024, 1, 1, tzinfo=UTC), None], "2023-12-31T18:30:00-05:30"),
+    (pa.time32("s"), [dt.time(1, 2, 3), None], "01:02:03"),
+    (pa.time64("us"), [dt.time(1, 2, 3, 456789), None], "01:02:03.456789"),
+    (pa.duration("ms"), [dt.timedelta(seconds=1.5), None], 1500),
+    (pa.decimal128(12, 4), [Decimal("12345678.9000"), None, Decimal("-0.0001")], "12345678.9000"),
+    (pa.decimal256(40, 2), [Decimal("1" * 38 + ".25"), None], "1" * 38 + ".25"),
+    (pa.binary(), [b"\x00\xffnot utf-8\n", None, b""], base64.b64encode(b"\x00\xffnot utf-8\n").decode()),
+    (pa.large_binary(), [b"\x80abc", None], "gGFiYw=="),
+    (pa.binary(3), [b"abc", None], "YWJj"),
+    (pa.string(), ["plain", None], "plain"),
+    (pa.dictionary(pa.int32(), pa.string()), ["a", None, "a"], "a"),
+    (
+        pa.map_(pa.string(), pa.date32()),
+        [[("k", dt.date(2024, 1, 2))], None, []],
+        [{"key": "k", "value": "2024-01-02"}],
+    ),
+]
+
+NESTED = pa.struct(
+    [
+        ("when", pa.timestamp("us", tz="UTC")),
+        ("days", pa.list_(pa.date32())),
+        ("blobs", pa.large_list(pa.binary())),
+        ("money", pa.list_(pa.decimal128(8, 2), 2)),
+        ("inner", pa.struct([("d", pa.date32()), ("b", pa.binary())])),
+    ]
+)
+NESTED_VALUES = [
+    {
+        "when": T0.replace(tzinfo=UTC),
+        "days": [dt.date(2024, 1, 2), None],
+        "blobs": [b"\x01\x02", None, b""],
+        "money": [Decimal("1.50"), None],
+        "inner": {"d": dt.date(2000, 1, 1), "b": b"\xfe"},
+    },
+    None,
+    {"when": None, "days": None, "blobs": [], "money": None, "inner": None},
+    {
+        "when": None,
+        "days": [],
+        "blobs": None,
+        "money": [Decimal("0.00"), Decimal("-3.10")],
+        "inner": {"d": None, "b": None},
+    },
+]
+
+
+def _table(typ: pa.DataType, values: list[Any]) -> pa.Table:
+    schema = pa.schema([pa.field("row", pa.int64(), nullable=False), ("v", typ)])
+    return pa.table({"row": list(range(len(values))), "v": pa.array(values, typ)}, schema=schema)
+
+
+@pytest.mark.parametrize(("typ", "values", "shown"), CASES, ids=[str(c[0]) for c in CASES])
+def test_round_trip_and_json_form(typ: pa.DataType, values: list[Any], shown: Any) -> None:
+    table = _table(typ, values)
+    data = table_to_jsonl(table)
+    assert json.loads(data.splitlines()[0])["v"] == shown
+    assert json.loads(data.splitlines()[1])["v"] is None
+    back = jsonl_to_table(data, table.schema)
+    assert back.schema == table.schema and back.equals(table)
+    # A slice (merge writes files of at most N rows) and a list of and a struct around the type.
+    assert jsonl_to_table(table_to_jsonl(table.slice(1)), table.schema).equals(table.slice(1).combine_chunks())
+    wrapped = pa.struct([("x", typ), ("xs", pa.list_(typ))])
+    nested = _table(wrapped, [{"x": v, "xs": [v, None]} for v in values] + [None])
+    assert jsonl_to_table(table_to_jsonl(nested), nested.schema).equals(nested)
+
+
+def test_nested_round_trip_with_nulls_at_every_level() -> None:
+    table = _table(NESTED, NESTED_VALUES)
+    for t in (table, table.slice(1, 3), pa.concat_tables([table, table])):
+        back = jsonl_to_table(table_to_jsonl(t), t.schema)
+        assert back.equals(t.combine_chunks()), back
+    first = json.loads(table_to_jsonl(table).splitlines()[0])["v"]
+    assert first["days"] == ["2024-01-02", None] and first["blobs"] == ["AQI=", None, ""]
+    assert first["money"] == ["1.50", None] and first["inner"] == {"d": "2000-01-01", "b": "/g=="}
+
+
+def test_empty_table_and_plain_types_unchanged() -> None:
+    schema = pa.schema([("d", pa.date32()), ("n", pa.float64()), ("s", pa.list_(pa.string()))])
+    assert table_to_jsonl(schema.empty_table()) == b""
+    assert jsonl_to_table(b"", schema).equals(schema.empty_table())
+    plain = pa.table({"n": [1.5, None], "s": [["a"], None]})
+    assert table_to_jsonl(plain) == b'{"n": 1.5, "s": ["a"]}\n{"n": null, "s": null}\n'
+
+
+@pytest.mark.engine
+def test_carried_types_survive_resume_and_merge(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
+    from conftest import assert_own_output, run_overrides, write_corpus
+
+    from batchinfer.config import compose
+    from batchinfer.launch import run_local, run_shards
+    from batchinfer.plan import prepare
+    from batchinfer.store import read_table
+
+    texts = write_corpus(tmp_path / "words.jsonl", 24, seed=5)
+    n = len(texts)
+    carried = {
+        "day": pa.array([dt.date(2020, 1, 1) + dt.timedelta(days=i) if i % 5 else None for i in range(n)]),
+        "at": pa.array([T0 + dt.timedelta(hours=i) for i in range(n)], pa.timestamp("us", tz="Europe/Paris")),
+        "price": pa.array([Decimal(f"{i}.{i:02d}") for i in range(n)], pa.decimal128(9, 2)),
+        "blob": pa.array([bytes([i, 255 - i, 0]) for i in range(n)], pa.binary()),
+    }
+    ids = pa.array([f"\x00id-{i}".encode() + b"\xff" for i in range(n)], pa.binary())  # not even UTF-8
+    corpus = tmp_path / "corpus.parquet"
+    pq.write_table(pa.table({"id": ids, "text": [r["text"] for r in texts], **carried}), corpus)
+    ov = run_overrides(
+        tiny_model_path,
+        corpus,
+        tmp_path / "run",
+        "output.format=jsonl",
+        "sharding.num_shards=2",
+        "output.commit_every_rows=4",
+        "input.columns=[day,at,price,blob]",
+    )
+    run = prepare(compose(ov))
+    assert run.schema.field("id").type == pa.binary()
+    run_shards(run, [0], engine)  # then stopped: shard 1 never started
+    assert run.is_done(0) and not run.is_done(1)
+    first = read_table(run.parts(0)[0], run.schema)  # the committed JSONL part reads back typed
+    assert first.column("input").type == run.schema.field("input").type
+    run = run_local(compose(ov), engine=engine)
+
+    out = jsonl_to_table(run.output_path.read_bytes(), run.schema)
+    assert out.column("row").to_pylist() == list(range(n)) and out.column("id").equals(pa.chunked_array([ids]))
+    got = out.column("input").combine_chunks()
+    for name, values in carried.items():
+        assert got.field(name).equals(values), name
+    for row, text in zip(out.to_pylist(), texts, strict=True):
+        assert row["error"] is None
+        assert_own_output(row, text["text"])
+    # What a pandas or jq user reads in output.jsonl.
+    line = json.loads(run.output_path.read_text().splitlines()[1])
+    assert line["id"] == base64.b64encode(b"\x00id-1\xff").decode()
+    assert line["input"] == {
+        "day": "2020-01-02",
+        "at": "2024-03-01T01:59:58.123456+01:00",
+        "price": "1.01",
+        "blob": base64.b64encode(bytes([1, 254, 0])).decode(),
+    }
