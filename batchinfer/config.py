@@ -146,6 +146,9 @@ class OutputConfig:
     max_rows_per_file: Optional[int] = None
     # false (the umask decides) | true = user (0700 folders, 0600 files) | group (0750/0640).
     private: Any = False
+    # How locks are taken: auto (flock, or lock files where flock fails or is node-local) | flock |
+    # file (lock files, for a filesystem whose flock is node-local and not detected). Not in the fingerprint.
+    lock: str = "auto"
 
 
 @dataclass
@@ -260,6 +263,7 @@ _CHOICES = {
     "prompt.mode": ("chat", "raw"),
     "prompt.overlong": ("error_row", "truncate_left", "truncate_right", "fail"),
     "output.format": ("jsonl", "parquet", "openai", "hf"),
+    "output.lock": ("auto", "flock", "file"),
     "input.format": (None, "jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf_disk", "openai"),
 }
 

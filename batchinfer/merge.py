@@ -6,7 +6,9 @@ import json
 import logging
 import math
 import os
+import socket
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +21,7 @@ import pyarrow.parquet as pq
 from batchinfer import faults
 from batchinfer.data import Shard
 from batchinfer.errors import RunDirError
+from batchinfer.locks import RunLock
 from batchinfer.schema import table_to_jsonl
 from batchinfer.security import private_umask, remove_path
 from batchinfer.store import (
@@ -66,8 +69,21 @@ def shard_rows_in_order(run: RunDir, shard: Shard) -> pa.Table:
 
 def merge(run: RunDir) -> dict[str, Any]:
     """Write DIR/output* and DIR/stats.json; refuses, naming them, while shards are incomplete."""
-    with private_umask(run.run["config"]["output"].get("private")):
-        return _merge(run)
+    output = run.run["config"]["output"]
+    with private_umask(output.get("private")):
+        # One merge at a time (a merge job and a `batchinfer merge` typed meanwhile): the second
+        # is refused naming the first, instead of renaming the other's half-written file.
+        with RunLock(run.path, log=log.warning, mode=output.get("lock") or "auto"):
+            _remove_leftovers(run)
+            return _merge(run)
+
+
+def _remove_leftovers(run: RunDir) -> None:
+    """Under the merge lock: what killed merges left (temporary outputs, `-cache`/`-hf` staging)."""
+    name = run.output_path.name
+    for p in run.path.iterdir():
+        if p.name.startswith(TMP_PREFIX) and p.name.endswith((name, f"{name}-cache", f"{name}-hf")):
+            remove_path(p)
 
 
 def _merge(run: RunDir) -> dict[str, Any]:
@@ -80,8 +96,9 @@ def _merge(run: RunDir) -> dict[str, Any]:
         )
     t0 = time.monotonic()
     out = run.output_path
-    tmp = out.with_name(TMP_PREFIX + out.name)
-    remove_path(tmp)  # a killed merge's leftovers
+    # A name of this merge's own: a merge that did not hold the lock (an older version) cannot
+    # rename our half-written file into place, nor we its.
+    tmp = out.with_name(f"{TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}-{out.name}")
     stats: dict[str, Any] = {
         "rows": 0,
         "errors": Counter(),
@@ -217,7 +234,7 @@ def _save_to_disk(folder: Path, parquet_files: list[Path]) -> list[Path]:
 def _replace(tmp: Path, out: Path) -> None:
     """Put the finished output in place: a file atomically, a folder by swapping names."""
     if tmp.is_dir() and out.exists():
-        old = out.with_name(TMP_PREFIX + "old-" + out.name)
+        old = tmp.with_name(tmp.name[: -len(out.name)] + "old-" + out.name)
         remove_path(old)
         os.replace(out, old)
         os.replace(tmp, out)
