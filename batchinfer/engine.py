@@ -67,13 +67,16 @@ def llm_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def structured_kwargs(so: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """StructuredOutputsParams arguments; a json value naming a file is read from it."""
+    """StructuredOutputsParams arguments; a json value naming a file is read from it (in a run's
+    config, the copy frozen into DIR/files/ when the run was prepared)."""
+    from batchinfer.config import json_schema_path
+
     kw = {k: v for k, v in (so or {}).items() if v is not None}
     if not any(kw.get(k) is not None for k in ("choice", "regex", "json", "grammar")):
         return None
-    schema = kw.get("json")
-    if isinstance(schema, str) and not schema.lstrip().startswith("{"):
-        kw["json"] = json.loads(Path(schema).expanduser().read_text())
+    path = json_schema_path(kw.get("json"))
+    if path:
+        kw["json"] = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
     return kw
 
 

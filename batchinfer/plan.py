@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import logging
 import os
 import socket
@@ -16,9 +18,13 @@ from omegaconf import DictConfig
 from batchinfer import __version__
 from batchinfer.config import (
     DEFAULT_ROWS_PER_SHARD,
-    changed_keys,
+    config_files,
+    describe_change,
     fingerprint,
     fingerprint_keys,
+    key_changes,
+    legacy_fingerprint,
+    read_config_files,
     require_run_keys,
     to_dict,
 )
@@ -38,7 +44,7 @@ from batchinfer.models import resolve_model
 from batchinfer.prompts import apply_labels, check_fields, load_template
 from batchinfer.schema import output_schema, schema_summary, schema_to_text
 from batchinfer.security import make_private, private_umask, remove_path
-from batchinfer.store import RunDir, write_json
+from batchinfer.store import RunDir, atomic_write, write_json
 
 log = logging.getLogger("batchinfer")
 
@@ -109,25 +115,31 @@ def prepare(cfg: DictConfig) -> RunDir:
 
 def _prepare(cfg: DictConfig) -> RunDir:
     c, input_record = resolve_config(cfg)
-    keys = fingerprint_keys(c, input_record["fingerprint"])
+    contents = read_config_files(c)  # read once: the fingerprint and the frozen copies share these bytes
+    keys = fingerprint_keys(c, input_record["fingerprint"], contents)
     fp = fingerprint(keys)
     run = run_dir_for(c, fp)
+    if not run.exists() and not c["output"]["dir"]:
+        legacy = run_dir_for(c, legacy_fingerprint(keys))  # a default DIR named by an older version
+        if legacy.exists():
+            run = legacy
     if run.exists():
         old = run.run
-        changed = changed_keys(old["fingerprint_keys"], keys)
-        if changed:
-            shown = ", ".join(f"{k} ({old['fingerprint_keys'].get(k)!r} -> {keys.get(k)!r})" for k in changed)
+        changes = key_changes(old["fingerprint_keys"], keys)
+        if changes:
+            shown = ", ".join(describe_change(*change) for change in changes)
             raise RunDirError(
                 f"{run.path} was made with a different config: {shown}. These change outputs, so the "
                 f"run cannot continue in this directory; use another output.dir or restore the old values"
             )
+        c = freeze_paths(run, c)
         if old["config"] != c:
             old["config"] = c  # only settings outside the fingerprint differ (commit intervals, cluster)
             run.write_run(old)
         return run
     created = not run.path.exists()
     try:
-        _create(run, c, keys, fp, input_record)
+        _create(run, c, keys, fp, input_record, contents)
     except BaseException:
         if created:  # a bad input leaves no half-made DIR behind
             remove_path(run.path, ignore_errors=True)
@@ -135,7 +147,48 @@ def _prepare(cfg: DictConfig) -> RunDir:
     return run
 
 
-def _create(run: RunDir, c: dict[str, Any], keys: dict[str, Any], fp: str, input_record: dict[str, Any]) -> None:
+FILES_DIR = "files"
+
+
+def freeze_paths(run: RunDir, c: dict[str, Any]) -> dict[str, Any]:
+    """c with each file key pointing at DIR's frozen copy of it (run.yaml `files`), so every task
+    reads the bytes fingerprinted at prepare; a DIR made before files were frozen keeps c's paths."""
+    frozen = (run.run.get("files") or {}) if run.exists() else {}
+    return _with_paths(c, {key: str(run.path.absolute() / rec["path"]) for key, rec in frozen.items()})
+
+
+def _with_paths(c: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
+    c = copy.deepcopy(c)
+    if "prompt.template_file" in paths:
+        c["prompt"]["template_file"] = paths["prompt.template_file"]
+    if "sampling.structured_outputs.json" in paths:
+        c["sampling"]["structured_outputs"]["json"] = paths["sampling.structured_outputs.json"]
+    return c
+
+
+def _freeze_files(run: RunDir, c: dict[str, Any], contents: dict[str, bytes]) -> dict[str, dict[str, str]]:
+    """Copy the files the config names into DIR/files/<key>/<name>; their record for run.yaml."""
+    record = {}
+    for key, path in config_files(c).items():
+        rel = Path(FILES_DIR) / key / (Path(path).name or "file")
+        (run.path / rel).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(run.path / rel, contents[key])
+        record[key] = {
+            "source": str(Path(path).expanduser().absolute()),
+            "path": str(rel),
+            "sha256": hashlib.sha256(contents[key]).hexdigest(),
+        }
+    return record
+
+
+def _create(
+    run: RunDir,
+    c: dict[str, Any],
+    keys: dict[str, Any],
+    fp: str,
+    input_record: dict[str, Any],
+    contents: dict[str, bytes],
+) -> None:
     check_writable(run.path)
     try:
         run.path.mkdir(parents=True, exist_ok=True)
@@ -143,6 +196,8 @@ def _create(run: RunDir, c: dict[str, Any], keys: dict[str, Any], fp: str, input
         raise ConfigError(
             f"output.dir {run.path}: cannot create it ({e.strerror}); choose a writable output.dir"
         ) from None
+    files = _freeze_files(run, c, contents)
+    c = _with_paths(c, {key: str(run.path.absolute() / rec["path"]) for key, rec in files.items()})
     inp = c["input"]
     remove_path(run.input_dir, ignore_errors=True)  # a symlinked DIR/input: the link goes, never its target
     log.info("converting %s (%s) into %s", inp["path"], inp["format"], run.input_dir)
@@ -185,6 +240,7 @@ def _create(run: RunDir, c: dict[str, Any], keys: dict[str, Any], fp: str, input
             "host": socket.gethostname(),
             "fingerprint": fp,
             "fingerprint_keys": keys,
+            "files": files,
             "input": dict(input_record, path=inp["path"], format=inp["format"], rows=rows),
             "output_schema": {"columns": schema_summary(schema), "arrow": schema_to_text(schema)},
             "versions": installed_versions(),
