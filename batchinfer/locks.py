@@ -443,7 +443,11 @@ class FileLock:
         return self
 
     def _check_record(self) -> None:
-        """flock granted: still refuse a live holder on another node (flock may be node-local)."""
+        """flock granted: still refuse a live holder on another node (flock may be node-local),
+        or a live holder of the lock file (a process that chose the lock-file mode)."""
+        excl = _read_holder(self.path.with_name(self.path.name + ".excl"))
+        if excl and judge_holder(excl)[0] == "alive":
+            raise self._refuse(f"{describe_holder(excl)} (lock-file mode)")
         info = _read_holder(self.path)
         if not info or info.get("released") or info.get("host") == socket.gethostname():
             return  # flock is exact within one node
@@ -466,6 +470,12 @@ class FileLock:
     def _excl_lock(self) -> FileLock:
         excl = _ExclFile(self.path.with_name(self.path.name + ".excl"), self._refuse, self.log)
         excl.acquire()
+        # A process that took flock on this name (another node whose mount options differ, or
+        # output.lock changed meanwhile) and still runs: do not write beside it.
+        info = _read_holder(self.path)
+        if info and not info.get("released") and judge_holder(info)[0] == "alive":
+            excl.release()
+            raise self._refuse(f"{describe_holder(info)} (flock mode)")
         self.excl = excl
         return self
 

@@ -178,6 +178,22 @@ def test_flock_still_refuses_a_live_holder_recorded_on_another_node(
         pass
 
 
+def test_the_two_modes_see_each_other(tmp_path: Path) -> None:
+    d = tmp_path / "shards" / "00000"
+    with ShardLock(d, mode="flock"):  # a node that took flock: a lock-file node refuses
+        with pytest.raises(RunDirError, match=rf"pid {os.getpid()} \(flock mode\)"):
+            with ShardLock(d, mode="file"):
+                pass
+        assert not (d / "lock.excl").exists()
+    with ShardLock(d, mode="file"):  # and the other way round
+        with pytest.raises(RunDirError, match=rf"pid {os.getpid()} \(lock-file mode\)"):
+            with ShardLock(d, mode="flock"):
+                pass
+    with ShardLock(d, mode="flock"), pytest.raises(RunDirError):
+        with ShardLock(d, mode="flock"):
+            pass
+
+
 # ---------------------------------------------------------------- the lock-file fallback
 
 
@@ -401,7 +417,9 @@ def test_sigkill_then_resume_on_emulated_filesystems(
         os.environ,
         PYTHONPATH=os.pathsep.join(p for p in (str(FSEMU), os.environ.get("PYTHONPATH", "")) if p),
         BATCHINFER_TEST_FLOCK=mode,
-        BATCHINFER_TEST_FLOCK_ROOT=str(out),
+        # The run's own locks; datasets' cache lock in DIR/input answers ENOLCK too on such a
+        # filesystem, which is not what this test is about.
+        BATCHINFER_TEST_FLOCK_ROOT=os.pathsep.join([f"{out}/shards", f"{out}/merge.lock"]),
     )
     log = workload["dir"] / f"flock-{mode}.log"
     cmd = [sys.executable, "-m", "batchinfer.cli", "run", *workload["base"], f"output.dir={out}"]
@@ -423,7 +441,7 @@ def test_sigkill_then_resume_on_emulated_filesystems(
     assert (fallback in log.read_text()) == (mode != "nfs"), log.read_text()[-3000:]
     assert list(out.glob("shards/*/lock.excl")) if mode != "nfs" else not list(out.glob("shards/*/lock.excl"))
 
-    emulate(monkeypatch, mode, out)  # the resume sees the same filesystem
+    emulate(monkeypatch, mode, env["BATCHINFER_TEST_FLOCK_ROOT"])  # the resume sees the same filesystem
     caplog.set_level("WARNING", logger="batchinfer")
     resume_and_check(workload, out, engine)
     assert (fallback in caplog.text) == (mode != "nfs")

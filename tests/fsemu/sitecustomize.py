@@ -4,8 +4,9 @@ BATCHINFER_TEST_FLOCK=nfs     LOCK_EX through a descriptor not open for writing:
                               emulates flock with POSIX locks, which need write access)
 BATCHINFER_TEST_FLOCK=enosys  flock not implemented (Lustre mounted noflock)
 BATCHINFER_TEST_FLOCK=enolck  no locks available (NFS without a lock manager)
-BATCHINFER_TEST_FLOCK_ROOT    only files under this path are affected (the "mounted" run
-                              directory), so vLLM's own file locks elsewhere keep working
+BATCHINFER_TEST_FLOCK_ROOT    only files under these paths (os.pathsep-separated) are affected,
+                              so other libraries' file locks (vLLM's, datasets' cache lock in
+                              DIR/input) keep working
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ MODES = {"nfs", "enosys", "enolck"}
 
 
 def emulated_flock(real: Callable[[Any, int], None], mode: str, root: str = "") -> Callable[[Any, int], None]:
-    """A flock that fails as the named filesystem's does, for files under root."""
+    """A flock that fails as the named filesystem's does, for files under root (prefixes)."""
+    roots = tuple(r for r in root.split(os.pathsep) if r)
     if mode not in MODES:
         raise ValueError(f"BATCHINFER_TEST_FLOCK={mode!r}: one of {sorted(MODES)}")
 
@@ -30,7 +32,7 @@ def emulated_flock(real: Callable[[Any, int], None], mode: str, root: str = "") 
             path = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             path = ""
-        if root and not path.startswith(root):
+        if roots and not path.startswith(roots):
             return real(fd, operation)
         if mode == "nfs":
             writable = (fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
