@@ -142,8 +142,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     """`batchinfer status DIR`."""
     import json
 
-    from batchinfer import slurm
-    from batchinfer.report import all_job_ids, format_status, shard_status, shard_tasks, summarize
+    from batchinfer.report import format_status, shard_status, slurm_states, summarize
     from batchinfer.security import exposure_warning
     from batchinfer.store import RunDir
 
@@ -151,14 +150,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     warning = exposure_warning(run.path, run.run["input"]["path"])  # also refuses a folder without run.yaml
     if warning:
         print(warning, file=sys.stderr)
-    ids = sorted({t["job"] for t in shard_tasks(run).values()} | set(all_job_ids(run)))
-    states = slurm.job_states(ids) if ids else {}
+    states, unrecorded, note = slurm_states(run)
     records = shard_status(run, states)
     totals = summarize(records)
     if args.json:
-        print(json.dumps({"dir": str(run.path), "totals": totals, "shards": records}, indent=2))
+        slurm_info = {"note": note, "unrecorded_jobs": unrecorded}
+        print(json.dumps({"dir": str(run.path), "totals": totals, "shards": records, "slurm": slurm_info}, indent=2))
     else:
-        print(format_status(run, records, totals))
+        print(format_status(run, records, totals, note=note, unrecorded=unrecorded))
     return 0
 
 

@@ -29,3 +29,29 @@ class EngineFailure(BatchinferError):
     """The engine died while generating; committed rows are safe and a rerun resumes."""
 
     exit_code = 1
+
+
+class SlurmUnavailable(BatchinferError):
+    """A Slurm command did not answer in time (or at all); names the command and the timeout."""
+
+    exit_code = 1
+
+    def __init__(self, command: str, reason: str, hint: str = ""):
+        self.command = command
+        self.reason = reason
+        super().__init__(f"Slurm did not answer ({self.short})" + (f"; {hint}" if hint else ""))
+
+    @property
+    def short(self) -> str:
+        """`command: reason`, for one-line notes."""
+        return f"{self.command}: {self.reason}"
+
+
+class SubmissionRefused(BatchinferError):
+    """sbatch refused a submission; quotes sbatch and names the cluster.* setting to change."""
+
+
+class RequeueFailed(BatchinferError):
+    """`scontrol requeue` of this task failed: the task must exit non-zero, not COMPLETED."""
+
+    exit_code = 1

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -16,11 +17,39 @@ QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RE
 
 
 def submissions(run: RunDir) -> list[dict[str, Any]]:
-    """Records of DIR/jobs.jsonl, oldest first."""
+    """Submissions recorded in DIR/jobs.jsonl, oldest first, each folded from its lines.
+
+    A submission writes a line as it starts (time, log folder, job name), one per array as soon as
+    sbatch returns its id, and one for the merge job; files of earlier versions hold one line per
+    submission with "arrays" and "merge". Each record has submission, time, folder, name, arrays
+    ([{job_id, tasks}]), merge (None until submitted) and complete (the merge job was submitted)."""
     path = run.path / "jobs.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    folded: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # blank, or the torn last line of a submit killed while writing it
+        if not isinstance(rec, dict) or "submission" not in rec:
+            continue
+        sub = folded.setdefault(
+            rec["submission"],
+            {"submission": rec["submission"], "time": None, "folder": None, "name": None, "arrays": [], "merge": None},
+        )
+        for key in ("time", "folder", "name", "arrays_planned"):
+            if key in rec:
+                sub[key] = rec[key]
+        sub["arrays"] += rec.get("arrays", [])
+        if "job_id" in rec:
+            sub["arrays"].append({"job_id": rec["job_id"], "tasks": rec["tasks"]})
+        if rec.get("merge"):
+            sub["merge"] = rec["merge"]
+    out = [folded[n] for n in sorted(folded)]
+    for sub in out:
+        sub["complete"] = sub["merge"] is not None
+    return out
 
 
 def shard_tasks(run: RunDir) -> dict[int, dict[str, Any]]:
@@ -39,13 +68,38 @@ def shard_tasks(run: RunDir) -> dict[int, dict[str, Any]]:
 
 
 def all_job_ids(run: RunDir) -> list[str]:
-    """Every array and merge job recorded for DIR."""
+    """Every array and merge job id recorded for DIR."""
     ids = []
     for sub in submissions(run):
         ids += [a["job_id"] for a in sub["arrays"]]
         if sub.get("merge"):
             ids.append(sub["merge"])
     return ids
+
+
+def unrecorded_names(run: RunDir) -> list[str]:
+    """Job names of submissions cut short (sbatch refused, timed out, or submit was killed):
+    jobs of theirs may exist whose ids were never recorded."""
+    return [s["name"] for s in submissions(run) if not s["complete"] and s.get("name")]
+
+
+def slurm_states(run: RunDir) -> tuple[dict[str, str], dict[str, str], Optional[str]]:
+    """(states of DIR's jobs, jobs found only by their submission's name, a note when Slurm did not
+    answer). Never raises for Slurm: status shows what the run directory knows without it."""
+    from batchinfer import slurm
+
+    ids = sorted({t["job"] for t in shard_tasks(run).values()} | set(all_job_ids(run)))
+    names = unrecorded_names(run)
+    problems: list[str] = []
+    states = slurm.job_states(ids, names=names, problems=problems) if ids or names else {}
+    known = set(ids)
+    unrecorded = {j: s for j, s in states.items() if j not in known and j.split("_")[0] not in known}
+    note = None
+    if problems:
+        answered = {"sacct", "squeue"} - {p.split(":")[0] for p in problems}
+        source = "the run directory" + (f" and {' and '.join(sorted(answered))}" if answered and ids else " only")
+        note = f"Slurm did not answer ({'; '.join(problems)}); states come from {source}"
+    return states, unrecorded, note
 
 
 def last_error_line(folder: Path, job: str) -> Optional[str]:
@@ -74,9 +128,15 @@ def shard_status(run: RunDir, states: dict[str, str]) -> list[dict[str, Any]]:
             rows_per_s=round(progress.get("rows_done", 0) / gen, 3) if gen else None,
             updated=progress.get("updated"),
             attempts=progress.get("attempts", 0),
+            failures=progress.get("failures", 0),
         )
         task = tasks.get(shard.index)
-        job_state = states.get(task["job"], "") if task else ""
+        # cluster.max_attempts counts per submission: the worker keys failures by Slurm job id
+        by_job = progress.get("failures_by_job")
+        if task and isinstance(by_job, dict):
+            rec["failures_this_submission"] = by_job.get(task["job"].split("_")[0], 0)
+        # a one-task "array" is a plain job to submitit: Slurm knows it as 123, not 123_0
+        job_state = (states.get(task["job"]) or states.get(task["job"].rsplit("_", 1)[0], "")) if task else ""
         rec["job"] = task["job"] if task else None
         rec["job_state"] = job_state or None
         if run.is_done(shard.index):
@@ -152,16 +212,32 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def format_status(run: RunDir, records: list[dict[str, Any]], totals: dict[str, Any]) -> str:
-    """A plain table for people and Slurm logs."""
+def failures_note(r: dict[str, Any]) -> str:
+    """`failed 3 times (1 in this submission)`, or nothing for a shard that never failed."""
+    if not r.get("failures"):
+        return ""
+    this = r.get("failures_this_submission")
+    times = f"failed {r['failures']} time" + "s" * (r["failures"] != 1)
+    return times + (f" ({this} in this submission)" if this is not None else "")
+
+
+def format_status(
+    run: RunDir,
+    records: list[dict[str, Any]],
+    totals: dict[str, Any],
+    note: Optional[str] = None,
+    unrecorded: Optional[dict[str, str]] = None,
+) -> str:
+    """A plain table for people and Slurm logs; note says Slurm did not answer, unrecorded lists
+    jobs found only by the name of a submission that was cut short."""
     head = f"{'shard':>5}  {'state':<8} {'rows':>15}  {'tok/s':>8}  {'job':<14} {'attempts':>8}  note"
     lines = [f"{run.path}", head]
     for r in records:
         rows = f"{r['rows_done']} of {r['rows']}"
         tps = f"{r['output_tokens_per_s']:.1f}" if r["output_tokens_per_s"] else "-"
-        note = r.get("error") or ""
+        note_text = "; ".join(x for x in (failures_note(r), r.get("error")) if x)
         lines.append(
-            f"{r['shard']:>5}  {r['state']:<8} {rows:>15}  {tps:>8}  {r['job'] or '-':<14} {r['attempts']:>8}  {note[:100]}"
+            f"{r['shard']:>5}  {r['state']:<8} {rows:>15}  {tps:>8}  {r['job'] or '-':<14} {r['attempts']:>8}  {note_text[:100]}"
         )
     states = ", ".join(f"{n} {s}" for s, n in sorted(totals["states"].items()))
     tps, now, eta = totals["output_tokens_per_s"], totals["running_output_tokens_per_s"], totals["eta_seconds"]
@@ -175,6 +251,14 @@ def format_status(run: RunDir, records: list[dict[str, Any]], totals: dict[str, 
     )
     if run.output_path.exists():
         lines.append(f"merged: {run.output_path}")
+    if unrecorded:
+        shown = ", ".join(f"{j} {s}" for j, s in sorted(unrecorded.items())[:10])
+        lines.append(
+            f"jobs of a submission cut short, found by job name: {shown} "
+            f"(`batchinfer cancel {shlex.quote(str(run.path))}` cancels them)"
+        )
+    if note:
+        lines.append(note)
     return "\n".join(lines)
 
 

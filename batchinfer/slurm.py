@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+import getpass
 import logging
 import os
 import re
 import shlex
 import subprocess
+import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Optional
 
-from batchinfer.errors import ConfigError
+from batchinfer.errors import ConfigError, RequeueFailed, SlurmUnavailable
 from batchinfer.security import export_option, is_secret_name
 
 log = logging.getLogger("batchinfer")
@@ -28,11 +32,27 @@ ACTIVE_STATES = {
 FAILED_STATES = {"FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "CANCELLED", "PREEMPTED"}
 
 
-def _run(cmd: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
+# A healthy slurmctld answers in seconds; a hung one must not hang status, resume or a worker.
+TIMEOUT_S = 60.0
+# sbatch waits for slurmctld to accept the job (and retries busy answers itself): allow longer.
+SBATCH_TIMEOUT_S = 120.0
+
+
+def _run(cmd: list[str], timeout: Optional[float] = None) -> subprocess.CompletedProcess:
+    limit = TIMEOUT_S if timeout is None else timeout
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
     except FileNotFoundError:
         raise ConfigError(f"{cmd[0]} not found: Slurm's client commands must be on PATH (and SLURM_CONF set)") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmUnavailable(cmd[0], f"timed out after {limit:g} s") from None
+
+
+def first_error_line(text: str) -> str:
+    """The lines of a Slurm command's stderr that say what went wrong, as one line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return "; ".join(errors or lines[-1:]) or "no message"
 
 
 def max_array_size() -> int:
@@ -118,42 +138,110 @@ def merge_parameters(cluster: dict[str, Any], after: list[str]) -> dict[str, Any
 
 
 def executor(folder: Path, params: dict[str, Any]) -> Any:
-    """A submitit SlurmExecutor writing its scripts and logs under folder."""
-    import submitit
-
-    ex = submitit.SlurmExecutor(folder=folder)
+    """A submitit SlurmExecutor writing its scripts and logs under folder, its sbatch under a timeout."""
+    ex = _timed_executor_class()(folder=folder)
     ex.update_parameters(**params)
     return ex
 
 
-def job_states(job_ids: list[str]) -> dict[str, str]:
-    """State of each array task / job: squeue for live ones, sacct for finished ones."""
-    if not job_ids:
+@functools.cache
+def _timed_executor_class() -> type:
+    """submitit's SlurmExecutor with sbatch run under SBATCH_TIMEOUT_S (submitit sets none).
+
+    sbatch refusing raises CalledProcessError carrying sbatch's stderr; submitit's own runner
+    would also print that stderr, and launch says it in one line instead."""
+    import submitit
+    import submitit.slurm.slurm as submitit_slurm
+    from submitit.core import utils
+
+    class TimedSlurmExecutor(submitit.SlurmExecutor):
+        def _internal_process_submissions(self, delayed_submissions: list[Any]) -> list[Any]:
+            if len(delayed_submissions) == 1:
+                return super()._internal_process_submissions(delayed_submissions)
+            # submitit submits an array through a fresh executor made by the module-level name
+            # SlurmExecutor: point that name here for the call, so the array's sbatch is timed too.
+            plain = submitit_slurm.SlurmExecutor
+            submitit_slurm.SlurmExecutor = TimedSlurmExecutor
+            try:
+                return super()._internal_process_submissions(delayed_submissions)
+            finally:
+                submitit_slurm.SlurmExecutor = plain
+
+        def _submit_command(self, command: str) -> Any:
+            # submitit 1.5's _submit_command, with sbatch run by subprocess.run under a timeout.
+            tmp_uuid = uuid.uuid4().hex
+            folder = utils.JobPaths.get_first_id_independent_folder(self.folder)
+            submission_file_path = folder / f".submission_file_{tmp_uuid}.sh"
+            with submission_file_path.open("w") as f:
+                f.write(self._make_submission_file_text(command, tmp_uuid))
+            cmd = self._make_submission_command(submission_file_path)
+            res = _run(cmd, timeout=SBATCH_TIMEOUT_S)
+            if res.returncode != 0:
+                raise subprocess.CalledProcessError(res.returncode, cmd, res.stdout, res.stderr)
+            job_id = self._get_job_id_from_submission_command(res.stdout)
+            job = self.job_class(folder=self.folder, job_id=job_id, tasks=list(range(self._num_tasks())))
+            job.paths.move_temporary_file(submission_file_path, "submission_file", keep_as_symlink=True)
+            self._write_job_id(job.job_id, tmp_uuid)
+            self._set_job_permissions(job.paths.folder)
+            return job
+
+    return TimedSlurmExecutor
+
+
+def job_states(job_ids: list[str], names: Iterable[str] = (), problems: Optional[list[str]] = None) -> dict[str, str]:
+    """State of each array task / job: squeue for live ones, sacct for finished ones.
+
+    Jobs of this user named in `names` are included too (a submission whose ids were never
+    recorded). With a `problems` list, a Slurm command that fails or does not answer is noted
+    there and the states known without it are returned; without one, a timeout raises."""
+    names = set(names)
+    if not job_ids and not names:
         return {}
     states: dict[str, str] = {}
-    res = _run(["sacct", "-n", "-P", "-X", "-o", "JobID,State", "-j", ",".join(job_ids)])
-    if res.returncode == 0:
-        for line in res.stdout.splitlines():
-            jid, _, state = line.partition("|")
-            if jid and "[" not in jid:
-                states[jid] = state.split()[0] if state else ""
+
+    def call(cmd: list[str]) -> Optional[str]:
+        try:
+            res = _run(cmd)
+        except SlurmUnavailable as e:
+            if problems is None:
+                raise
+            problems.append(e.short)
+            return None
+        except ConfigError:  # not on PATH: a run directory copied off the cluster still has a status
+            if problems is None:
+                raise
+            problems.append(f"{cmd[0]}: not found on PATH")
+            return None
+        if res.returncode != 0:
+            # sacct fails where accounting is off: worth saying in status, not worth failing for
+            if problems is not None:
+                problems.append(f"{cmd[0]}: exit {res.returncode}: {first_error_line(res.stderr)}")
+            return None
+        return res.stdout
+
+    out = call(["sacct", "-n", "-P", "-X", "-o", "JobID,State", "-j", ",".join(job_ids)]) if job_ids else None
+    for line in (out or "").splitlines():
+        jid, _, state = line.partition("|")
+        if jid and "[" not in jid:
+            states[jid] = state.split()[0] if state else ""
     # squeue -j fails outright if one id has left slurmctld's memory: list this user's jobs instead.
-    res = _run(["squeue", "-h", "-r", "--me", "-o", "%i|%A|%T"])
-    if res.returncode == 0:
-        wanted = set(job_ids)
-        for line in res.stdout.splitlines():
-            jid, _, rest = line.partition("|")
-            array_or_job, _, state = rest.partition("|")
-            jid = jid.strip()
-            if jid in wanted or jid.split("_")[0] in wanted or array_or_job in wanted:
-                states[jid] = state.strip()
+    out = call(["squeue", "-h", "-r", "--me", "-o", "%i|%A|%T|%j"])
+    wanted = set(job_ids)
+    for line in (out or "").splitlines():
+        jid, array_or_job, state, name = (line.split("|", 3) + ["", "", ""])[:4]
+        jid = jid.strip()
+        if jid in wanted or jid.split("_")[0] in wanted or array_or_job in wanted or name.strip() in names:
+            states[jid] = state.strip()
     return states
 
 
-def cancel(job_ids: list[str]) -> None:
-    """scancel the given jobs (finished ones are ignored by Slurm)."""
+def cancel(job_ids: list[str], names: Iterable[str] = ()) -> None:
+    """scancel the given jobs, and this user's jobs of the given names (finished ones are ignored)."""
     if job_ids:
         _run(["scancel", *job_ids])
+    for name in names:
+        # scancel ANDs its filters, so jobs found by name get a call of their own
+        _run(["scancel", f"--name={name}", f"--user={getpass.getuser()}"])
 
 
 def this_job() -> Optional[str]:
@@ -165,13 +253,26 @@ def this_job() -> Optional[str]:
 
 
 def requeue_self() -> bool:
-    """`scontrol requeue` this job: Slurm does not retry a non-zero exit by itself."""
+    """`scontrol requeue` this job: Slurm does not retry a non-zero exit by itself. False if it failed."""
+    if not this_job():
+        return False
+    try:
+        requeue_this_job()
+    except RequeueFailed as e:
+        log.error("%s", e)
+        return False
+    return True
+
+
+def requeue_this_job() -> None:
+    """`scontrol requeue` this job, or raise RequeueFailed naming the job and scontrol's message."""
     job = this_job()
     if not job:
-        return False
-    res = _run(["scontrol", "requeue", job])
+        raise RequeueFailed("cannot requeue: not running as a Slurm job (no SLURM_JOB_ID)")
+    try:
+        res = _run(["scontrol", "requeue", job])
+    except SlurmUnavailable as e:
+        raise RequeueFailed(f"scontrol requeue {job} failed: {e.reason}") from None
     if res.returncode != 0:
-        log.error("scontrol requeue %s failed: %s", job, res.stderr.strip())
-        return False
+        raise RequeueFailed(f"scontrol requeue {job} failed: {first_error_line(res.stderr or res.stdout)}")
     log.warning("requeued %s", job)
-    return True

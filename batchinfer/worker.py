@@ -73,9 +73,15 @@ class StopFlag:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
 
     def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
         if self.signum is None:
-            log.warning("received %s: committing and stopping", signal.Signals(signum).name)
-        self.signum = signum
+            log.warning("received %s: committing and stopping", name)
+            self.signum = signum
+        else:
+            # The first signal's intent wins: Slurm sends TERM at the time limit after the USR2
+            # that asked for a requeue, and that TERM must not turn the requeue into a plain stop.
+            first = signal.Signals(self.signum).name
+            log.warning("received %s after %s: %s decides how this task stops", name, first, first)
 
 
 class ShardWorker:
