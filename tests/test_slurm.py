@@ -16,6 +16,8 @@ from conftest import assert_exactly_once, model_overrides, project, read_output,
 
 from batchinfer.config import compose, hydra_literal
 from batchinfer.launch import run_local
+from batchinfer.report import all_job_ids, submissions
+from batchinfer.store import RunDir
 
 pytestmark = [pytest.mark.slurm, pytest.mark.engine]
 REPO = Path(__file__).resolve().parent.parent
@@ -63,11 +65,12 @@ def submit_corpus(tmp: Path, model: Path, n: int, seed: int, *extra: str) -> tup
 
 
 def jobs_of(run_dir: Path) -> list[str]:
-    ids = []
-    for line in (run_dir / "jobs.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        ids += [a["job_id"] for a in rec["arrays"]] + [rec["merge"]]
-    return ids
+    return all_job_ids(RunDir(run_dir))
+
+
+def first_submission(run_dir: Path) -> dict[str, Any]:
+    """The first submission of DIR, folded from its jobs.jsonl lines."""
+    return submissions(RunDir(run_dir))[0]
 
 
 def queued(run_dir: Path) -> list[str]:
@@ -122,7 +125,7 @@ def test_usr2_preemption_and_external_requeue(
     extra = ["sharding.num_shards=2", "sampling.max_tokens=64", "output.commit_every_rows=16"]
     rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 3000, 12, *extra)
     ov = cluster_overrides(tmp_path, tmp_path / "c.jsonl", tiny_model_path, *extra)
-    array = json.loads((run_dir / "jobs.jsonl").read_text())["arrays"][0]["job_id"]
+    array = first_submission(run_dir)["arrays"][0]["job_id"]
     # USR2 (what Slurm sends before a time limit or preemption) to task 0 once it has committed.
     wait_for(lambda: list(run_dir.glob("shards/00000/part-*")), what="a committed part of shard 0")
     subprocess.run(["scancel", "--signal=USR2", f"{array}_0"], timeout=15, capture_output=True)
@@ -158,7 +161,7 @@ def test_failed_task_named_by_status_merge_refuses_then_resume(
         assert 0 < shard["rows_done"] < shard["rows"]
     text = run_cli(["status", str(run_dir)]).stdout
     assert "failed" in text and "of 150" in text
-    merge_job = json.loads((run_dir / "jobs.jsonl").read_text())["merge"]
+    merge_job = first_submission(run_dir)["merge"]
     merge_err = next((run_dir / "logs").rglob(f"{merge_job}_0_log.err")).read_text()
     assert "2 of 2 shards are incomplete (shards 0, 1)" in merge_err
     assert not (run_dir / "output.parquet").exists()
@@ -314,3 +317,89 @@ def test_plain_sbatch_script_runs_the_worker(slurm_env: dict, tmp_path: Path, ti
     res = run_cli(["merge", str(run_dir)])
     assert res.returncode == 0, res.stderr
     assert_exactly_once(read_output(run_dir), rows)
+
+
+def job_worker_pid(job: str) -> Optional[int]:
+    """The batchinfer worker of a running job: the submitit process slurmstepd started for its step."""
+    res = subprocess.run(["pgrep", "-f", "submitit.core._submit"], capture_output=True, text=True)
+    for pid in map(int, res.stdout.split()):
+        try:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            Path(f"/proc/{parent}/comm").read_text().strip() == "slurmstepd"
+            and f"SLURM_JOB_ID={job}".encode() in environ
+        ):
+            return pid
+    return None
+
+
+def test_usr2_then_term_still_requeues(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:
+    # Slurm's preemption notice (USR2), then the time limit's TERM before the worker has acted on the
+    # first: the first signal's intent (requeue) must win over the second (stop).
+    extra = ["sampling.max_tokens=16", "output.commit_every_rows=16"]
+    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 1000, 18, *extra)
+    job = first_submission(run_dir)["arrays"][0]["job_id"]  # one task: submitit submits a plain job
+    wait_for(lambda: list(run_dir.glob("shards/00000/part-*")), what="a committed part of shard 0")
+    worker = job_worker_pid(job)
+    assert worker, "the worker process of the job"
+    # Hold the worker so both signals are pending when it resumes (a running worker could act on
+    # USR2 before scancel delivers TERM); Python then runs their handlers in signal-number order,
+    # USR2 (12) first. The engine is not held: TERM kills it, as at a real time limit.
+    os.kill(worker, 19)  # SIGSTOP
+    try:
+        for sig in ("USR2", "TERM"):
+            subprocess.run(["scancel", f"--signal={sig}", job], timeout=15, capture_output=True)
+        time.sleep(2)
+    finally:
+        os.kill(worker, 18)  # SIGCONT
+    wait_until_idle(run_dir)
+    out = read_output(run_dir)
+    assert_exactly_once(out, rows)
+    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.err"))
+    assert "received SIGTERM after SIGUSR2" in logs and f"requeued {job}" in logs
+    done = json.loads((run_dir / "shards/00000/DONE.json").read_text())
+    assert done["attempts"] >= 2 and done["rows_done"] == 1000, done
+    # sacct -D keeps the requeued run of the job: REQUEUED, then the run that finished
+    sacct = subprocess.run(["sacct", "-n", "-X", "-D", "-P", "-o", "State", "-j", job], capture_output=True, text=True)
+    assert "REQUEUED" in sacct.stdout.split() and "COMPLETED" in sacct.stdout.split(), sacct.stdout + sacct.stderr
+
+
+def test_second_array_refused_by_sbatch_is_cancelled(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:
+    # MaxArraySize 2 (scontrol wrapper) splits 3 tasks into two arrays; sbatch refuses the second.
+    wrappers = tmp_path / "bin"
+    wrappers.mkdir()
+    real = {
+        name: subprocess.run(["which", name], capture_output=True, text=True).stdout.strip()
+        for name in ("sbatch", "scontrol")
+    }
+    refusal = "sbatch: error: Batch job submission failed: Job violates accounting/QOS policy (job submit limit)"
+    (wrappers / "sbatch").write_text(
+        '#!/bin/sh\nn=$(cat "$0.count" 2>/dev/null || echo 0); echo $((n + 1)) > "$0.count"\n'
+        f'[ "$n" = 0 ] || {{ echo "{refusal}" >&2; exit 1; }}\nexec {real["sbatch"]} "$@"\n'
+    )
+    (wrappers / "scontrol").write_text(
+        f'#!/bin/sh\nif [ "$1 $2" = "show config" ]; then {real["scontrol"]} "$@" | sed "s/^MaxArraySize .*/MaxArraySize = 2/"\n'
+        f'else exec {real["scontrol"]} "$@"; fi\n'
+    )
+    for w in wrappers.iterdir():
+        w.chmod(0o755)
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 30, seed=19)
+    ov = cluster_overrides(tmp_path, corpus, tiny_model_path, "sharding.num_shards=3", "sampling.max_tokens=4")
+    res = run_cli(["submit", *ov], env={"PATH": f"{wrappers}:{os.environ['PATH']}"})
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "sbatch refused array 1 of 2 of submission 0: " + refusal in res.stderr and "cluster.qos" in res.stderr
+    run_dir = tmp_path / "run"
+    sub = first_submission(run_dir)
+    assert len(sub["arrays"]) == 1 and not sub["complete"]
+    array = sub["arrays"][0]["job_id"]
+    assert f"Already queued: array {array} (shards [0, 1])" in res.stderr
+    assert queued(run_dir), "the first array is in the queue"
+    res = run_cli(["cancel", str(run_dir)])
+    assert res.returncode == 0 and f"cancelled 1 jobs of {run_dir}: {array}" in res.stdout
+    wait_for(lambda: not queued(run_dir), timeout=120, what="the cancelled array to leave squeue")
+    res = run_cli(["resume", str(run_dir), "--dry-run"])  # the directory takes a new submission
+    assert res.returncode == 0 and "task 2: shards [2]" in res.stdout, res.stderr
