@@ -148,6 +148,7 @@ class Engine:
         self._closed = False
         self._watch_engine_core()
         self._params: dict[str, Any] = {}
+        self._live: set[str] = set()  # request ids added and not finished
         self._reasoner = self._reasoning_parser(cfg["model"].get("reasoning_parser"))
 
     def _reasoning_parser(self, name: Optional[str]) -> Any:
@@ -193,11 +194,14 @@ class Engine:
         if key not in self._params:
             kw = sampling_kwargs(sampling)
             so = structured_kwargs(sampling.get("structured_outputs"))
-            if so:
-                from vllm.sampling_params import StructuredOutputsParams
+            try:
+                if so:
+                    from vllm.sampling_params import StructuredOutputsParams
 
-                kw["structured_outputs"] = StructuredOutputsParams(**so)
-            params = self._sampling_cls(**kw)
+                    kw["structured_outputs"] = StructuredOutputsParams(**so)
+                params = self._sampling_cls(**kw)
+            except Exception as e:  # VLLMValidationError is not a ValueError: the worker needs no vllm import
+                raise ValueError(str(e)) from None
             from vllm.sampling_params import RequestOutputKind
 
             # As LLM.generate does: one output per request when it is done, with all n samples
@@ -217,6 +221,7 @@ class Engine:
     def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
         """Queue one request."""
         self.engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
+        self._live.add(request_id)
 
     def step(self) -> list[Completion]:
         """Run one engine step; return the requests it finished."""
@@ -224,6 +229,7 @@ class Engine:
         for out in self.engine.step():
             if not out.finished:
                 continue
+            self._live.discard(out.request_id)
             samples = out.outputs
             split = [self.split_reasoning(s.text) for s in samples]
             done.append(
@@ -247,7 +253,9 @@ class Engine:
 
     def abort_all(self) -> None:
         """Drop requests in flight (after a stop signal their rows are redone on resume)."""
-        ids = list(self.engine.output_processor.request_states.keys())
+        # Our own ids: vLLM >= 0.11 keys its request states by internal ids (ours plus a random
+        # suffix), which abort_request does not take by default.
+        ids, self._live = list(self._live), set()
         if ids:
             self.engine.abort_request(ids)
 

@@ -25,9 +25,9 @@ from batchinfer.errors import (
     SubmissionRefused,
 )
 from batchinfer.merge import incomplete_shards, merge
-from batchinfer.plan import prepare
+from batchinfer.plan import freeze_paths, prepare
 from batchinfer.report import all_job_ids, submissions, unrecorded_names
-from batchinfer.store import RunDir, read_json, refused_write, storage_error, write_json
+from batchinfer.store import RunDir, read_json, refused_write, storage_error
 
 log = logging.getLogger("batchinfer")
 
@@ -100,9 +100,9 @@ def _run_shards(run: RunDir, indices: list[int], engine: Any) -> None:
     committed = sum(_rows_done(run, s.index) for s in shards)
     bar = progress_bar(sum(s.rows for s in shards), committed, desc=run.path.name)
     current = shards[0]
+    worker = ShardWorker(run, holder, stop, bar)
     try:
         stop.install()
-        worker = ShardWorker(run, holder, stop, bar)
         for current in shards:
             worker.run_shard(current)
     except Stopped as e:
@@ -117,13 +117,20 @@ def _run_shards(run: RunDir, indices: list[int], engine: Any) -> None:
             _stopped(stop.signum)
             raise Stopped(stop.signum) from e
         if slurm.this_job():
-            failures = _count_failure(run, current.index, e)
+            # The worker counted the failure under the shard lock, against this submission's budget.
+            failures = worker.failures
             limit = run.run["config"]["cluster"]["max_attempts"]
-            if failures < limit:
+            if failures is None:
+                log.error("shard %d failed outside its shard lock (%s): not requeueing", current.index, e)
+            elif failures < limit:
                 log.error("shard %d failed (%s), attempt %d of %d: requeueing", current.index, e, failures, limit)
                 slurm.requeue_self()
             else:
-                log.error("shard %d failed %d times (cluster.max_attempts): giving up", current.index, failures)
+                log.error(
+                    "shard %d failed %d times in this submission (cluster.max_attempts): giving up",
+                    current.index,
+                    failures,
+                )
             raise
         log.exception("shard %d failed", current.index)
         raise EngineFailure(
@@ -145,16 +152,6 @@ def _stopped(signum: int) -> None:
     with the reason instead of COMPLETED with its shards unfinished."""
     if signum == signal.SIGUSR2 and slurm.this_job():
         slurm.requeue_this_job()
-
-
-def _count_failure(run: RunDir, index: int, error: BaseException) -> int:
-    """Count a failed attempt of a shard in its progress.json; return the count."""
-    path = run.progress_path(index)
-    progress = read_json(path) if path.is_file() else {"shard": index, "rows_done": 0}
-    progress["failures"] = progress.get("failures", 0) + 1
-    progress["last_error"] = f"{type(error).__name__}: {error}"
-    write_json(path, progress)
-    return progress["failures"]
 
 
 def _rows_done(run: RunDir, index: int) -> int:
@@ -429,7 +426,7 @@ def apply_resource_overrides(run: RunDir, overrides: list[str]) -> None:
     changed = changed_keys(record["fingerprint_keys"], fingerprint_keys(c, fp_input))
     if changed:
         raise RunDirError(f"resume accepts only settings that do not change outputs; refused: {', '.join(changed)}")
-    record["config"] = c
+    record["config"] = freeze_paths(run, c)  # tasks keep reading the frozen copies, never the user's files
     run.write_run(record)
 
 

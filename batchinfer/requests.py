@@ -43,7 +43,13 @@ def build_request(
     id_ = row_id(cfg, row, index)
     own = row_sampling(cfg, row, id_)
     prompt = builder.build(row)
-    return RowRequest(id_, own, sampling_for(cfg, own), prompt, encode(prompt))
+    try:
+        ids = encode(prompt)
+    except Exception as e:  # the chat template raised on this row's messages (jinja, or a bad message)
+        raise RowError(
+            "chat_template", f"the chat template rejects this row's messages: {type(e).__name__}: {e}"
+        ) from None
+    return RowRequest(id_, own, sampling_for(cfg, own), prompt, ids)
 
 
 def overlong_tokens(ids: list[int], policy: str, max_model_len: int, max_tokens: int) -> list[int]:

@@ -7,6 +7,8 @@ import io
 import json
 import os
 import re
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -62,24 +64,53 @@ def storage_error(path: Path, e: OSError) -> StorageError:
     )
 
 
+def temporary_name(path: Path) -> Path:
+    """A temporary name beside path, unique to this writer, that no reader takes for a part or output."""
+    return path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
 def atomic_write(path: Path, data: bytes, fault_prefix: Optional[str] = None) -> None:
     """Write data under a temporary name, fsync, rename into place, fsync the folder.
 
     A refused write (disk full, read-only) removes the temporary and raises StorageError."""
+    tmp = temporary_name(path)
     try:
-        _atomic_write(path, data, fault_prefix)
+        _write_temporary(tmp, data, fault_prefix)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
     except OSError as e:
-        if refused_write(e) is None:
-            raise
-        try:
-            path.with_name(TMP_PREFIX + path.name).unlink(missing_ok=True)
-        except OSError:
-            pass  # read-only: the temporary (if any) is removed by the next writer
-        raise storage_error(path, e) from None
+        raise _write_failed(tmp, path, e) from None
+    if fault_prefix:
+        faults.point(f"after-{fault_prefix}-rename")
 
 
-def _atomic_write(path: Path, data: bytes, fault_prefix: Optional[str]) -> None:
-    tmp = path.with_name(TMP_PREFIX + path.name)
+def publish_new(folder: Path, name: Callable[[int], str], first: int, data: bytes, fault_prefix: str) -> Path:
+    """Write data as a new file under the first free name(first), name(first + 1), ...: an existing
+    file is never replaced (os.link fails on an existing name, where a rename would overwrite it)."""
+    tmp = temporary_name(folder / name(first))
+    n = first
+    try:
+        _write_temporary(tmp, data, fault_prefix)
+        while True:
+            path = folder / name(n)
+            try:
+                os.link(tmp, path)
+                break
+            except FileExistsError:
+                # NFS: a retransmitted LINK can answer EEXIST although it succeeded (open(2));
+                # then the temporary has two names and these bytes are already published.
+                if os.stat(tmp).st_nlink >= 2:
+                    break
+                n += 1
+        os.unlink(tmp)
+        fsync_dir(folder)
+    except OSError as e:
+        raise _write_failed(tmp, folder / name(n), e) from None
+    faults.point(f"after-{fault_prefix}-rename")
+    return path
+
+
+def _write_temporary(tmp: Path, data: bytes, fault_prefix: Optional[str]) -> None:
     with open(tmp, "wb") as f:
         if fault_prefix:
             f.write(data[: len(data) // 2])
@@ -92,10 +123,18 @@ def _atomic_write(path: Path, data: bytes, fault_prefix: Optional[str]) -> None:
         os.fsync(f.fileno())
     if fault_prefix:
         faults.point(f"before-{fault_prefix}-rename")
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-    if fault_prefix:
-        faults.point(f"after-{fault_prefix}-rename")
+
+
+def _write_failed(tmp: Path, path: Path, e: OSError) -> OSError:
+    """The error to raise for a failed write: StorageError when the filesystem refuses writes
+    (the temporary removed), else e itself (the temporary is left for the next writer to remove)."""
+    if refused_write(e) is None:
+        return e
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        pass  # read-only: the temporary (if any) is removed by the next writer
+    return storage_error(path, e)
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -236,9 +275,8 @@ class RunDir:
         """Commit rows as the shard's next part: whole or absent."""
         parts = self.parts(index)
         n = int(PART_RE.match(parts[-1].name).group(1)) + 1 if parts else 0  # type: ignore[union-attr]
-        path = self.shard_dir(index) / f"part-{n:06d}.{self.part_format}"
-        atomic_write(path, table_bytes(table, self.part_format), fault_prefix="part")
-        return path
+        fmt = self.part_format
+        return publish_new(self.shard_dir(index), lambda k: f"part-{k:06d}.{fmt}", n, table_bytes(table, fmt), "part")
 
     def clean_temporaries(self, index: int) -> int:
         """Remove leftover temporaries of a killed writer; never follows a symlink."""

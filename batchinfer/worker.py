@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -15,7 +16,7 @@ from typing import Any, Optional, Protocol
 from batchinfer import faults
 from batchinfer.data import Shard, get_path, open_input
 from batchinfer.engine import Completion, installed_versions
-from batchinfer.errors import StorageError
+from batchinfer.errors import BatchinferError, StorageError
 from batchinfer.locks import ShardLock, holder_info
 from batchinfer.prompts import Prompt, PromptBuilder, RowError
 from batchinfer.requests import build_request, overlong_tokens, row_id, sampling_for
@@ -97,6 +98,8 @@ class ShardWorker:
         self.device: Optional[str] = None  # set once this worker has an engine
         self.prompts = PromptBuilder(self.cfg["prompt"])
         self._poison: set[RequestKey] = set()  # fault injection only
+        self._progress: Optional[dict[str, Any]] = None  # the current shard's progress record
+        self.failures: Optional[int] = None  # this shard's failures in this submission, once counted
 
     @property
     def dataset(self) -> Any:
@@ -109,22 +112,31 @@ class ShardWorker:
         """Finish one shard (resuming from its committed parts) and return its DONE record."""
         sdir = self.run.shard_dir(shard.index)
         sdir.mkdir(parents=True, exist_ok=True)
+        self.failures = None
         with ShardLock(sdir, log=log.warning):
-            if self.run.is_done(shard.index):
-                return read_json(self.run.done_path(shard.index))
-            if self.run.clean_temporaries(shard.index):
-                log.info("shard %d: removed temporaries left by a killed writer", shard.index)
-            progress = self._progress_from_parts(shard)
-            done_rows = progress.pop("_rows")
-            todo = [r for r in range(shard.start, shard.stop) if r not in done_rows]
-            if done_rows:
-                log.info("shard %d: resuming, %d of %d rows already committed", shard.index, len(done_rows), shard.rows)
-            if todo:
-                self._generate(shard, todo, progress)
-            faults.point("before-done")
-            done = dict(with_rates(progress), finished=time.time(), **self._reproducibility())
-            write_json(self.run.done_path(shard.index), done)
-            return done
+            try:
+                return self._finish(shard)
+            except Exception as e:
+                if self.stop.signum is None and not isinstance(e, (BatchinferError, StorageError)):
+                    self._count_failure(shard, e)
+                raise
+
+    def _finish(self, shard: Shard) -> dict[str, Any]:
+        if self.run.is_done(shard.index):
+            return read_json(self.run.done_path(shard.index))
+        if self.run.clean_temporaries(shard.index):
+            log.info("shard %d: removed temporaries left by a killed writer", shard.index)
+        self._progress = progress = self._progress_from_parts(shard)
+        done_rows = progress.pop("_rows")
+        todo = [r for r in range(shard.start, shard.stop) if r not in done_rows]
+        if done_rows:
+            log.info("shard %d: resuming, %d of %d rows already committed", shard.index, len(done_rows), shard.rows)
+        if todo:
+            self._generate(shard, todo, progress)
+        faults.point("before-done")
+        done = dict(with_rates(progress), finished=time.time(), **self._reproducibility())
+        write_json(self.run.done_path(shard.index), done)
+        return done
 
     def _reproducibility(self) -> dict[str, Any]:
         """What a reader needs to reproduce these rows: model, revision, settings, software, hardware."""
@@ -157,6 +169,7 @@ class ShardWorker:
             "errors": dict(errors),
             "attempts": old.get("attempts", 0) + 1,
             "failures": old.get("failures", 0),
+            "failures_by_job": old.get("failures_by_job", {}),  # cluster.max_attempts counts per submission
             # rows in flight when the engine died, with how often; done rows drop out
             "suspects": {r: n for r, n in old.get("suspects", {}).items() if int(r) not in rows},
             "seconds": old.get("seconds", {"startup": 0.0, "prepare": 0.0, "generate": 0.0, "commit": 0.0}),
@@ -175,6 +188,8 @@ class ShardWorker:
         rows = self.dataset.select(todo).to_list()
         kwargs = self.cfg["prompt"]["chat_template_kwargs"]
         for offset, (index, row) in enumerate(zip(todo, rows, strict=True)):
+            if self.stop.signum is not None:  # preparing a big shard takes a while: act on a stop now
+                raise Stopped(self.stop.signum)
             base: dict[str, Any] = {"row": index, "id": row_id(self.cfg, row, index), **self._carried(row)}
             try:
                 req = build_request(self.cfg, self.prompts, row, index, lambda p: engine.encode(p, kwargs))
@@ -182,6 +197,7 @@ class ShardWorker:
                 ids = overlong_tokens(
                     req.ids, self.cfg["prompt"]["overlong"], engine.max_model_len, sampling["max_tokens"]
                 )
+                engine_params(engine, self.cfg, own)
             except RowError as e:
                 errors.append(dict(error_row(index, base["id"], e.kind, f"row {index}: {e.message}"), **base))
                 continue
@@ -238,7 +254,17 @@ class ShardWorker:
                     rid = f"{shard.index}-{seq}"
                     seq += 1
                     ids, own, _ = key
-                    engine.add(rid, list(ids), engine.sampling_params(sampling_for(self.cfg, own)))
+                    try:
+                        engine.add(rid, list(ids), engine_params(engine, self.cfg, own))
+                    except (RowError, ValueError) as e:  # vLLM refused this request alone: an error row
+                        kind, why = (e.kind, e.message) if isinstance(e, RowError) else ("rejected", str(e))
+                        members = groups.pop(key)
+                        pending.extend(
+                            dict(m, **error_row(m["row"], m["id"], kind, f"row {m['row']}: vLLM refused it: {why}"))
+                            for m in members
+                        )
+                        finished += len(members)
+                        continue
                     in_flight[rid] = key
                     if key in self._poison:
                         faults.kill_engine()
@@ -267,23 +293,55 @@ class ShardWorker:
         except BaseException as e:
             # Whatever stops us (signal, engine death), finished rows are committed first. A stop
             # signal may reach the engine too and kill it: that is a stop, not an error.
-            stopping = isinstance(e, Stopped) or self.stop.signum is not None
-            if in_flight and isinstance(e, Stopped):
-                engine.abort_all()
-            if isinstance(e, StorageError):
-                raise  # committing again would fail the same way; the log says what to fix
-            if not stopping:
-                for key in in_flight.values():
-                    for m in groups[key]:
-                        suspects[str(m["row"])] = suspects.get(str(m["row"]), 0) + 1
-            if pending:
-                self._commit(shard, pending, progress, error=None if stopping else repr(e))
-            elif not stopping:
-                self._write_progress(shard, progress, error=repr(e))
+            try:
+                self._after_error(shard, e, pending, progress, [m for k in in_flight.values() for m in groups[k]])
+            finally:
+                # Only after the commit: aborting requests of a dead engine can raise. A live engine
+                # is cleared so that a reused one (local runs) does not return this attempt's requests.
+                if in_flight:
+                    try:
+                        engine.abort_all()
+                    except Exception as abort_error:
+                        log.warning("shard %d: aborting requests in flight failed: %r", shard.index, abort_error)
             raise
         progress["seconds"]["generate"] += time.monotonic() - t_gen
         if pending:
             self._commit(shard, pending, progress)
+
+    def _after_error(
+        self,
+        shard: Shard,
+        e: BaseException,
+        pending: list[dict[str, Any]],
+        progress: dict[str, Any],
+        in_flight: list[dict[str, Any]],
+    ) -> None:
+        """Commit what finished; rows in flight at an engine failure become suspects."""
+        if isinstance(e, StorageError):
+            return  # committing again would fail the same way; the log says what to fix
+        stopping = isinstance(e, Stopped) or self.stop.signum is not None
+        if not stopping and not isinstance(e, OSError):  # the engine's failure, not the filesystem's
+            suspects = progress["suspects"]
+            for m in in_flight:
+                suspects[str(m["row"])] = suspects.get(str(m["row"]), 0) + 1
+        if pending:
+            self._commit(shard, pending, progress, error=None if stopping else repr(e))
+        elif not stopping:
+            self._write_progress(shard, progress, error=repr(e))
+
+    def _count_failure(self, shard: Shard, error: BaseException) -> None:
+        """Count a failed attempt in progress.json, under the shard lock: in all, and for this Slurm
+        job (cluster.max_attempts is a budget per submission; a requeued task keeps its job id)."""
+        progress = self._progress
+        if progress is None or progress.get("shard") != shard.index:  # failed before reading its parts
+            path = self.run.progress_path(shard.index)
+            progress = read_json(path) if path.is_file() else {"shard": shard.index, "rows_done": 0}
+        progress["failures"] = progress.get("failures", 0) + 1
+        by_job = progress.setdefault("failures_by_job", {})
+        key = budget_key()
+        by_job[key] = by_job.get(key, 0) + 1
+        self.failures = by_job[key]
+        self._write_progress(shard, progress, error=f"{type(error).__name__}: {error}")
 
     def _carried(self, row: dict[str, Any]) -> dict[str, Any]:
         """The input columns carried into the output (input.columns), if any."""
@@ -307,12 +365,17 @@ class ShardWorker:
         return out
 
     def _commit(
-        self, shard: Shard, rows: list[dict[str, Any]], progress: dict[str, Any], error: Optional[str] = None
+        self, shard: Shard, rows_in: list[dict[str, Any]], progress: dict[str, Any], error: Optional[str] = None
     ) -> None:
-        """Write rows as one part, then progress.json."""
+        """Write rows as one part, then progress.json; rows_in is emptied once they are the part's."""
         t0 = time.monotonic()
-        rows.sort(key=lambda r: r["row"])
-        self.run.write_part(shard.index, rows_to_table(rows, self.run.schema))
+        rows = sorted(rows_in, key=lambda r: r["row"])
+        table = rows_to_table(rows, self.run.schema)
+        # From here these rows belong to this part: emptied in the caller's list too, so an error
+        # after the part is published (EIO on progress.json, on the folder's fsync) cannot make
+        # the error path commit them a second time. Unpublished, they are redone on resume.
+        del rows_in[:]
+        self.run.write_part(shard.index, table)
         progress["parts"] += 1
         progress["rows_done"] += len(rows)
         progress["prompt_tokens"] += sum(r["prompt_tokens"] or 0 for r in rows)
@@ -351,6 +414,25 @@ class ShardWorker:
             if labels["confidence"] and row["label"] is not None and c.logprob is not None:
                 row["label_confidence"] = math.exp(c.logprob)
         return row
+
+
+def engine_params(engine: EngineLike, cfg: dict[str, Any], own: str) -> Any:
+    """The engine's SamplingParams for a row; values vLLM refuses (top_p 0, max_tokens 0) raise RowError."""
+    try:
+        return engine.sampling_params(sampling_for(cfg, own))
+    except (ValueError, TypeError) as e:
+        raise RowError("sampling", f"vLLM refuses the row's sampling {own}: {e}") from None
+
+
+def budget_key() -> str:
+    """Whose failures count against cluster.max_attempts: this Slurm array (or job); `local` outside Slurm."""
+    return os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID") or "local"
+
+
+def failures_in_budget(progress: dict[str, Any]) -> int:
+    """Failed attempts of a shard in this submission (older records: every failure counted)."""
+    by_job = progress.get("failures_by_job")
+    return by_job.get(budget_key(), 0) if by_job is not None else progress.get("failures", 0)
 
 
 def _versions() -> dict[str, Any]:

@@ -12,7 +12,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}{% endfor %}"
+# Like real models' templates, it refuses roles it does not know (raise_exception).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' ~ m['role']) }}{% endif %}<s>{{ m['role'] }}: {{ m['content'] }}{% endfor %}"
+)
 THINK_TOKENS = ["<think>", "</think>"]
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
