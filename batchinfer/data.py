@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -192,16 +193,21 @@ def convert_input(
     id_column: Optional[str],
     columns: Optional[list[str]],
     strict_ids: bool = True,
+    local_cache: bool = False,
 ) -> int:
     """Convert the input once into an Arrow dataset at dest; return its row count. With strict_ids=False
-    null or duplicate ids are left for the caller to report (`batchinfer validate`)."""
+    null or duplicate ids are left for the caller to report (`batchinfer validate`). local_cache puts
+    `datasets`' cache (and its file locks) in a node-local temporary folder instead of beside dest."""
     shown = str(files[0]) if len(files) == 1 else f"{files[0].parent}/ ({len(files)} files)"
     if all(f.is_file() and f.stat().st_size == 0 for f in files):
         raise InputError(f"{shown}: no rows (the file is empty); there is nothing to run")
     tmp = dest.with_name(dest.name + ".tmp")
-    cache = dest.with_name(".hf-cache")
     remove_path(tmp, ignore_errors=True)
-    remove_path(cache, ignore_errors=True)  # a symlink here would send datasets' cache outside DIR
+    if local_cache:
+        cache = Path(tempfile.mkdtemp(prefix="batchinfer-convert-"))
+    else:
+        cache = dest.with_name(".hf-cache")
+        remove_path(cache, ignore_errors=True)  # a symlink here would send datasets' cache outside DIR
     try:
         try:
             ds = _load(files, fmt, cache, shown)

@@ -135,6 +135,22 @@ def judge_holder(info: dict[str, Any]) -> tuple[str, str]:
     return "unknown", "on another host without a Slurm job"
 
 
+def flock_works(folder: Path) -> bool:
+    """Whether flock can lock a file in folder (not so on Lustre `noflock`, or NFS without a lock manager)."""
+    probe = folder / f".flock-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in FLOCK_UNSUPPORTED:
+            return False
+        raise
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+
+
 def node_local_flock(path: Path) -> Optional[str]:
     """Why flock on path's filesystem locks only within one node, or None (from mountinfo)."""
     try:

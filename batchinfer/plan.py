@@ -40,6 +40,7 @@ from batchinfer.data import (
     plan_shards,
 )
 from batchinfer.errors import ConfigError, RunDirError
+from batchinfer.locks import flock_works
 from batchinfer.models import resolve_model
 from batchinfer.prompts import apply_labels, check_fields, load_template
 from batchinfer.schema import output_schema, schema_summary, schema_to_text
@@ -201,8 +202,20 @@ def _create(
     inp = c["input"]
     remove_path(run.input_dir, ignore_errors=True)  # a symlinked DIR/input: the link goes, never its target
     log.info("converting %s (%s) into %s", inp["path"], inp["format"], run.input_dir)
+    # `datasets` file-locks its cache: where flock fails (Lustre noflock, NFS without a lock
+    # manager) its cache goes to a node-local temporary folder, removed after the conversion.
+    local_cache = not flock_works(run.path)
+    if local_cache:
+        log.warning(
+            "flock does not work in %s: converting the input with a cache in %s", run.path, tempfile.gettempdir()
+        )
     rows = convert_input(
-        input_files(inp["path"], inp["split"]), inp["format"], run.input_dir, inp["id_column"], inp["columns"]
+        input_files(inp["path"], inp["split"]),
+        inp["format"],
+        run.input_dir,
+        inp["id_column"],
+        inp["columns"],
+        local_cache=local_cache,
     )
     ds = open_input(run.input_dir)
     check_fields(load_template(c["prompt"]), ds.column_names, inp["path"])

@@ -403,6 +403,15 @@ def test_merge_lock_in_another_process_refuses(tmp_path: Path) -> None:
         pass
 
 
+@pytest.mark.parametrize("mode", ["enosys", "enolck"])
+def test_input_converts_where_flock_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    # datasets file-locks its conversion cache: in DIR that would fail before any shard runs.
+    emulate(monkeypatch, mode, str(tmp_path / "run"))
+    run = _prepared(tmp_path, 7)
+    assert run.shards()[0].rows == 7 and not (run.path / ".hf-cache").exists()
+    assert [p.name for p in run.path.iterdir() if p.name.startswith(".flock-probe")] == []
+
+
 # ---------------------------------------------------------------- end to end: SIGKILL, resume
 
 
@@ -417,9 +426,9 @@ def test_sigkill_then_resume_on_emulated_filesystems(
         os.environ,
         PYTHONPATH=os.pathsep.join(p for p in (str(FSEMU), os.environ.get("PYTHONPATH", "")) if p),
         BATCHINFER_TEST_FLOCK=mode,
-        # The run's own locks; datasets' cache lock in DIR/input answers ENOLCK too on such a
-        # filesystem, which is not what this test is about.
-        BATCHINFER_TEST_FLOCK_ROOT=os.pathsep.join([f"{out}/shards", f"{out}/merge.lock"]),
+        # The whole run directory: the shard and merge locks, and datasets' cache lock while the
+        # input is converted (which then goes to a node-local cache).
+        BATCHINFER_TEST_FLOCK_ROOT=str(out),
     )
     log = workload["dir"] / f"flock-{mode}.log"
     cmd = [sys.executable, "-m", "batchinfer.cli", "run", *workload["base"], f"output.dir={out}"]
@@ -439,6 +448,7 @@ def test_sigkill_then_resume_on_emulated_filesystems(
     assert 0 < len(done_before) < ROWS
     fallback = "flock unsupported on this filesystem"
     assert (fallback in log.read_text()) == (mode != "nfs"), log.read_text()[-3000:]
+    assert ("converting the input with a cache in" in log.read_text()) == (mode != "nfs")
     assert list(out.glob("shards/*/lock.excl")) if mode != "nfs" else not list(out.glob("shards/*/lock.excl"))
 
     emulate(monkeypatch, mode, env["BATCHINFER_TEST_FLOCK_ROOT"])  # the resume sees the same filesystem

@@ -4,9 +4,8 @@ BATCHINFER_TEST_FLOCK=nfs     LOCK_EX through a descriptor not open for writing:
                               emulates flock with POSIX locks, which need write access)
 BATCHINFER_TEST_FLOCK=enosys  flock not implemented (Lustre mounted noflock)
 BATCHINFER_TEST_FLOCK=enolck  no locks available (NFS without a lock manager)
-BATCHINFER_TEST_FLOCK_ROOT    only files under these paths (os.pathsep-separated) are affected,
-                              so other libraries' file locks (vLLM's, datasets' cache lock in
-                              DIR/input) keep working
+BATCHINFER_TEST_FLOCK_ROOT    only files under these paths (os.pathsep-separated) are affected:
+                              the run directory, as if it were on that filesystem
 """
 
 from __future__ import annotations
