@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.errors import RunDirError
-from batchinfer.store import refused_write, storage_error
+from batchinfer.store import fsync_dir, refused_write, storage_error
 
 LOCK_MODES = ("auto", "flock", "file")
 # An empty or unreadable lock file older than this (filesystem clock) is stale: its writer was
@@ -301,7 +301,7 @@ class _ExclFile:
                 return False  # released or taken over by someone else: start again
             tmp = self._write_temp(self.record)
             os.replace(tmp, self.path)
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
             return True
         finally:
             marker.unlink(missing_ok=True)
@@ -351,7 +351,7 @@ class _ExclFile:
                 return False
         finally:
             tmp.unlink(missing_ok=True)
-        _fsync_dir(name.parent)
+        fsync_dir(name.parent)
         return True
 
     def release(self) -> None:
@@ -369,14 +369,6 @@ def _key(info: Optional[dict[str, Any]], st: os.stat_result) -> str:
 
 def _after_claim() -> None:
     """Between claiming a takeover and re-reading the lock (tests interleave a second taker here)."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _configured_mode(run_dir: Path) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from conftest import fake_model_dir, write_corpus
+from test_unit import FakeEngine
 
 from batchinfer import slurm
 from batchinfer.cli import main
@@ -86,41 +87,19 @@ def overrides(tmp_path: Path, n: int, *extra: str) -> list[str]:
     ]
 
 
-class FakeEngine:
-    """Echoes each prompt's length, 3 requests per step; calls on_step first at every step."""
-
-    max_model_len = 1000
-    max_num_seqs = 4
-    startup_seconds = 0.0
-    device = "fake device"
+class SteppingEngine(FakeEngine):
+    """test_unit's fake engine, keyed to the run, calling on_step first at every step."""
 
     def __init__(self, run: RunDir, on_step: Any = None):
         from batchinfer.engine import model_key
 
+        super().__init__(per_step=3)
         self.key = model_key(run.run["config"])
-        self.queue: list[tuple[str, list[int]]] = []
         self.on_step = on_step or (lambda: None)
-
-    def sampling_params(self, sampling: dict[str, Any]) -> Any:
-        return sampling
-
-    def encode(self, prompt: Any, chat_template_kwargs: Any = None) -> list[int]:
-        text = prompt if isinstance(prompt, str) else " ".join(m["content"] for m in prompt)
-        return [ord(c) % 50 for c in text]
-
-    def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
-        self.queue.append((request_id, token_ids))
 
     def step(self) -> list[Completion]:
         self.on_step()
-        done, self.queue = self.queue[:3], self.queue[3:]
-        return [Completion(rid, [f"len{len(ids)}"], "stop", len(ids), 1) for rid, ids in done]
-
-    def has_unfinished(self) -> bool:
-        return bool(self.queue)
-
-    def abort_all(self) -> None:
-        self.queue = []
+        return super().step()
 
 
 def test_first_stop_signal_wins(caplog: pytest.LogCaptureFixture) -> None:
@@ -140,7 +119,7 @@ def test_status_when_squeue_hangs_shows_the_run_directory(
     tmp_path: Path, fake_bin: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     run = prepare(compose(overrides(tmp_path, 12, "sharding.num_shards=2")))
-    run_shards(run, [0], engine=FakeEngine(run))
+    run_shards(run, [0], engine=SteppingEngine(run))
     # a jobs.jsonl line as earlier versions wrote it: one line per submission
     old = {"submission": 0, "time": 1.0, "folder": str(run.logs_dir / "submission-000"), "merge": "9"}
     old["arrays"] = [{"job_id": "8", "tasks": {"0": [0], "1": [1]}}]
@@ -168,7 +147,7 @@ def test_failed_scontrol_requeue_fails_the_task(
     monkeypatch.setenv("SLURM_JOB_ID", "78")
     assert slurm.requeue_self() is False
 
-    def preempted_engine() -> FakeEngine:
+    def preempted_engine() -> SteppingEngine:
         steps = []
 
         def on_step() -> None:  # Slurm's preemption notice arrives during the second step
@@ -176,7 +155,7 @@ def test_failed_scontrol_requeue_fails_the_task(
             if len(steps) == 2:
                 os.kill(os.getpid(), signal.SIGUSR2)
 
-        return FakeEngine(run, on_step)
+        return SteppingEngine(run, on_step)
 
     # under submitit: slurm_task raises, so the task exits non-zero and Slurm shows FAILED
     monkeypatch.setattr("batchinfer.launch.run_shards", lambda r, s: run_shards(r, s, engine=preempted_engine()))
