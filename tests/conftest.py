@@ -214,14 +214,37 @@ def workload(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path, en
 
 
 def resume_and_check(workload: dict[str, Any], out: Path, engine: Any) -> None:
-    """Finish the run in-process and compare with the uninterrupted run, row for row."""
+    """Finish the run in-process and compare with the uninterrupted run, row for row; the parts
+    committed before are byte-identical after it and only the rows in none of them were redone."""
     from batchinfer.config import compose
     from batchinfer.launch import run_local
 
+    before = committed_parts(out)
     run = run_local(compose([*workload["base"], f"output.dir={out}"]), engine=engine)
     rows = read_output(run.path)
     assert_exactly_once(rows, workload["rows"])
     assert project(rows) == project(workload["clean"])
+    assert_only_missing_rows_redone(out, before, len(workload["rows"]))
+
+
+def committed_parts(out: Path) -> dict[Path, bytes]:
+    """Every committed part of a run directory and its bytes."""
+    from batchinfer.store import RunDir
+
+    run = RunDir(out)
+    return {p: p.read_bytes() for s in run.shards() for p in run.parts(s.index)} if run.exists() else {}
+
+
+def assert_only_missing_rows_redone(out: Path, before: dict[Path, bytes], total: int) -> None:
+    """Parts committed before a resume are unchanged, and the parts it wrote hold exactly the rest."""
+    from batchinfer.store import RunDir, read_table
+
+    run = RunDir(out)
+    assert {p: p.read_bytes() for p in before} == before
+    rows_before = [r for p in before for r in read_table(p, run.schema).column("row").to_pylist()]
+    new = [p for p in committed_parts(out) if p not in before]
+    redone = [r for p in new for r in read_table(p, run.schema).column("row").to_pylist()]
+    assert sorted(redone) == sorted(set(range(total)) - set(rows_before))  # each missing row once
 
 
 def committed_parts_are_whole(out: Path) -> int:

@@ -13,6 +13,8 @@ import pytest
 from conftest import (
     ROWS,
     assert_exactly_once,
+    assert_only_missing_rows_redone,
+    committed_parts,
     committed_parts_are_whole,
     group_alive,
     kill_group,
@@ -43,12 +45,14 @@ def test_sigkill_group_after_first_part_then_cli_resume(workload: dict[str, Any]
     assert group_alive(proc.pid) == []  # no engine process outlives the kill
     committed = committed_parts_are_whole(out)
     assert 0 < committed < ROWS
+    before = committed_parts(out)
     res = run_cli(["run", *workload["base"], f"output.dir={out}"])
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resuming" in res.stderr
     rows = read_output(out)
     assert_exactly_once(rows, workload["rows"])
     assert project(rows) == project(workload["clean"])
+    assert_only_missing_rows_redone(out, before, ROWS)
 
 
 @pytest.mark.parametrize(
