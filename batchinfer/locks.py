@@ -62,8 +62,8 @@ LOCK_UNREADABLE_STALE_S = 300.0
 SQUEUE_TIMEOUT_S = 30.0
 # Slurm states in which a job's processes may still run and write.
 SLURM_ALIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "SIGNALING", "RESIZING"}
-# flock errors that mean "this filesystem does not do flock" (EBADF: NFS wants a writable
-# descriptor for an exclusive lock; ours is writable, so EBADF is caught only defensively).
+# flock errors that mean "this filesystem does not do flock" (EBADF only defensively: NFS's
+# answer to a read-only descriptor is retried through a writable one, see _flocked).
 FLOCK_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EBADF}
 MOUNTINFO = "/proc/self/mountinfo"
 _TAKEOVER_GENERATIONS = 32
@@ -202,6 +202,28 @@ def _read(path: Path) -> tuple[Optional[dict[str, Any]], Optional[os.stat_result
     except ValueError:
         return None, st
     return (info if isinstance(info, dict) else None), st
+
+
+def _flocked(path: Path) -> int:
+    """A descriptor of path holding an exclusive flock (BlockingIOError: held elsewhere).
+
+    Read-only where that works, so a lock held for hours never blocks remounting the filesystem
+    read-only; NFS emulates flock with POSIX locks, whose exclusive lock needs a descriptor open
+    for writing (EBADF otherwise), so there it is taken again through a writable one."""
+    for flags in (os.O_RDONLY, os.O_RDWR):
+        fd = os.open(path, flags | os.O_CREAT, 0o666)  # the umask decides
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except OSError as e:
+            os.close(fd)
+            if e.errno != errno.EBADF or flags == os.O_RDWR:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _writable(fd: int) -> bool:
+    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
 
 
 def _read_holder(path: Path) -> dict[str, Any]:
@@ -418,18 +440,11 @@ class FileLock:
             if why:
                 _log_once(self.log, f"locks: {why}: flock there locks only within one node; using lock files")
                 return self._excl_lock()
-        # O_RDWR, not O_RDONLY: NFS emulates flock with POSIX locks, and an exclusive POSIX lock
-        # needs a descriptor open for writing (EBADF otherwise). We also write the holder record
-        # through it.
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = _flocked(self.path)
         except BlockingIOError:
-            info = _read_holder(self.path)
-            os.close(fd)
-            raise self._refuse(describe_holder(info)) from None
+            raise self._refuse(describe_holder(_read_holder(self.path))) from None
         except OSError as e:
-            os.close(fd)
             if e.errno not in FLOCK_UNSUPPORTED:
                 raise
             _log_once(
@@ -456,7 +471,7 @@ class FileLock:
         excl = _read_holder(self.path.with_name(self.path.name + ".excl"))
         if excl and judge_holder(excl)[0] == "alive":
             raise self._refuse(f"{describe_holder(excl)} (lock-file mode)")
-        info = _read_holder(self.path)
+        info = self._own_record()
         if not info or info.get("released") or info.get("host") == socket.gethostname():
             return  # flock is exact within one node
         job = info.get("slurm_job")
@@ -468,12 +483,30 @@ class FileLock:
         if verdict == "unknown":
             self.log(f"{self.path}: previous holder {describe_holder(info)} not checked ({why}); flock granted")
 
+    def _own_record(self) -> dict[str, Any]:
+        """The record in the locked file, read through our descriptor: on NFS, closing any other
+        descriptor of the file would drop our (POSIX) lock."""
+        assert self.fd is not None
+        try:
+            info = json.loads(os.pread(self.fd, 1 << 16, 0) or b"{}")
+        except (OSError, ValueError):
+            return {}
+        return info if isinstance(info, dict) else {}
+
     def _write_record(self, record: dict[str, Any]) -> None:
         assert self.fd is not None
         data = json.dumps(record).encode()
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, data, 0)
-        os.fsync(self.fd)
+        if _writable(self.fd):
+            fd, own = self.fd, False  # NFS: the locked descriptor is writable, and must stay the only one
+        else:
+            fd, own = os.open(self.path, os.O_WRONLY), True  # flock is per open file: this one is harmless
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
+            os.fsync(fd)
+        finally:
+            if own:
+                os.close(fd)
 
     def _excl_lock(self) -> FileLock:
         excl = _ExclFile(self.path.with_name(self.path.name + ".excl"), self._refuse, self.log)

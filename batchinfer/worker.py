@@ -245,6 +245,7 @@ class ShardWorker:
         progress["seconds"]["prepare"] = progress["seconds"].get("prepare", 0.0) + t_gen - t_prepare
         add_point(progress)  # generation starts: the gap since the last attempt's commit shows as 0 tok/s
         seq = finished = 0
+        committing = False  # a failure while committing is the filesystem's, not the engine's
         if self.bar is not None and pending:
             self.bar.update(len(pending))
         try:
@@ -287,14 +288,17 @@ class ShardWorker:
                     pending and now - last_commit >= out["commit_every_seconds"]
                 ):
                     progress["seconds"]["generate"] += now - t_gen
+                    committing = True
                     self._commit(shard, pending, progress)
+                    committing = False
                     pending = []
                     last_commit = t_gen = time.monotonic()
         except BaseException as e:
             # Whatever stops us (signal, engine death), finished rows are committed first. A stop
             # signal may reach the engine too and kill it: that is a stop, not an error.
             try:
-                self._after_error(shard, e, pending, progress, [m for k in in_flight.values() for m in groups[k]])
+                suspects = [] if committing else [m for k in in_flight.values() for m in groups[k]]
+                self._after_error(shard, e, pending, progress, suspects)
             finally:
                 # Only after the commit: aborting requests of a dead engine can raise. A live engine
                 # is cleared so that a reused one (local runs) does not return this attempt's requests.
@@ -316,11 +320,11 @@ class ShardWorker:
         progress: dict[str, Any],
         in_flight: list[dict[str, Any]],
     ) -> None:
-        """Commit what finished; rows in flight at an engine failure become suspects."""
+        """Commit what finished; rows in flight at a failure (other than a stop) become suspects."""
         if isinstance(e, StorageError):
             return  # committing again would fail the same way; the log says what to fix
         stopping = isinstance(e, Stopped) or self.stop.signum is not None
-        if not stopping and not isinstance(e, OSError):  # the engine's failure, not the filesystem's
+        if not stopping:
             suspects = progress["suspects"]
             for m in in_flight:
                 suspects[str(m["row"])] = suspects.get(str(m["row"]), 0) + 1

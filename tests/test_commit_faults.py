@@ -174,6 +174,7 @@ def test_eio_after_a_part_is_published_never_commits_its_rows_twice(
     assert len(part_rows(run)) == len(set(part_rows(run))) == 3 * 16  # each row in one part only
     progress = json.loads(run.progress_path(0).read_text())
     assert progress["failures"] == 1 and "Input/output error" in progress["last_error"]
+    assert progress["suspects"] == {}  # the filesystem failed, not the engine: no row is suspect
 
     run = run_local(compose([*clean["base"], f"output.dir={out}"]), engine=engine)
     rows = read_output(run.path)
