@@ -350,12 +350,14 @@ def to_dict(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
-# engine_kwargs that change speed or memory, never what is generated: a run may be reopened or
-# resumed with other values. Every other engine_kwargs key (speculative_config among them: it
-# changes sampled, non-greedy outputs) is part of the fingerprint. Listed in DESIGN.md.
+# engine_kwargs that change speed or memory, not what greedy decoding generates: a run may be
+# reopened or resumed with other values. speculative_config is one (the speculative=ngram preset
+# keeps greedy outputs; with temperature > 0 the samples differ, as a changed batch can make
+# them). Every other engine_kwargs key is part of the fingerprint. Listed in DESIGN.md.
 THROUGHPUT_ENGINE_KWARGS = frozenset(
     {
         "max_num_seqs",
+        "speculative_config",
         "max_num_batched_tokens",
         "gpu_memory_utilization",
         "kv_cache_memory_bytes",
