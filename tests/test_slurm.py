@@ -78,14 +78,19 @@ def queued(run_dir: Path) -> list[str]:
     res = subprocess.run(
         ["squeue", "-h", "-r", "-o", "%i %T", "-j", ",".join(jobs_of(run_dir))], capture_output=True, text=True
     )
+    if res.returncode != 0:  # a busy controller (2 cores, engines starting) is not an idle queue
+        return [f"squeue failed: {res.stderr.strip()}"]
     return [ln for ln in res.stdout.splitlines() if ln.strip()]
 
 
 def wait_until_idle(run_dir: Path, timeout: float = 900) -> None:
+    """Until no job of DIR is queued, seen twice 5 s apart (a requeue passes through states quickly)."""
     deadline = time.monotonic() + timeout
-    while queued(run_dir):
+    idle = 0
+    while idle < 2:
+        idle = idle + 1 if not queued(run_dir) else 0
         assert time.monotonic() < deadline, f"jobs still queued: {queued(run_dir)}"
-        time.sleep(2)
+        time.sleep(5 if idle else 2)
 
 
 def wait_for(cond: Any, timeout: float = 300, what: str = "") -> None:
