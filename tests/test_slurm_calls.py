@@ -36,6 +36,7 @@ def own_log_handlers() -> Any:
     logger = logging.getLogger("batchinfer")
     saved = (logger.handlers[:], logger.level, logger.propagate)
     logger.handlers.clear()
+    logger.propagate = True  # an earlier module's setup_logging turned it off; caplog listens at the root
     yield
     logger.handlers[:], logger.level, logger.propagate = saved
 
