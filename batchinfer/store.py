@@ -91,23 +91,38 @@ def publish_new(folder: Path, name: Callable[[int], str], first: int, data: byte
     n = first
     try:
         _write_temporary(tmp, data, fault_prefix)
-        while True:
-            path = folder / name(n)
-            try:
-                os.link(tmp, path)
-                break
-            except FileExistsError:
-                # NFS: a retransmitted LINK can answer EEXIST although it succeeded (open(2));
-                # then the temporary has two names and these bytes are already published.
-                if os.stat(tmp).st_nlink >= 2:
-                    break
-                n += 1
+        while not _link_new(tmp, folder / name(n)):
+            n += 1
         os.unlink(tmp)
         fsync_dir(folder)
     except OSError as e:
         raise _write_failed(tmp, folder / name(n), e) from None
     faults.point(f"after-{fault_prefix}-rename")
-    return path
+    return folder / name(n)
+
+
+def create_once(path: Path, data: bytes) -> bool:
+    """Write data as path unless path exists; True if this call created it (first writer wins)."""
+    tmp = temporary_name(path)
+    try:
+        _write_temporary(tmp, data, None)
+        created = _link_new(tmp, path)
+        os.unlink(tmp)
+        fsync_dir(path.parent)
+    except OSError as e:
+        raise _write_failed(tmp, path, e) from None
+    return created
+
+
+def _link_new(tmp: Path, path: Path) -> bool:
+    """Give tmp the name path if that name is free; False if another file has it."""
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        # NFS: a retransmitted LINK can answer EEXIST although it succeeded (open(2));
+        # then the temporary has two names and these bytes are already published.
+        return os.stat(tmp).st_nlink >= 2
 
 
 def _write_temporary(tmp: Path, data: bytes, fault_prefix: Optional[str]) -> None:
