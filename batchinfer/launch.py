@@ -15,6 +15,9 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from batchinfer import security, slurm
+from batchinfer.data import Shard
+from batchinfer.dtype import settle
+from batchinfer.engine_output import EngineOutput
 from batchinfer.errors import (
     BatchinferError,
     ConfigError,
@@ -32,12 +35,14 @@ from batchinfer.store import RunDir, read_json, refused_write, storage_error
 log = logging.getLogger("batchinfer")
 
 
-def progress_bar(total: int, initial: int, desc: str) -> Any:
+def progress_bar(total: int, initial: int, desc: str, file: Any = None) -> Any:
     """tqdm on a terminal; plain lines about every 5 s in logs."""
     from tqdm import tqdm
 
-    tty = sys.stderr.isatty()
+    file = file or sys.stderr
+    tty = file.isatty()
     return tqdm(
+        file=file,
         total=total,
         initial=initial,
         desc=desc,
@@ -51,15 +56,19 @@ def progress_bar(total: int, initial: int, desc: str) -> Any:
 class EngineHolder:
     """Builds the engine on first use (a finished run never imports vllm) and reuses it."""
 
-    def __init__(self, c: dict[str, Any], stop: Any, engine: Any = None):
+    def __init__(self, c: dict[str, Any], stop: Any, engine: Any = None, run_path: Optional[Path] = None):
         self.c = c
         self.stop = stop
         self.engine = engine
+        # `model.dtype: auto` settled for the whole run in DIR/dtype.json (None: for this machine)
+        self.dtype = settle(run_path, c["model"]["dtype"]) if run_path is not None else None
         if engine is not None:
             from batchinfer.engine import model_key
 
             if engine.key != model_key(c):
                 raise RunDirError("the engine passed in was built for another model config")
+            if self.dtype not in (None, "auto", getattr(engine, "dtype", self.dtype)):
+                raise RunDirError(f"the engine passed in runs {engine.dtype}; this run's shards use {self.dtype}")
 
     def __call__(self) -> Any:
         if self.engine is None:
@@ -70,7 +79,7 @@ class EngineHolder:
             # group-wide USR2 cannot kill them) and a signal sent meanwhile stays pending.
             self.stop.block()
             try:
-                self.engine = Engine(self.c)
+                self.engine = Engine(self.c, self.dtype)
             finally:
                 self.stop.install()
             log.info("engine ready in %.1f s", self.engine.startup_seconds)
@@ -84,21 +93,24 @@ class EngineHolder:
 
 def run_shards(run: RunDir, indices: list[int], engine: Any = None) -> None:
     """Finish the given shards in this process with one engine; stop signals commit first."""
-    with security.private_umask(run.run["config"]["output"]["private"]):
-        _run_shards(run, indices, engine)
-
-
-def _run_shards(run: RunDir, indices: list[int], engine: Any) -> None:
-    from batchinfer.worker import CRASHES_TO_ISOLATE, ShardWorker, StopFlag, Stopped
-
     shards = [s for s in run.shards() if s.index in set(indices) and not run.is_done(s.index)]
     if not shards:
         return
+    with (
+        security.private_umask(run.run["config"]["output"]["private"]),
+        EngineOutput(run.logs_dir, enabled=engine is None) as output,
+    ):
+        _run_shards(run, shards, engine, output)
+
+
+def _run_shards(run: RunDir, shards: list[Shard], engine: Any, output: EngineOutput) -> None:
+    from batchinfer.worker import CRASHES_TO_ISOLATE, ShardWorker, StopFlag, Stopped
+
     stop = StopFlag()
     saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)}
-    holder = EngineHolder(run.run["config"], stop, engine)
+    holder = EngineHolder(run.run["config"], stop, engine, run.path)
     committed = sum(_rows_done(run, s.index) for s in shards)
-    bar = progress_bar(sum(s.rows for s in shards), committed, desc=run.path.name)
+    bar = progress_bar(sum(s.rows for s in shards), committed, desc=run.path.name, file=output.bar_file())
     current = shards[0]
     worker = ShardWorker(run, holder, stop, bar)
     try:

@@ -96,6 +96,7 @@ class ShardWorker:
         self.bar = bar
         self._dataset: Any = None
         self.device: Optional[str] = None  # set once this worker has an engine
+        self.dtype: str = self.cfg["model"]["dtype"]  # the engine's, once it has one
         self.prompts = PromptBuilder(self.cfg["prompt"])
         self._poison: set[RequestKey] = set()  # fault injection only
         self._progress: Optional[dict[str, Any]] = None  # the current shard's progress record
@@ -142,7 +143,7 @@ class ShardWorker:
         """What a reader needs to reproduce these rows: model, revision, settings, software, hardware."""
         c = self.cfg
         return {
-            "model": {"path": c["model"]["path"], "revision": c["model"]["revision"], "dtype": c["model"]["dtype"]},
+            "model": {"path": c["model"]["path"], "revision": c["model"]["revision"], "dtype": self.dtype},
             "quantization": c["quantization"],
             "sampling": c["sampling"],
             "prompt": c["prompt"],
@@ -214,6 +215,7 @@ class ShardWorker:
         t0 = time.monotonic()
         engine = self.get_engine()
         self.device = getattr(engine, "device", None)
+        self.dtype = getattr(engine, "dtype", self.cfg["model"]["dtype"])
         startup = time.monotonic() - t0
         progress["seconds"]["startup"] += startup
         t_prepare = time.monotonic()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -245,6 +246,20 @@ def assert_only_missing_rows_redone(out: Path, before: dict[Path, bytes], total:
     new = [p for p in committed_parts(out) if p not in before]
     redone = [r for p in new for r in read_table(p, run.schema).column("row").to_pylist()]
     assert sorted(redone) == sorted(set(range(total)) - set(rows_before))  # each missing row once
+
+
+def assert_engine_output_kept_apart(out: Path, stderr: str) -> None:
+    """vLLM's start-up lines went to DIR/logs/engine-*.log, not the console, and its engine ran in
+    the dtype `auto` means on this CPU, recorded in DIR/dtype.json and each DONE.json."""
+    from batchinfer.dtype import own_choice
+
+    own = own_choice()["dtype"]
+    logs = "".join(p.read_text() for p in out.glob("logs/engine-*.log"))
+    assert f"'dtype': '{own}'" in logs  # vLLM's "non-default args" line, at INFO in the file
+    assert not re.search(r"(INFO|WARNING) \d\d-\d\d \d\d:", stderr)  # no vLLM log line on the console
+    assert "Triton" not in stderr and "engine output goes to" in stderr
+    assert json.loads((out / "dtype.json").read_text())["dtype"] == own
+    assert {json.loads(p.read_text())["model"]["dtype"] for p in out.glob("shards/*/DONE.json")} == {own}
 
 
 def committed_parts_are_whole(out: Path) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -107,3 +108,21 @@ def test_lock_refusal_from_a_second_process(tmp_path: Path) -> None:
         res = run_cli(["worker", str(run.path), "0"])
     assert res.returncode == 2
     assert "00000: shard is being written by host" in res.stderr and "wait for it or cancel it" in res.stderr
+
+
+def test_engine_that_fails_to_start_shows_its_log_tail(tmp_path: Path) -> None:
+    """Engine output goes to DIR/logs, but a failure prints that file's last lines and its path."""
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 4)
+    model = tmp_path / "unknown-architecture"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "model_type": "llama"}))
+    out = tmp_path / "run"
+    res = run_cli(
+        ["run", f"input.path={corpus}", f"model.path={model}", f"output.dir={out}", "model.enforce_eager=true"]
+    )
+    assert res.returncode == 1
+    (log_file,) = out.glob("logs/engine-*.log")
+    tail = res.stderr.split(f"last lines of the engine log {log_file}:")[1]
+    assert "non-default args" in tail and "non-default args" in log_file.read_text()  # vLLM's own INFO line
+    assert "NoSuchForCausalLM" in res.stderr.split("batchinfer: error: shard 0 failed")[1]  # the cause, last

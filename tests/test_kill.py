@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from conftest import (
     ROWS,
+    assert_engine_output_kept_apart,
     assert_exactly_once,
     assert_only_missing_rows_redone,
     committed_parts,
@@ -49,6 +50,7 @@ def test_sigkill_group_after_first_part_then_cli_resume(workload: dict[str, Any]
     res = run_cli(["run", *workload["base"], f"output.dir={out}"])
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resuming" in res.stderr
+    assert_engine_output_kept_apart(out, res.stderr)
     rows = read_output(out)
     assert_exactly_once(rows, workload["rows"])
     assert project(rows) == project(workload["clean"])

