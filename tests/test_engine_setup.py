@@ -173,3 +173,19 @@ def test_engine_noise_goes_to_its_log_and_errors_show_its_tail(tmp_path: Path, h
         env=dict(env, VLLM_LOGGING_LEVEL="INFO"),
     )
     assert "oneDNN noise" in asked.stderr and not (tmp_path / "asked").exists()  # asked for on the console
+
+
+def test_a_vllm_without_the_watchdogs_internals_is_refused_loudly() -> None:
+    """The dead-engine watchdog reads SyncMPClient internals; where they are gone, say so at start."""
+    from types import SimpleNamespace
+
+    from batchinfer.engine import Engine
+
+    inproc: Any = SimpleNamespace(engine=SimpleNamespace(engine_core=SimpleNamespace()), _closed=True)
+    with pytest.raises(RuntimeError, match=r"SimpleNamespace has no resources, outputs_queue, which batchinfer"):
+        Engine._watch_engine_core(inproc)
+    moved: Any = SimpleNamespace(
+        engine=SimpleNamespace(engine_core=SimpleNamespace(resources=object(), outputs_queue=object())), _closed=True
+    )
+    with pytest.raises(RuntimeError, match=r"has no resources.engine_dead"):
+        Engine._watch_engine_core(moved)
