@@ -10,6 +10,8 @@ import argparse
 import json
 import time
 
+from batchinfer.dtype import own_choice
+
 
 def main() -> None:
     """Run and report."""
@@ -20,13 +22,15 @@ def main() -> None:
     p.add_argument("--system")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--limit", type=int, default=8)
+    # The dtype batchinfer's `auto` gives on this CPU, so both sides compute the same way.
+    p.add_argument("--dtype", default=own_choice(gpu=False)["dtype"])
     a = p.parse_args()
     t0 = time.perf_counter()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(a.model, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype)).eval()
     startup = time.perf_counter() - t0
     rows = [json.loads(line) for line in open(a.rows)][: a.limit]
     system = [{"role": "system", "content": a.system}] if a.system else []

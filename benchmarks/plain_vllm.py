@@ -10,6 +10,8 @@ import argparse
 import json
 import time
 
+from batchinfer.dtype import own_choice
+
 
 def main() -> None:
     """Run and report."""
@@ -20,12 +22,14 @@ def main() -> None:
     p.add_argument("--system")
     p.add_argument("--choice")
     p.add_argument("--max-model-len", type=int, default=2048)
+    # The dtype batchinfer's `auto` gives on this CPU, so both sides compute the same way.
+    p.add_argument("--dtype", default=own_choice(gpu=False)["dtype"])
     a = p.parse_args()
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    llm = LLM(model=a.model, dtype="bfloat16", max_model_len=a.max_model_len, enforce_eager=True, seed=0)
+    llm = LLM(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, enforce_eager=True, seed=0)
     startup = time.perf_counter() - t0
     rows = [json.loads(line) for line in open(a.rows)]
     so = StructuredOutputsParams(choice=a.choice.split(",")) if a.choice else None
