@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
-from conftest import assert_exactly_once, model_overrides, project, read_output, run_cli, write_corpus
+from conftest import (
+    assert_engine_output_kept_apart,
+    assert_exactly_once,
+    model_overrides,
+    project,
+    read_output,
+    run_cli,
+    write_corpus,
+)
 
 from batchinfer.config import compose, hydra_literal
 from batchinfer.launch import run_local
@@ -122,6 +130,8 @@ def test_submit_three_shards_merged_exactly_once(slurm_env: dict, tmp_path: Path
     assert st["totals"]["states"] == {"done": 3} and st["totals"]["rows_done"] == 90
     merge_log = next((run_dir / "logs").glob("submission-000/*_0_log.out"), None)
     assert merge_log is not None
+    task_logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.*"))
+    assert_engine_output_kept_apart(run_dir, task_logs)  # in Slurm tasks too
 
 
 def test_usr2_preemption_and_external_requeue(
