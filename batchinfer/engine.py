@@ -137,13 +137,21 @@ class Engine:
             log.info("VLLM_CPU_KVCACHE_SPACE unset: using 4 GiB of KV cache on CPU")
         # Weights come from a local folder or the login node's pre-downloaded cache, never the hub.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        # vLLM's INFO lines (hundreds per start) drown batchinfer's progress; VLLM_LOGGING_LEVEL=INFO brings them back.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # vLLM's INFO lines (hundreds per start) drown batchinfer's progress; VLLM_LOGGING_LEVEL=INFO
+        # brings them back. Set only while the engine starts (vLLM and its engine-core process read
+        # it then): left in os.environ, every later child would take it for the user's own choice.
+        quiet = "VLLM_LOGGING_LEVEL" not in os.environ
+        if quiet:
+            os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
         start = time.monotonic()
-        from vllm import LLM, SamplingParams
+        try:
+            from vllm import LLM, SamplingParams
 
-        self._sampling_cls = SamplingParams
-        self.llm = LLM(**{**llm_kwargs(cfg), "dtype": dtype})
+            self._sampling_cls = SamplingParams
+            self.llm = LLM(**{**llm_kwargs(cfg), "dtype": dtype})
+        finally:
+            if quiet:
+                os.environ.pop("VLLM_LOGGING_LEVEL", None)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         vc = self.engine.vllm_config
