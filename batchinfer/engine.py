@@ -108,15 +108,11 @@ def device_name() -> str:
     """The GPU model (and count), or the CPU model when running on CPU."""
     import torch
 
+    from batchinfer.dtype import cpu_info
+
     if torch.cuda.is_available():
         return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return f"CPU: {line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return f"CPU ({os.cpu_count()} cores)"
+    return f"CPU: {cpu_info()[0]} ({os.cpu_count()} cores)"
 
 
 class Engine:

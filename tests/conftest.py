@@ -256,6 +256,7 @@ def assert_engine_output_kept_apart(out: Path, stderr: str) -> None:
     own = own_choice()["dtype"]
     logs = "".join(p.read_text() for p in out.glob("logs/engine-*.log"))
     assert f"'dtype': '{own}'" in logs  # vLLM's "non-default args" line, at INFO in the file
+    assert "Passing raw prompts" not in logs  # requests go through vLLM's renderer
     assert not re.search(r"(INFO|WARNING) \d\d-\d\d \d\d:", stderr)  # no vLLM log line on the console
     assert "Triton" not in stderr and "engine output goes to" in stderr
     assert json.loads((out / "dtype.json").read_text())["dtype"] == own
