@@ -8,6 +8,7 @@ import sys
 from typing import Optional
 
 from batchinfer.errors import BatchinferError
+from batchinfer.logs import setup_logging
 
 log = logging.getLogger("batchinfer")
 
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _compose(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from batchinfer.config import compose
+    from batchinfer.config.compose import compose
 
     return compose(args.overrides, config_dir=args.config_dir)
 
@@ -87,7 +88,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _compose(args)
     if args.cfg:
         return _print_cfg(cfg)
-    from batchinfer.launch import run_local
+    from batchinfer.launch.local import run_local
 
     run_local(cfg)
     return 0
@@ -98,7 +99,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     cfg = _compose(args)
     if args.cfg:
         return _print_cfg(cfg)
-    from batchinfer.launch import submit
+    from batchinfer.launch.submit import submit
 
     submit(cfg, dry_run=args.dry_run)
     return 0
@@ -108,8 +109,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """`batchinfer plan`."""
     import json
 
-    from batchinfer.estimate import estimate
-    from batchinfer.plan_text import format_plan
+    from batchinfer.insight.plan import estimate
+    from batchinfer.insight.plan_text import format_plan
 
     cfg = _compose(args)
     if args.cfg:
@@ -127,7 +128,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     from omegaconf import OmegaConf
 
-    from batchinfer.validate import format_report, validate
+    from batchinfer.insight.validate import format_report, validate
 
     cfg = _compose(args)
     if args.cfg:
@@ -142,9 +143,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     """`batchinfer status DIR`."""
     import json
 
-    from batchinfer.report import format_status, shard_status, slurm_states, summarize
+    from batchinfer.insight.status import format_status, shard_status, summarize
+    from batchinfer.launch.jobs import slurm_states
+    from batchinfer.rundir.store import RunDir
     from batchinfer.security import exposure_warning
-    from batchinfer.store import RunDir
 
     run = RunDir(args.dir)
     warning = exposure_warning(run.path, run.run["input"]["path"])  # also refuses a folder without run.yaml
@@ -165,8 +167,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     """`batchinfer report DIR`."""
     import json
 
-    from batchinfer.report import write_report
-    from batchinfer.store import RunDir
+    from batchinfer.insight.report import write_report
+    from batchinfer.rundir.store import RunDir
 
     run = RunDir(args.dir)
     run.run  # noqa: B018  (refuses a folder without run.yaml)
@@ -179,7 +181,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     """`batchinfer resume DIR`."""
-    from batchinfer.launch import resume
+    from batchinfer.launch.submit import resume
 
     resume(args.dir, args.overrides, force=args.force, dry_run=args.dry_run)
     return 0
@@ -187,7 +189,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     """`batchinfer cancel DIR`."""
-    from batchinfer.launch import cancel
+    from batchinfer.launch.submit import cancel
 
     cancel(args.dir)
     return 0
@@ -195,7 +197,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """`batchinfer worker DIR TASK`."""
-    from batchinfer.launch import run_task
+    from batchinfer.launch.local import run_task
 
     run_task(args.dir, args.task)
     return 0
@@ -203,29 +205,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     """`batchinfer merge DIR`."""
-    from batchinfer.merge import merge
-    from batchinfer.store import RunDir
+    from batchinfer.rundir.merge import merge
+    from batchinfer.rundir.store import RunDir
 
     stats = merge(RunDir(args.dir))
     print(f"merged {stats['rows']} rows into {RunDir(args.dir).output_path}")
     return 0
 
 
-def setup_logging() -> None:
-    """Plain timestamped lines on stderr for batchinfer's own logger (vLLM keeps its own)."""
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[batchinfer %(asctime)s] %(message)s", "%H:%M:%S"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
-
-
 def cmd_prepare_model(args: argparse.Namespace) -> int:
     """`batchinfer prepare-model`."""
     from pathlib import Path
 
-    from batchinfer.models import prepare_smollm2
+    from batchinfer.models.locations import prepare_smollm2
 
     print(prepare_smollm2(Path(args.out) if args.out else None))
     return 0
@@ -261,7 +253,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides += extra
     setup_logging()
-    from batchinfer.worker import Stopped
+    from batchinfer.engine.worker import Stopped
 
     try:
         return COMMANDS[args.command](args)

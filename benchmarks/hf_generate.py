@@ -10,7 +10,7 @@ import argparse
 import json
 import time
 
-from batchinfer.dtype import own_choice
+from batchinfer.engine.dtype import own_choice
 
 
 def main() -> None:

@@ -20,10 +20,10 @@ import pyarrow.parquet as pq
 
 def build(root: Path, rows: int, shards: int, part_rows: int) -> Path:
     """A finished run directory with `rows` rows in parts of `part_rows`."""
-    from batchinfer.config import compose
-    from batchinfer.plan import prepare
-    from batchinfer.schema import rows_to_table
-    from batchinfer.store import RunDir, write_json
+    from batchinfer.config.compose import compose
+    from batchinfer.rundir.prepare import prepare
+    from batchinfer.rundir.schema import rows_to_table
+    from batchinfer.rundir.store import RunDir, write_json
 
     corpus = root / "corpus.jsonl"
     with open(corpus, "w") as f:
@@ -88,8 +88,8 @@ def main() -> None:
     ap.add_argument("--part-rows", type=int, default=500)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
-    from batchinfer.merge import merge
-    from batchinfer.store import RunDir
+    from batchinfer.rundir.merge import merge
+    from batchinfer.rundir.store import RunDir
 
     root = Path(tempfile.mkdtemp(prefix="merge-bench-"))
     try:

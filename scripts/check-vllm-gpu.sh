@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Check the vLLM API that batchinfer/engine.py uses against the GPU (CUDA) build of vLLM, on any
+# Check the vLLM API that batchinfer/engine/vllm_engine.py uses against the GPU (CUDA) build of vLLM, on any
 # machine, with or without a GPU: install `vllm==VERSION` alone into its own virtual environment
 # (created once, reused after) and run scripts/vllm_contract.py with that environment's python.
 # Nothing of batchinfer is installed there; the contract check imports only the standard library

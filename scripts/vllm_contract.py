@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Static contract check of the vLLM API that batchinfer/engine.py relies on.
+"""Static contract check of the vLLM API that batchinfer/engine/vllm_engine.py relies on.
 
 Imports vllm (and nothing of batchinfer), starts no engine and needs no GPU, then checks every
 name, signature, field and attribute that the engine code uses, one line per check:
 
     ok       LLMEngine.add_request: accepts (self, request_id, prompt, params)
-    MISSING  BackgroundResources.engine_dead: no field engine_dead (has: ctx, ...)  [engine.py: ...]
+    MISSING  BackgroundResources.engine_dead: no field engine_dead (has: ctx, ...)  [vllm_engine.py: ...]
     CHANGED  LLMEngine.abort_request takes our own ids: internal defaults to True, expected False  [...]
 
 Exit code 0 when every check passes, 1 otherwise. Run it with the Python of the environment to
@@ -14,7 +14,7 @@ own venv (scripts/check-vllm-gpu.sh).
 
 Each check is one row of CHECKS: a kind (a function in KINDS), a target written
 "module:Qualified.name" (imported only when the check runs), the kind's arguments and what
-engine.py does with it (printed when the check fails). Add a row when engine.py starts using
+vllm_engine.py does with it (printed when the check fails). Add a row when vllm_engine.py starts using
 something new of vLLM.
 """
 
@@ -36,13 +36,13 @@ OK, MISSING, CHANGED = "ok", "MISSING", "CHANGED"
 
 
 class Check(NamedTuple):
-    """One row of the contract: what to look at and what engine.py needs of it."""
+    """One row of the contract: what to look at and what vllm_engine.py needs of it."""
 
     name: str  # printed; unique, so a test can find every check in the output
     kind: str  # a key of KINDS
     target: str  # "module:Qualified.name"
     args: tuple[Any, ...] = ()  # the kind's arguments
-    why: str = ""  # what engine.py does with it, printed when the check fails
+    why: str = ""  # what vllm_engine.py does with it, printed when the check fails
 
 
 class Result(NamedTuple):
@@ -70,8 +70,8 @@ class _Arg:
 
 
 # ----------------------------------------------------------------------------------------------
-# The contract. Sources: batchinfer/engine.py (Engine, llm_kwargs, sampling_kwargs,
-# structured_kwargs), batchinfer/config.py (SamplingConfig, StructuredOutputsConfig: every field
+# The contract. Sources: batchinfer/engine/vllm_engine.py (Engine, llm_kwargs, sampling_kwargs,
+# structured_kwargs), batchinfer/config/schema.py (SamplingConfig, StructuredOutputsConfig: every field
 # becomes a SamplingParams / StructuredOutputsParams argument), conf/speculative/ngram.yaml and
 # conf/model/qwen3-8b.yaml (presets that reach vLLM through engine_kwargs / reasoning_parser).
 # ----------------------------------------------------------------------------------------------
@@ -184,7 +184,7 @@ CHECKS: tuple[Check, ...] = (
         "literal_value",
         "vllm:LLM.__init__",
         ("dtype", "auto", "bfloat16", "float32"),
-        "Engine passes model.dtype or what batchinfer.dtype settles `auto` to (auto, bfloat16, float32)",
+        "Engine passes model.dtype or what batchinfer.engine.dtype settles `auto` to (auto, bfloat16, float32)",
     ),
     Check(
         "ModelConfig fields",
@@ -208,7 +208,7 @@ CHECKS: tuple[Check, ...] = (
         "Engine.prefix_caching",
     ),
     # Feeding requests: render_cmpl then add_request (the non-deprecated path since vLLM 0.32),
-    # and the raw {"prompt_token_ids": ...} dict engine.py still passes.
+    # and the raw {"prompt_token_ids": ...} dict vllm_engine.py still passes.
     Check("LLMEngine.renderer", "sets_attr", ENGINE, ("renderer",), "engine.renderer.render_cmpl(...)"),
     Check(
         "BaseRenderer.render_cmpl",
@@ -331,7 +331,7 @@ CHECKS: tuple[Check, ...] = (
         "VLLM_LOGGING_LEVEL",
         "exists",
         "vllm.envs:VLLM_LOGGING_LEVEL",
-        why="Engine.__init__ sets WARNING; batchinfer/engine_output.py reads the user's value",
+        why="Engine.__init__ sets WARNING; batchinfer/engine/output.py reads the user's value",
     ),
     # Sampling (Engine.sampling_params).
     Check("SamplingParams fields", "fields", "vllm:SamplingParams", SAMPLING_FIELDS, "SamplingParams(**kw)"),
@@ -524,7 +524,7 @@ def check_llm_kwargs(check: Check) -> tuple[str, str]:
 
 
 def check_accepts(check: Check) -> tuple[str, str]:
-    """The callable binds the arguments engine.py passes."""
+    """The callable binds the arguments vllm_engine.py passes."""
     owner, obj = resolve(check.target)
     ok, detail = bind(owner, obj, check.target.rsplit(".", 1)[-1], check.args)
     return (OK if ok else CHANGED), detail
@@ -625,7 +625,7 @@ def check_annotation_covers(check: Check) -> tuple[str, str]:
 
 
 def check_param_default(check: Check) -> tuple[str, str]:
-    """A parameter, where present, keeps the default engine.py relies on."""
+    """A parameter, where present, keeps the default vllm_engine.py relies on."""
     owner, obj = resolve(check.target)
     param, default = check.args
     sig = signature_of(obj, check.target)
@@ -638,7 +638,7 @@ def check_param_default(check: Check) -> tuple[str, str]:
 
 
 def check_literal_value(check: Check) -> tuple[str, str]:
-    """A dataclass field or parameter typed as a Literal (or str) allows the values engine.py passes."""
+    """A dataclass field or parameter typed as a Literal (or str) allows the values vllm_engine.py passes."""
     import typing
 
     _, cls = resolve(check.target)
@@ -735,7 +735,7 @@ def main(argv: Sequence[str] | None = None, checks: Sequence[Check] = CHECKS) ->
     for r in results:
         line = f"{r.status:<8} {r.check.name}: {r.detail}"
         if r.status != OK and r.check.why:
-            line += f"  [engine.py: {r.check.why}]"
+            line += f"  [vllm_engine.py: {r.check.why}]"
         print(line)
     failed = [r for r in results if r.status != OK]
     counts = {s: sum(r.status == s for r in results) for s in (OK, MISSING, CHANGED)}

@@ -37,8 +37,9 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def engine(tiny_model_path: Path) -> Any:
     """One real vLLM engine in this process, shared by option tests."""
-    from batchinfer.config import compose, to_dict
-    from batchinfer.engine import Engine
+    from batchinfer.config.compose import compose
+    from batchinfer.config.schema import to_dict
+    from batchinfer.engine.vllm_engine import Engine
 
     cfg = to_dict(compose(model_overrides(tiny_model_path)))
     eng = Engine(cfg)
@@ -195,8 +196,8 @@ ROWS = 600  # the kill tests' corpus: many commits per shard
 @pytest.fixture(scope="session")
 def workload(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path, engine: Any) -> dict[str, Any]:
     """A corpus big enough for many commits per shard, and its uninterrupted output."""
-    from batchinfer.config import compose
-    from batchinfer.launch import run_local
+    from batchinfer.config.compose import compose
+    from batchinfer.launch.local import run_local
 
     d = tmp_path_factory.mktemp("kill")
     corpus = d / "corpus.jsonl"
@@ -217,8 +218,8 @@ def workload(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path, en
 def resume_and_check(workload: dict[str, Any], out: Path, engine: Any) -> None:
     """Finish the run in-process and compare with the uninterrupted run, row for row; the parts
     committed before are byte-identical after it and only the rows in none of them were redone."""
-    from batchinfer.config import compose
-    from batchinfer.launch import run_local
+    from batchinfer.config.compose import compose
+    from batchinfer.launch.local import run_local
 
     before = committed_parts(out)
     run = run_local(compose([*workload["base"], f"output.dir={out}"]), engine=engine)
@@ -230,7 +231,7 @@ def resume_and_check(workload: dict[str, Any], out: Path, engine: Any) -> None:
 
 def committed_parts(out: Path) -> dict[Path, bytes]:
     """Every committed part of a run directory and its bytes."""
-    from batchinfer.store import RunDir
+    from batchinfer.rundir.store import RunDir
 
     run = RunDir(out)
     return {p: p.read_bytes() for s in run.shards() for p in run.parts(s.index)} if run.exists() else {}
@@ -238,7 +239,7 @@ def committed_parts(out: Path) -> dict[Path, bytes]:
 
 def assert_only_missing_rows_redone(out: Path, before: dict[Path, bytes], total: int) -> None:
     """Parts committed before a resume are unchanged, and the parts it wrote hold exactly the rest."""
-    from batchinfer.store import RunDir, read_table
+    from batchinfer.rundir.store import RunDir, read_table
 
     run = RunDir(out)
     assert {p: p.read_bytes() for p in before} == before
@@ -251,7 +252,7 @@ def assert_only_missing_rows_redone(out: Path, before: dict[Path, bytes], total:
 def assert_engine_output_kept_apart(out: Path, stderr: str) -> None:
     """vLLM's start-up lines went to DIR/logs/engine-*.log, not the console, and its engine ran in
     the dtype `auto` means on this CPU, recorded in DIR/dtype.json and each DONE.json."""
-    from batchinfer.dtype import own_choice
+    from batchinfer.engine.dtype import own_choice
 
     own = own_choice()["dtype"]
     logs = "".join(p.read_text() for p in out.glob("logs/engine-*.log"))
@@ -265,7 +266,7 @@ def assert_engine_output_kept_apart(out: Path, stderr: str) -> None:
 
 def committed_parts_are_whole(out: Path) -> int:
     """Every visible part reads back in full; returns the committed row count."""
-    from batchinfer.store import RunDir, read_table
+    from batchinfer.rundir.store import RunDir, read_table
 
     run = RunDir(out)
     total = 0

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from conftest import fake_model_dir, model_overrides, run_cli, write_corpus
 
-from batchinfer.config import compose
-from batchinfer.launch import run_local
+from batchinfer.config.compose import compose
+from batchinfer.launch.local import run_local
 
 
 def test_console_script_is_installed() -> None:
@@ -79,7 +79,7 @@ def test_finished_dir_rerun_and_merge_import_no_vllm(tmp_path: Path, tiny_model_
 def test_merge_of_incomplete_dir_names_shards(tmp_path: Path) -> None:
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, 6)
-    from batchinfer.plan import prepare
+    from batchinfer.rundir.prepare import prepare
 
     prepare(
         compose(
@@ -96,8 +96,8 @@ def test_merge_of_incomplete_dir_names_shards(tmp_path: Path) -> None:
 
 
 def test_lock_refusal_from_a_second_process(tmp_path: Path) -> None:
-    from batchinfer.locks import ShardLock
-    from batchinfer.plan import prepare
+    from batchinfer.rundir.locks import ShardLock
+    from batchinfer.rundir.prepare import prepare
 
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, 4)

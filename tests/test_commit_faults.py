@@ -23,16 +23,16 @@ from conftest import (
 from test_openai_batch import request, run_batch
 from test_unit import FakeEngine, _prepared
 
-from batchinfer import store
-from batchinfer.config import compose
-from batchinfer.data import Shard
-from batchinfer.engine import Completion
+from batchinfer.config.compose import compose
+from batchinfer.engine.vllm_engine import Completion
+from batchinfer.engine.worker import ShardWorker, StopFlag, Stopped
 from batchinfer.errors import RunDirError
-from batchinfer.launch import run_local
-from batchinfer.locks import ShardLock
-from batchinfer.schema import error_row, rows_to_table
-from batchinfer.store import RunDir
-from batchinfer.worker import ShardWorker, StopFlag, Stopped
+from batchinfer.inputs.read import Shard
+from batchinfer.launch.local import run_local
+from batchinfer.rundir import store
+from batchinfer.rundir.locks import ShardLock
+from batchinfer.rundir.schema import error_row, rows_to_table
+from batchinfer.rundir.store import RunDir
 
 # ---------------------------------------------------------------- publishing a part (no engine)
 
@@ -187,7 +187,7 @@ def test_eio_after_a_part_is_published_never_commits_its_rows_twice(
 def test_a_stop_while_prompts_are_prepared_is_acted_on_before_any_request(
     clean: dict[str, Any], engine: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from batchinfer.plan import prepare
+    from batchinfer.rundir.prepare import prepare
 
     run = prepare(compose([*clean["base"], f"output.dir={clean['dir']}/stop-in-prepare"]))
     stop = StopFlag()
@@ -212,7 +212,7 @@ def test_a_stop_while_prompts_are_prepared_is_acted_on_before_any_request(
 def test_finished_rows_are_committed_before_requests_are_aborted(
     clean: dict[str, Any], engine: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from batchinfer.plan import prepare
+    from batchinfer.rundir.prepare import prepare
 
     run = prepare(compose([*clean["base"], f"output.dir={clean['dir']}/abort", "output.commit_every_rows=1000"]))
     stop = StopFlag()

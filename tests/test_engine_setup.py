@@ -15,12 +15,12 @@ import pytest
 from conftest import fake_model_dir, write_corpus
 from test_unit import FakeEngine, _keyed
 
-from batchinfer import dtype
-from batchinfer.config import compose
+from batchinfer.config.compose import compose
+from batchinfer.engine import dtype
 from batchinfer.errors import RunDirError
-from batchinfer.launch import run_shards
-from batchinfer.plan import prepare
-from batchinfer.store import RunDir
+from batchinfer.launch.local import run_shards
+from batchinfer.rundir.prepare import prepare
+from batchinfer.rundir.store import RunDir
 
 EPYC = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx avx2 fma\n"
 SAPPHIRE = "model name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
@@ -120,8 +120,8 @@ NOISY = textwrap.dedent(
     """
     import logging, os, subprocess, sys
     from pathlib import Path
-    from batchinfer.cli import setup_logging
-    from batchinfer.engine_output import EngineOutput
+    from batchinfer.logs import setup_logging
+    from batchinfer.engine.output import EngineOutput
     from batchinfer.errors import EngineFailure
 
     setup_logging()
@@ -179,7 +179,7 @@ def test_a_vllm_without_the_watchdogs_internals_is_refused_loudly() -> None:
     """The dead-engine watchdog reads SyncMPClient internals; where they are gone, say so at start."""
     from types import SimpleNamespace
 
-    from batchinfer.engine import Engine
+    from batchinfer.engine.vllm_engine import Engine
 
     inproc: Any = SimpleNamespace(engine=SimpleNamespace(engine_core=SimpleNamespace()), _closed=True)
     with pytest.raises(RuntimeError, match=r"SimpleNamespace has no resources, outputs_queue, which batchinfer"):
@@ -195,6 +195,6 @@ def test_a_vllm_without_the_watchdogs_internals_is_refused_loudly() -> None:
 def test_starting_an_engine_leaves_no_logging_level_for_children(engine: Any) -> None:
     """Left in os.environ, the WARNING set for the engine's start reads as the user's own choice in
     every later `batchinfer` child, which then keeps vLLM's noise on the console."""
-    from batchinfer.engine_output import USER_VLLM_LOGGING_LEVEL
+    from batchinfer.engine.output import USER_VLLM_LOGGING_LEVEL
 
     assert os.environ.get("VLLM_LOGGING_LEVEL") == USER_VLLM_LOGGING_LEVEL

@@ -28,11 +28,11 @@ from conftest import (
     write_corpus,
 )
 
-from batchinfer.config import compose
+from batchinfer.config.compose import compose
 from batchinfer.errors import RunDirError
-from batchinfer.launch import run_local
-from batchinfer.locks import ShardLock
-from batchinfer.store import RunDir
+from batchinfer.launch.local import run_local
+from batchinfer.rundir.locks import ShardLock
+from batchinfer.rundir.store import RunDir
 
 pytestmark = [pytest.mark.engine, pytest.mark.kill]
 

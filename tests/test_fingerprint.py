@@ -10,12 +10,13 @@ from typing import Any
 import pytest
 from conftest import assert_own_output, fake_model_dir, read_output, run_overrides, write_corpus
 
-from batchinfer.config import changed_keys, compose, legacy_fingerprint
-from batchinfer.engine import structured_kwargs
+from batchinfer.config.compose import compose
+from batchinfer.config.fingerprint import changed_keys, legacy_fingerprint
+from batchinfer.engine.vllm_engine import structured_kwargs
 from batchinfer.errors import ConfigError, RunDirError
-from batchinfer.plan import prepare
-from batchinfer.prompts import PromptBuilder
-from batchinfer.store import RunDir
+from batchinfer.requests.prompts import PromptBuilder
+from batchinfer.rundir.prepare import prepare
+from batchinfer.rundir.store import RunDir
 
 NEW_KEYS = ("model.seed", "model.engine_kwargs")
 
@@ -171,7 +172,7 @@ def test_changed_keys_rules() -> None:
 
 
 def test_resume_checks_the_frozen_files(tmp_path: Path) -> None:
-    from batchinfer.launch import apply_resource_overrides
+    from batchinfer.launch.submit import apply_resource_overrides
 
     (tmp_path / "t.txt").write_text("Q: {text}")
     run = prepare(compose(_overrides(tmp_path, f"prompt.template_file={tmp_path / 't.txt'}")))
@@ -185,8 +186,8 @@ def test_resume_checks_the_frozen_files(tmp_path: Path) -> None:
 
 @pytest.mark.engine
 def test_template_file_edited_between_attempts(tmp_path: Path, tiny_model_path: Path, engine: Any, monkeypatch) -> None:
-    from batchinfer.launch import run_shards
-    from batchinfer.merge import merge
+    from batchinfer.launch.local import run_shards
+    from batchinfer.rundir.merge import merge
 
     monkeypatch.chdir(tmp_path)
     corpus = tmp_path / "c.jsonl"

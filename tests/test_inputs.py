@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import assert_exactly_once, model_overrides, read_output
 
-from batchinfer.config import compose
+from batchinfer.config.compose import compose
 from batchinfer.errors import InputError
-from batchinfer.launch import run_local
+from batchinfer.launch.local import run_local
 
 pytestmark = pytest.mark.engine
 ROWS = [

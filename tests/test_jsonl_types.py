@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchinfer.schema import jsonl_to_table, table_to_jsonl
+from batchinfer.rundir.schema import jsonl_to_table, table_to_jsonl
 
 UTC = dt.timezone.utc
 T0 = dt.datetime(2024, 2, 29, 23, 59, 58, 123456)
@@ -117,10 +117,10 @@ def test_empty_table_and_plain_types_unchanged() -> None:
 def test_carried_types_survive_resume_and_merge(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
     from conftest import assert_own_output, run_overrides, write_corpus
 
-    from batchinfer.config import compose
-    from batchinfer.launch import run_local, run_shards
-    from batchinfer.plan import prepare
-    from batchinfer.store import read_table
+    from batchinfer.config.compose import compose
+    from batchinfer.launch.local import run_local, run_shards
+    from batchinfer.rundir.prepare import prepare
+    from batchinfer.rundir.store import read_table
 
     texts = write_corpus(tmp_path / "words.jsonl", 24, seed=5)
     n = len(texts)

@@ -25,9 +25,9 @@ from conftest import (
     run_cli,
 )
 
-from batchinfer.config import compose
-from batchinfer.launch import run_local
-from batchinfer.store import RunDir
+from batchinfer.config.compose import compose
+from batchinfer.launch.local import run_local
+from batchinfer.rundir.store import RunDir
 
 pytestmark = [pytest.mark.engine, pytest.mark.kill]
 

@@ -22,14 +22,16 @@ import pytest
 from conftest import ROWS, committed_parts_are_whole, group_alive, kill_group, read_output, resume_and_check
 from test_unit import FakeEngine, _keyed, _prepared
 
-from batchinfer import locks
-from batchinfer import merge as merge_mod
-from batchinfer.config import compose, fingerprint_keys, to_dict
+from batchinfer.config.compose import compose
+from batchinfer.config.fingerprint import fingerprint_keys
+from batchinfer.config.schema import to_dict
 from batchinfer.errors import ConfigError, RunDirError
-from batchinfer.launch import run_shards
-from batchinfer.locks import RunLock, ShardLock
-from batchinfer.merge import merge
-from batchinfer.store import RunDir
+from batchinfer.launch.local import run_shards
+from batchinfer.rundir import locks
+from batchinfer.rundir import merge as merge_mod
+from batchinfer.rundir.locks import RunLock, ShardLock
+from batchinfer.rundir.merge import merge
+from batchinfer.rundir.store import RunDir
 
 FSEMU = Path(__file__).parent / "fsemu"
 _spec = importlib.util.spec_from_file_location("fsemu_flock", FSEMU / "sitecustomize.py")
@@ -321,7 +323,7 @@ def test_a_lock_file_is_never_empty_at_its_name(tmp_path: Path) -> None:
     code = (
         "import os, signal, sys\n"
         "from pathlib import Path\n"
-        "from batchinfer import locks\n"
+        "from batchinfer.rundir import locks\n"
         "locks.os.link = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
         f"locks.ShardLock(Path({str(d)!r}), mode='file').__enter__()\n"
     )
@@ -387,7 +389,7 @@ def test_two_merges_at_once_one_writes_the_other_is_refused(
 def test_merge_lock_in_another_process_refuses(tmp_path: Path) -> None:
     run = _finished(tmp_path)
     code = (
-        "import sys, time\nfrom pathlib import Path\nfrom batchinfer.locks import RunLock\n"
+        "import sys, time\nfrom pathlib import Path\nfrom batchinfer.rundir.locks import RunLock\n"
         f"with RunLock(Path({str(run.path)!r})):\n    print('held', flush=True)\n    sys.stdin.read()\n"
     )
     holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

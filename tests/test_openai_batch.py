@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from conftest import model_overrides
 
-from batchinfer.config import compose
+from batchinfer.config.compose import compose
 from batchinfer.errors import InputError
-from batchinfer.launch import run_local
+from batchinfer.launch.local import run_local
 
 pytestmark = pytest.mark.engine
 

@@ -13,10 +13,11 @@ import pytest
 from conftest import assert_exactly_once, read_output, write_corpus
 from conftest import run_overrides as overrides
 
-from batchinfer.config import compose, to_dict
+from batchinfer.config.compose import compose
+from batchinfer.config.schema import to_dict
 from batchinfer.errors import ConfigError, InputError
-from batchinfer.launch import run_local
-from batchinfer.store import read_json
+from batchinfer.launch.local import run_local
+from batchinfer.rundir.store import read_json
 
 pytestmark = pytest.mark.engine
 
@@ -226,7 +227,7 @@ def test_reasoning_goes_to_its_own_column(tmp_path: Path, tiny_model_path: Path)
 
     The random tiny model never closes a thought by itself, so a regex makes it write one; the
     prompt ends with </think>, which tells vLLM the constraint applies from the first token."""
-    from batchinfer.engine import Engine
+    from batchinfer.engine.vllm_engine import Engine
 
     corpus = tmp_path / "c.jsonl"
     rows = [{"id": f"r{i}", "text": t} for i, t in enumerate(["hello world </think>", "quick fox </think>"])]
@@ -255,7 +256,7 @@ def test_reasoning_goes_to_its_own_column(tmp_path: Path, tiny_model_path: Path)
 
 def test_ngram_speculative_decoding_keeps_greedy_outputs(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
     """speculative=ngram is a throughput knob: same rows as without it, on its own engine."""
-    from batchinfer.engine import Engine, llm_kwargs
+    from batchinfer.engine.vllm_engine import Engine, llm_kwargs
 
     corpus = tmp_path / "c.jsonl"
     rows = write_corpus(corpus, 24, seed=26)
@@ -271,6 +272,6 @@ def test_ngram_speculative_decoding_keeps_greedy_outputs(tmp_path: Path, tiny_mo
     assert_exactly_once(out, rows)
     assert [(r["text"], r["output_tokens"]) for r in out] == [(r["text"], r["output_tokens"]) for r in plain]
     # Not in the fingerprint: a run may switch it on or off when resumed.
-    from batchinfer.store import RunDir
+    from batchinfer.rundir.store import RunDir
 
     assert RunDir(tmp_path / "plain").run["fingerprint"] == run.run["fingerprint"]

@@ -14,10 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import run_cli, write_corpus
 
-from batchinfer import sizing
 from batchinfer.errors import ConfigError
-from batchinfer.preview import peek, spread
-from batchinfer.tokens import LoginTokenizer
+from batchinfer.inputs.preview import peek, spread
+from batchinfer.models import sizing
+from batchinfer.models.tokens import LoginTokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA_70B = {
@@ -65,7 +65,7 @@ CONVERSATIONS = [
 ]
 LOGIN_NODE = """
 import sys
-from batchinfer.tokens import LoginTokenizer
+from batchinfer.models.tokens import LoginTokenizer
 from batchinfer.cli import main
 n = LoginTokenizer.from_model_dir(sys.argv[1]).count_chat([{"role": "user", "content": "hi"}])
 code = main(sys.argv[2:])
@@ -77,7 +77,7 @@ print("COUNT", n, "CODE", code, "HEAVY", heavy)
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
     """The real SmolLM2-135M-Instruct folder (prepared once; the example needs it too)."""
-    from batchinfer.models import prepare_smollm2
+    from batchinfer.models.locations import prepare_smollm2
 
     return prepare_smollm2()
 

@@ -12,10 +12,10 @@ import pytest
 from conftest import fake_model_dir, read_output, run_cli, write_corpus
 from test_run import overrides
 
-from batchinfer.config import compose
-from batchinfer.cost import GPU_HOUR_PRICES, cost
-from batchinfer.report import summarize
-from batchinfer.stats import PHASES, SERIES_POINTS, add_point, with_rates
+from batchinfer.config.compose import compose
+from batchinfer.insight.cost import GPU_HOUR_PRICES, cost
+from batchinfer.insight.status import summarize
+from batchinfer.rundir.stats import PHASES, SERIES_POINTS, add_point, with_rates
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -100,7 +100,7 @@ def assert_png(path: Path) -> None:
 
 @pytest.mark.engine
 def test_report_of_a_finished_run(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
-    from batchinfer.launch import run_local
+    from batchinfer.launch.local import run_local
 
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, 90, seed=3)
@@ -149,8 +149,8 @@ def test_report_of_a_finished_run(tmp_path: Path, tiny_model_path: Path, engine:
 
 @pytest.mark.engine
 def test_report_of_a_partial_run_says_partial(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
-    from batchinfer.launch import run_shards
-    from batchinfer.plan import prepare
+    from batchinfer.launch.local import run_shards
+    from batchinfer.rundir.prepare import prepare
 
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, 60, seed=4)
@@ -175,7 +175,7 @@ print("CODE", code, "HEAVY", heavy)
 
 
 def test_report_imports_no_vllm_or_torch(tmp_path: Path) -> None:
-    from batchinfer.plan import prepare
+    from batchinfer.rundir.prepare import prepare
 
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, 10)

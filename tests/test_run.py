@@ -12,11 +12,11 @@ import pytest
 from conftest import assert_exactly_once, assert_own_output, project, read_output, write_corpus
 from conftest import run_overrides as overrides
 
-from batchinfer.config import compose
+from batchinfer.config.compose import compose
 from batchinfer.errors import ConfigError
-from batchinfer.launch import run_local
-from batchinfer.merge import merge
-from batchinfer.store import read_json, read_table
+from batchinfer.launch.local import run_local
+from batchinfer.rundir.merge import merge
+from batchinfer.rundir.store import read_json, read_table
 
 pytestmark = pytest.mark.engine
 

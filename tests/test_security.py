@@ -12,14 +12,17 @@ import pytest
 from conftest import write_corpus
 from test_unit import FakeEngine, _keyed, fake_overrides
 
-from batchinfer import security, slurm
+from batchinfer import security
 from batchinfer.cli import main
-from batchinfer.config import compose, to_dict
+from batchinfer.config.compose import compose
+from batchinfer.config.schema import to_dict
 from batchinfer.errors import ConfigError, InputError
-from batchinfer.launch import run_shards, submit_shards
-from batchinfer.merge import merge
-from batchinfer.plan import prepare
-from batchinfer.store import RunDir
+from batchinfer.launch import slurm
+from batchinfer.launch.local import run_shards
+from batchinfer.launch.submit import submit_shards
+from batchinfer.rundir.merge import merge
+from batchinfer.rundir.prepare import prepare
+from batchinfer.rundir.store import RunDir
 
 SECRET = [
     "HF_TOKEN",
@@ -166,10 +169,10 @@ MODES = """
 import os, sys
 sys.path.insert(0, sys.argv[1])
 from test_unit import FakeEngine, _keyed, fake_overrides
-from batchinfer.config import compose
-from batchinfer.launch import run_shards
-from batchinfer.merge import merge
-from batchinfer.plan import prepare
+from batchinfer.config.compose import compose
+from batchinfer.launch.local import run_shards
+from batchinfer.rundir.merge import merge
+from batchinfer.rundir.prepare import prepare
 from pathlib import Path
 tmp, corpus, umask, private = Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4], 8), sys.argv[5]
 os.umask(umask)

@@ -22,10 +22,10 @@ from conftest import (
     write_corpus,
 )
 
-from batchinfer.config import compose, hydra_literal
-from batchinfer.launch import run_local
-from batchinfer.report import all_job_ids, submissions
-from batchinfer.store import RunDir
+from batchinfer.config.compose import compose, hydra_literal
+from batchinfer.launch.jobs import all_job_ids, submissions
+from batchinfer.launch.local import run_local
+from batchinfer.rundir.store import RunDir
 
 pytestmark = [pytest.mark.slurm, pytest.mark.engine]
 REPO = Path(__file__).resolve().parent.parent

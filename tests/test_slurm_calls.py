@@ -16,16 +16,16 @@ import pytest
 from conftest import fake_model_dir, write_corpus
 from test_unit import FakeEngine
 
-from batchinfer import slurm
 from batchinfer.cli import main
-from batchinfer.config import compose
-from batchinfer.engine import Completion
+from batchinfer.config.compose import compose
+from batchinfer.engine.vllm_engine import Completion
+from batchinfer.engine.worker import StopFlag
 from batchinfer.errors import RequeueFailed
-from batchinfer.launch import run_shards, slurm_task
-from batchinfer.plan import prepare
-from batchinfer.report import submissions
-from batchinfer.store import RunDir
-from batchinfer.worker import StopFlag
+from batchinfer.launch import slurm, slurm_task
+from batchinfer.launch.jobs import submissions
+from batchinfer.launch.local import run_shards
+from batchinfer.rundir.prepare import prepare
+from batchinfer.rundir.store import RunDir
 
 SUBMITTED = 'n=$(cat "$0.count" 2>/dev/null || echo 0); echo $((n + 1)) > "$0.count"; '
 
@@ -92,7 +92,7 @@ class SteppingEngine(FakeEngine):
     """test_unit's fake engine, keyed to the run, calling on_step first at every step."""
 
     def __init__(self, run: RunDir, on_step: Any = None):
-        from batchinfer.engine import model_key
+        from batchinfer.engine.vllm_engine import model_key
 
         super().__init__(per_step=3)
         self.key = model_key(run.run["config"])
@@ -166,7 +166,7 @@ def test_failed_scontrol_requeue_fails_the_task(
     assert 0 < committed < 30 and not run.is_done(0)  # rows were committed before the requeue
     # under plain sbatch (slurm/batchinfer.sbatch runs `batchinfer worker DIR TASK`): exit 1, one line
     monkeypatch.setattr(
-        "batchinfer.launch.run_task", lambda d, t: run_shards(RunDir(d), [t], engine=preempted_engine())
+        "batchinfer.launch.local.run_task", lambda d, t: run_shards(RunDir(d), [t], engine=preempted_engine())
     )
     code, _, err = cli(["worker", str(run.path), "0"], capsys)
     assert code == 1 and "batchinfer: error: scontrol requeue 77_0 failed" in err and "Traceback" not in err

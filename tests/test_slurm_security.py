@@ -15,8 +15,8 @@ import yaml
 from conftest import project, read_output, run_cli
 from test_slurm import REPO, cluster_overrides, slurm_env, wait_until_idle  # noqa: F401  (slurm_env is a fixture)
 
-from batchinfer.config import compose
-from batchinfer.launch import run_local
+from batchinfer.config.compose import compose
+from batchinfer.launch.local import run_local
 
 pytestmark = [pytest.mark.slurm, pytest.mark.engine]
 HF = "hf_PLANTED1234567890"

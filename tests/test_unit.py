@@ -11,19 +11,20 @@ import pyarrow as pa
 import pytest
 from conftest import fake_model_dir, read_output, write_corpus
 
-from batchinfer.config import changed_keys, compose, hydra_literal
-from batchinfer.data import Shard, plan_shards, scan_jsonl
-from batchinfer.engine import Completion
+from batchinfer.config.compose import compose, hydra_literal
+from batchinfer.config.fingerprint import changed_keys
+from batchinfer.engine.vllm_engine import Completion
+from batchinfer.engine.worker import StopFlag
 from batchinfer.errors import ConfigError, InputError, RunDirError
-from batchinfer.launch import run_shards
-from batchinfer.locks import ShardLock
-from batchinfer.merge import merge
-from batchinfer.plan import prepare
-from batchinfer.prompts import PromptBuilder, RowError
-from batchinfer.requests import overlong_tokens
-from batchinfer.schema import error_row, output_schema, rows_to_table
-from batchinfer.store import RunDir
-from batchinfer.worker import StopFlag
+from batchinfer.inputs.read import Shard, plan_shards, scan_jsonl
+from batchinfer.launch.local import run_shards
+from batchinfer.requests.build import overlong_tokens
+from batchinfer.requests.prompts import PromptBuilder, RowError
+from batchinfer.rundir.locks import ShardLock
+from batchinfer.rundir.merge import merge
+from batchinfer.rundir.prepare import prepare
+from batchinfer.rundir.schema import error_row, output_schema, rows_to_table
+from batchinfer.rundir.store import RunDir
 
 
 class FakeEngine:
@@ -288,7 +289,7 @@ def test_fake_engine_run_commits_often_dedupes_and_merges_in_order(tmp_path: Pat
 
 
 def test_stop_flag_commits_then_resume_finishes(tmp_path: Path) -> None:
-    from batchinfer.worker import ShardWorker, Stopped
+    from batchinfer.engine.worker import ShardWorker, Stopped
 
     run = _prepared(tmp_path, 20, "output.commit_every_rows=100")
     stop = StopFlag()
@@ -328,7 +329,7 @@ def test_fingerprint_refusal_names_changed_keys(tmp_path: Path) -> None:
 
 
 def _keyed(eng: FakeEngine, run: RunDir) -> FakeEngine:
-    from batchinfer.engine import model_key
+    from batchinfer.engine.vllm_engine import model_key
 
     eng.key = model_key(run.run["config"])  # type: ignore[attr-defined]
     return eng
@@ -338,8 +339,8 @@ def _keyed(eng: FakeEngine, run: RunDir) -> FakeEngine:
 
 
 def test_arrays_split_at_max_array_size_and_gpus_checked(tmp_path: Path, monkeypatch, capsys) -> None:
-    from batchinfer import slurm
-    from batchinfer.launch import submit_shards
+    from batchinfer.launch import slurm
+    from batchinfer.launch.submit import submit_shards
 
     assert slurm.split_tasks([[0], [1], [2], [3], [4]], 2) == [[[0], [1]], [[2], [3]], [[4]]]
     run = _prepared(tmp_path, 10, "cluster=slurm", "sharding.num_shards=5", "cluster.shards_per_task=1")
@@ -355,7 +356,7 @@ def test_arrays_split_at_max_array_size_and_gpus_checked(tmp_path: Path, monkeyp
 
 
 def test_env_lines_quote_values() -> None:
-    from batchinfer.slurm import env_lines
+    from batchinfer.launch.slurm import env_lines
 
     assert env_lines({"A": "x y $(rm -rf /)", "B": None}) == ["export A='x y $(rm -rf /)'", "unset B"]
     with pytest.raises(ConfigError, match="not a valid environment variable name"):
@@ -392,7 +393,7 @@ def test_every_model_and_quantization_preset_composes(model: str) -> None:
 
 
 def test_hub_name_pinned_to_cached_revision(tmp_path: Path, monkeypatch) -> None:
-    from batchinfer.models import resolve_model
+    from batchinfer.models.locations import resolve_model
 
     snap = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("a" * 40)
     snap.mkdir(parents=True)
@@ -412,7 +413,7 @@ def test_hub_name_pinned_to_cached_revision(tmp_path: Path, monkeypatch) -> None
 
 
 def test_work_order_groups_shared_prefixes_then_sorts_by_length() -> None:
-    from batchinfer.worker import PREFIX_TOKENS, work_order
+    from batchinfer.engine.worker import PREFIX_TOKENS, work_order
 
     a, b = tuple(range(PREFIX_TOKENS)), tuple(range(100, 100 + PREFIX_TOKENS))
     keys = [(b + (1, 2, 3), "", -1), (a + (9,) * 10, "", -1), (b + (5,), "", -1), (a + (7,), "", -1)]
@@ -441,8 +442,8 @@ def test_trace_records_rows_finished_per_step(tmp_path: Path, monkeypatch) -> No
 )
 def test_merge_on_a_full_disk_leaves_no_partial_output(tmp_path: Path, monkeypatch, error: OSError) -> None:
     """pyarrow puts the errno only in its message: both forms are a StorageError naming the output."""
-    from batchinfer import merge as merge_module
     from batchinfer.errors import StorageError
+    from batchinfer.rundir import merge as merge_module
 
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, 12)

@@ -14,12 +14,12 @@ import pytest
 from conftest import fake_model_dir, model_overrides, read_output, run_cli, write_corpus
 from conftest import run_overrides as overrides
 
-from batchinfer.config import compose
-from batchinfer.data import convert_input, detect_format
+from batchinfer.config.compose import compose
 from batchinfer.errors import InputError, RunDirError
-from batchinfer.launch import run_local
-from batchinfer.maxlen import derived_max_model_len
-from batchinfer.validate import histogram, percentile, validate
+from batchinfer.inputs.read import convert_input, detect_format
+from batchinfer.insight.validate import histogram, percentile, validate
+from batchinfer.launch.local import run_local
+from batchinfer.models.maxlen import derived_max_model_len
 
 REPO = Path(__file__).resolve().parent.parent
 LOGIN_NODE = """

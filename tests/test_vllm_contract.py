@@ -1,4 +1,4 @@
-"""scripts/vllm_contract.py: the vLLM API engine.py uses, checked against the installed vllm
+"""scripts/vllm_contract.py: the vLLM API vllm_engine.py uses, checked against the installed vllm
 (no engine started), and the checker itself shown to fail on an API that lacks something."""
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def test_contract_lists_what_engine_passes() -> None:
     """The LLM keywords, SamplingParams and StructuredOutputsParams fields in the table are
     exactly what batchinfer passes: a new config field or engine_kwargs preset fails here
     until the contract checks it too."""
-    from batchinfer import config
-    from batchinfer.engine import llm_kwargs, sampling_kwargs
+    from batchinfer.config import schema as config
+    from batchinfer.engine.vllm_engine import llm_kwargs, sampling_kwargs
 
     # Every optional model field set, so llm_kwargs passes all of them.
     model = {k: ("x" if v is None else v) for k, v in dataclasses.asdict(config.ModelConfig()).items()}
@@ -223,7 +223,7 @@ def test_check_passes_on_a_matching_api(fake_vllm: str, kind: str, target: str, 
 def test_main_exit_code_and_lines(
     fake_vllm: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """main() prints a line per check, names what engine.py needs on a failure, exits 1 on any."""
+    """main() prints a line per check, names what vllm_engine.py needs on a failure, exits 1 on any."""
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
     good = contract.Check("has alive", "fields", "fake_vllm:FakeResources", ("alive",))
     bad = contract.Check("has engine_dead", "fields", "fake_vllm:FakeResources", ("engine_dead",), "watchdog")
@@ -231,5 +231,5 @@ def test_main_exit_code_and_lines(
     assert contract.main([], [good, bad]) == 1
     out = capsys.readouterr().out
     assert "ok       has alive: " in out
-    assert "MISSING  has engine_dead: no field engine_dead (has: alive)  [engine.py: watchdog]" in out
+    assert "MISSING  has engine_dead: no field engine_dead (has: alive)  [vllm_engine.py: watchdog]" in out
     assert "2 checks: 1 ok, 1 missing, 0 changed" in out

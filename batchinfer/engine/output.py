@@ -113,7 +113,7 @@ class EngineOutput:
 
 def _engine_failure(exc: BaseException) -> bool:
     """Whether an exception may come from the engine (not a stop, nor bad input or config)."""
-    from batchinfer.worker import Stopped
+    from batchinfer.engine.worker import Stopped
 
     if isinstance(exc, (Stopped, KeyboardInterrupt)):
         return False

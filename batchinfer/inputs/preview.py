@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from batchinfer.errors import InputError
-from batchinfer.openai_batch import request_row
-from batchinfer.textfiles import json_object, open_text, text_lines
+from batchinfer.inputs.openai_batch import request_row
+from batchinfer.inputs.textfiles import json_object, open_text, text_lines
 
 
 def spread(rows: int, k: int) -> list[int]:

@@ -12,10 +12,10 @@ from typing import Any, Optional
 import pyarrow as pa
 
 from batchinfer.errors import InputError
-from batchinfer.models import looks_local
-from batchinfer.openai_batch import convert_requests, looks_like_openai_batch
+from batchinfer.inputs.openai_batch import convert_requests, looks_like_openai_batch
+from batchinfer.inputs.textfiles import COMPRESSION_SUFFIXES, first_line, open_text, scan_jsonl, text_lines
+from batchinfer.models.locations import looks_local
 from batchinfer.security import remove_path
-from batchinfer.textfiles import COMPRESSION_SUFFIXES, first_line, open_text, scan_jsonl, text_lines
 
 FORMATS_BY_SUFFIX = {
     ".jsonl": "jsonl",

@@ -9,8 +9,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchinfer.stats import PHASES
-from batchinfer.store import RunDir, read_table
+from batchinfer.rundir.stats import PHASES
+from batchinfer.rundir.store import RunDir, read_table
 
 log = logging.getLogger("batchinfer")
 LEGEND_MAX = 12  # shards named in a legend; more are drawn unnamed

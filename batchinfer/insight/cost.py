@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from batchinfer.errors import ConfigError
-from batchinfer.sizing import gpu_names
+from batchinfer.models.sizing import gpu_names
 
 # Assumed on-demand list prices, USD per GPU-hour, of specialized GPU clouds (Lambda-style price
 # pages, 2025; hyperscalers list 2-4x more). Not fetched: pass --gpu-hour-price for your own rate.

@@ -6,10 +6,10 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from batchinfer import sizing
-from batchinfer.config import DEFAULT_ROWS_PER_SHARD
+from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD
 from batchinfer.errors import ConfigError
-from batchinfer.maxlen import max_model_len
+from batchinfer.models import sizing
+from batchinfer.models.maxlen import max_model_len
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -21,8 +21,8 @@ def input_section(
     c: dict[str, Any], files: list[Path], sample_rows: int
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Input rows, shards and array tasks, plus a sample of rows; reads the input, converts nothing."""
-    from batchinfer.data import plan_shards
-    from batchinfer.preview import peek
+    from batchinfer.inputs.preview import peek
+    from batchinfer.inputs.read import plan_shards
 
     fmt = c["input"]["format"]
     rows, sample = peek(files, fmt, sample_rows)
@@ -50,9 +50,9 @@ def prompt_section(
     """Prompt tokens of the sampled rows, counted as vLLM would, and the totals they suggest."""
     from jinja2.exceptions import TemplateError
 
-    from batchinfer.prompts import PromptBuilder, RowError, check_fields
-    from batchinfer.requests import build_request
-    from batchinfer.tokens import LoginTokenizer
+    from batchinfer.models.tokens import LoginTokenizer
+    from batchinfer.requests.build import build_request
+    from batchinfer.requests.prompts import PromptBuilder, RowError, check_fields
 
     builder = PromptBuilder(c["prompt"])
     columns = sorted({k for row in sample for k in row})
@@ -82,7 +82,7 @@ def prompt_section(
     if counts:
         from collections import Counter
 
-        from batchinfer.validate import percentile
+        from batchinfer.insight.validate import percentile
 
         mean = sum(counts) / len(counts)
         out |= {
@@ -159,8 +159,8 @@ def gpu_rows(
 
 def estimate(cfg: DictConfig, gpu: str = sizing.DEFAULT_GPU, sample_rows: int = SAMPLE_ROWS) -> dict[str, Any]:
     """The whole plan of a composed config: input, prompt tokens, model, GPUs."""
-    from batchinfer.plan import resolve_input
-    from batchinfer.tokens import model_dir
+    from batchinfer.models.tokens import model_dir
+    from batchinfer.rundir.prepare import resolve_input
 
     gpus = sizing.gpu_names(gpu)
     try:

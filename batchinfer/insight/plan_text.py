@@ -6,8 +6,8 @@ import re
 import textwrap
 from typing import Any
 
-from batchinfer import sizing
-from batchinfer.sizing import GB, GIB
+from batchinfer.models import sizing
+from batchinfer.models.sizing import GB, GIB
 
 
 def _bin(n: float) -> str:

@@ -1,272 +1,19 @@
-"""`status`: per-shard state from the run directory plus squeue/sacct, totals, tokens/s, ETA;
-`report`: the throughput table, charts and cost of a finished or partial run."""
+"""`report`: the throughput table, charts and cost of a finished or partial run."""
 
 from __future__ import annotations
 
-import json
-import shlex
-import time
 from pathlib import Path
 from typing import Any, Optional
 
-from batchinfer.stats import markdown_table, shard_stats, totals, with_rates
-from batchinfer.store import RunDir, read_json
-
-RUNNING = {"RUNNING", "COMPLETING", "CONFIGURING"}
-QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RESIZING"}
-
-
-def submissions(run: RunDir) -> list[dict[str, Any]]:
-    """Submissions recorded in DIR/jobs.jsonl, oldest first, each folded from its lines.
-
-    A submission writes a line as it starts (time, log folder, job name), one per array as soon as
-    sbatch returns its id, and one for the merge job; files of earlier versions hold one line per
-    submission with "arrays" and "merge". Each record has submission, time, folder, name, arrays
-    ([{job_id, tasks}]), merge (None until submitted) and complete (the merge job was submitted)."""
-    path = run.path / "jobs.jsonl"
-    if not path.is_file():
-        return []
-    folded: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # blank, or the torn last line of a submit killed while writing it
-        if not isinstance(rec, dict) or "submission" not in rec:
-            continue
-        sub = folded.setdefault(
-            rec["submission"],
-            {"submission": rec["submission"], "time": None, "folder": None, "name": None, "arrays": [], "merge": None},
-        )
-        for key in ("time", "folder", "name", "arrays_planned"):
-            if key in rec:
-                sub[key] = rec[key]
-        sub["arrays"] += rec.get("arrays", [])
-        if "job_id" in rec:
-            sub["arrays"].append({"job_id": rec["job_id"], "tasks": rec["tasks"]})
-        if rec.get("merge"):
-            sub["merge"] = rec["merge"]
-    out = [folded[n] for n in sorted(folded)]
-    for sub in out:
-        sub["complete"] = sub["merge"] is not None
-    return out
-
-
-def shard_tasks(run: RunDir) -> dict[int, dict[str, Any]]:
-    """The latest array task each shard was given to: job id, log folder, submission."""
-    out: dict[int, dict[str, Any]] = {}
-    for sub in submissions(run):
-        for array in sub["arrays"]:
-            for index, shards in array["tasks"].items():
-                for shard in shards:
-                    out[shard] = {
-                        "job": f"{array['job_id']}_{index}",
-                        "folder": sub["folder"],
-                        "submission": sub["submission"],
-                    }
-    return out
-
-
-def all_job_ids(run: RunDir) -> list[str]:
-    """Every array and merge job id recorded for DIR."""
-    ids = []
-    for sub in submissions(run):
-        ids += [a["job_id"] for a in sub["arrays"]]
-        if sub.get("merge"):
-            ids.append(sub["merge"])
-    return ids
-
-
-def unrecorded_names(run: RunDir) -> list[str]:
-    """Job names of submissions cut short (sbatch refused, timed out, or submit was killed):
-    jobs of theirs may exist whose ids were never recorded."""
-    return [s["name"] for s in submissions(run) if not s["complete"] and s.get("name")]
-
-
-def slurm_states(run: RunDir) -> tuple[dict[str, str], dict[str, str], Optional[str]]:
-    """(states of DIR's jobs, jobs found only by their submission's name, a note when Slurm did not
-    answer). Never raises for Slurm: status shows what the run directory knows without it."""
-    from batchinfer import slurm
-
-    ids = sorted({t["job"] for t in shard_tasks(run).values()} | set(all_job_ids(run)))
-    names = unrecorded_names(run)
-    problems: list[str] = []
-    states = slurm.job_states(ids, names=names, problems=problems) if ids or names else {}
-    known = set(ids)
-    unrecorded = {j: s for j, s in states.items() if j not in known and j.split("_")[0] not in known}
-    note = None
-    if problems:
-        answered = {"sacct", "squeue"} - {p.split(":")[0] for p in problems}
-        source = "the run directory" + (f" and {' and '.join(sorted(answered))}" if answered and ids else " only")
-        note = f"Slurm did not answer ({'; '.join(problems)}); states come from {source}"
-    return states, unrecorded, note
-
-
-def last_error_line(folder: Path, job: str) -> Optional[str]:
-    """The last line of a task's stderr log that looks like an error."""
-    logs = sorted(folder.glob(f"{job}_*log.err")) if folder.is_dir() else []
-    lines = [ln.strip() for p in logs for ln in p.read_text(errors="replace").splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "error" in ln.lower() or "Killed" in ln or "CANCELLED" in ln]
-    return (errors or lines or [None])[-1]
-
-
-def shard_status(run: RunDir, states: dict[str, str]) -> list[dict[str, Any]]:
-    """One record per shard: state, rows done of total, tokens, attempts, last error."""
-    tasks = shard_tasks(run)
-    out = []
-    for shard in run.shards():
-        rec: dict[str, Any] = {"shard": shard.index, "rows": shard.rows, "rows_done": 0, "output_tokens": 0}
-        progress_path = run.done_path(shard.index) if run.is_done(shard.index) else run.progress_path(shard.index)
-        progress = with_rates(read_json(progress_path) if progress_path.is_file() else {})
-        gen = progress.get("seconds", {}).get("generate", 0.0)
-        rec.update(
-            rows_done=progress.get("rows_done", 0),
-            output_tokens=progress.get("output_tokens", 0),
-            generate_seconds=gen,
-            output_tokens_per_s=progress["output_tokens_per_s"],
-            total_tokens_per_s=progress["total_tokens_per_s"],
-            rows_per_s=round(progress.get("rows_done", 0) / gen, 3) if gen else None,
-            updated=progress.get("updated"),
-            attempts=progress.get("attempts", 0),
-            failures=progress.get("failures", 0),
-        )
-        task = tasks.get(shard.index)
-        # cluster.max_attempts counts per submission: the worker keys failures by Slurm job id
-        by_job = progress.get("failures_by_job")
-        if task and isinstance(by_job, dict):
-            rec["failures_this_submission"] = by_job.get(task["job"].split("_")[0], 0)
-        # a one-task "array" is a plain job to submitit: Slurm knows it as 123, not 123_0
-        job_state = (states.get(task["job"]) or states.get(task["job"].rsplit("_", 1)[0], "")) if task else ""
-        rec["job"] = task["job"] if task else None
-        rec["job_state"] = job_state or None
-        if run.is_done(shard.index):
-            state = "done"
-        elif job_state in RUNNING:
-            state = "running"
-        elif job_state in QUEUED:
-            state = "pending"
-        elif job_state and job_state not in ("COMPLETED",) or progress.get("last_error"):
-            state = "failed"
-        elif rec["rows_done"]:
-            state = "partial"
-        else:
-            state = "pending"
-        rec["state"] = state
-        if state == "failed":
-            log_line = last_error_line(Path(task["folder"]), task["job"]) if task else None
-            rec["error"] = progress.get("last_error") or log_line
-            rec["log"] = log_line
-        out.append(rec)
-    return out
-
-
-def running_rates(records: list[dict[str, Any]]) -> tuple[float, float, int]:
-    """(rows/s, output tok/s, tasks) of the running array tasks together. A task's shards run one at
-    a time, so each running task counts once, at the rate of its most recently updated shard; a task
-    without a rate yet (its engine is starting) counts at the mean rate of the shards that have one."""
-    known = [r for r in records if r["rows_per_s"]]
-    mean = (
-        (sum(r["rows_per_s"] for r in known) / len(known), sum(r["output_tokens_per_s"] for r in known) / len(known))
-        if known
-        else (0.0, 0.0)
-    )
-    tasks: dict[str, list[dict[str, Any]]] = {}
-    for r in records:
-        if r["state"] == "running":
-            tasks.setdefault(r["job"], []).append(r)
-    rows_s = tokens_s = 0.0
-    for shards in tasks.values():
-        rated = [r for r in shards if r["rows_per_s"]]
-        if rated:
-            r = max(rated, key=lambda r: r["updated"] or 0)
-            rows_s, tokens_s = rows_s + r["rows_per_s"], tokens_s + r["output_tokens_per_s"]
-        else:
-            rows_s, tokens_s = rows_s + mean[0], tokens_s + mean[1]
-    return rows_s, tokens_s, len(tasks)
-
-
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Totals; output tokens/s of one task while generating (all tokens over all generate seconds) and
-    of the running tasks together; ETA = rows left / the running tasks' rows/s."""
-    rows = sum(r["rows"] for r in records)
-    done = sum(r["rows_done"] for r in records)
-    tokens = sum(r["output_tokens"] for r in records)
-    gen = sum(r["generate_seconds"] for r in records)
-    rows_s, tokens_s, running = running_rates(records)
-    eta = (rows - done) / rows_s if rows_s and done < rows else None
-    counts: dict[str, int] = {}
-    for r in records:
-        counts[r["state"]] = counts.get(r["state"], 0) + 1
-    return {
-        "shards": len(records),
-        "states": counts,
-        "rows": rows,
-        "rows_done": done,
-        "output_tokens": tokens,
-        "output_tokens_per_s": round(tokens / gen, 1) if gen else None,
-        "running_tasks": running,
-        "running_output_tokens_per_s": round(tokens_s, 1) if running else None,
-        "running_rows_per_s": round(rows_s, 3) if running else None,
-        "eta_seconds": round(eta) if eta is not None else None,
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-
-
-def failures_note(r: dict[str, Any]) -> str:
-    """`failed 3 times (1 in this submission)`, or nothing for a shard that never failed."""
-    if not r.get("failures"):
-        return ""
-    this = r.get("failures_this_submission")
-    times = f"failed {r['failures']} time" + "s" * (r["failures"] != 1)
-    return times + (f" ({this} in this submission)" if this is not None else "")
-
-
-def format_status(
-    run: RunDir,
-    records: list[dict[str, Any]],
-    totals: dict[str, Any],
-    note: Optional[str] = None,
-    unrecorded: Optional[dict[str, str]] = None,
-) -> str:
-    """A plain table for people and Slurm logs; note says Slurm did not answer, unrecorded lists
-    jobs found only by the name of a submission that was cut short."""
-    head = f"{'shard':>5}  {'state':<8} {'rows':>15}  {'tok/s':>8}  {'job':<14} {'attempts':>8}  note"
-    lines = [f"{run.path}", head]
-    for r in records:
-        rows = f"{r['rows_done']} of {r['rows']}"
-        tps = f"{r['output_tokens_per_s']:.1f}" if r["output_tokens_per_s"] else "-"
-        note_text = "; ".join(x for x in (failures_note(r), r.get("error")) if x)
-        lines.append(
-            f"{r['shard']:>5}  {r['state']:<8} {rows:>15}  {tps:>8}  {r['job'] or '-':<14} {r['attempts']:>8}  {note_text[:100]}"
-        )
-    states = ", ".join(f"{n} {s}" for s, n in sorted(totals["states"].items()))
-    tps, now, eta = totals["output_tokens_per_s"], totals["running_output_tokens_per_s"], totals["eta_seconds"]
-    tasks = totals["running_tasks"]
-    lines.append(
-        f"total: {totals['rows_done']} of {totals['rows']} rows; shards: {states}; "
-        f"output tokens: {totals['output_tokens']}"
-        + (f" ({tps} tok/s per task while generating)" if tps else "")
-        + (f"; now {now} tok/s over {tasks} running task{'s' * (tasks != 1)}" if now else "")
-        + (f"; ETA {eta // 3600} h {eta % 3600 // 60} min {eta % 60} s" if eta is not None else "")
-    )
-    if run.output_path.exists():
-        lines.append(f"merged: {run.output_path}")
-    if unrecorded:
-        shown = ", ".join(f"{j} {s}" for j, s in sorted(unrecorded.items())[:10])
-        lines.append(
-            f"jobs of a submission cut short, found by job name: {shown} "
-            f"(`batchinfer cancel {shlex.quote(str(run.path))}` cancels them)"
-        )
-    if note:
-        lines.append(note)
-    return "\n".join(lines)
+from batchinfer.rundir.stats import markdown_table, shard_stats, totals
+from batchinfer.rundir.store import RunDir
 
 
 def build_report(
     run: RunDir, price: Optional[float] = None, gpu: Optional[str] = None, watts: Optional[float] = None
 ) -> dict[str, Any]:
     """Per-shard stats, totals and cost of DIR as it is now (finished or partial); no Slurm calls."""
-    from batchinfer.cost import cost, gpus_per_task
+    from batchinfer.insight.cost import cost, gpus_per_task
 
     shards = shard_stats(run)
     tot = totals(shards)
@@ -283,7 +30,7 @@ def build_report(
 
 def format_report(rep: dict[str, Any], charts: list[Path]) -> str:
     """report.md: what the run was, the table, the cost, the charts."""
-    from batchinfer.cost import cost_lines
+    from batchinfer.insight.cost import cost_lines
 
     tot = rep["totals"]
     if rep["partial"]:
@@ -311,8 +58,8 @@ def format_report(rep: dict[str, Any], charts: list[Path]) -> str:
 
 def write_report(run: RunDir, **kw: Any) -> tuple[dict[str, Any], str]:
     """Write DIR/report/{report.md, report.json, *.png}; return the report and its markdown."""
-    from batchinfer.charts import write_charts
-    from batchinfer.store import write_json
+    from batchinfer.insight.charts import write_charts
+    from batchinfer.rundir.store import write_json
 
     rep = build_report(run, **kw)
     folder = run.path / "report"

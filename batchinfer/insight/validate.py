@@ -73,8 +73,8 @@ def check_rows(c: dict[str, Any], ds: Any, tok: Any, max_len: int) -> tuple[Tall
     Returns error rows, run-stopping problems, prompt token lengths and rows at or over max_model_len."""
     from jinja2.exceptions import TemplateError
 
-    from batchinfer.prompts import PromptBuilder, RowError
-    from batchinfer.requests import build_request, overlong_tokens, row_id
+    from batchinfer.requests.build import build_request, overlong_tokens, row_id
+    from batchinfer.requests.prompts import PromptBuilder, RowError
 
     prompt = c["prompt"]
     builder = PromptBuilder(prompt)
@@ -115,11 +115,11 @@ def overlong_outcome(policy: str, count: int, max_len: int) -> str:
 
 def validate(cfg: DictConfig) -> dict[str, Any]:
     """The validate report of a composed config: input, ids, would-be error rows, overlong, token lengths."""
-    from batchinfer.data import convert_input, id_problems, open_input
-    from batchinfer.maxlen import max_model_len
-    from batchinfer.plan import check_writable, resolve_input
-    from batchinfer.prompts import check_fields, load_template
-    from batchinfer.tokens import LoginTokenizer, model_dir
+    from batchinfer.inputs.read import convert_input, id_problems, open_input
+    from batchinfer.models.maxlen import max_model_len
+    from batchinfer.models.tokens import LoginTokenizer, model_dir
+    from batchinfer.requests.prompts import check_fields, load_template
+    from batchinfer.rundir.prepare import check_writable, resolve_input
 
     c, files = resolve_input(cfg)
     inp, m = c["input"], c["model"]

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from batchinfer.sizing import text_config
+from batchinfer.models.sizing import text_config
 
 # vLLM's keys, smallest wins (ModelArchConfigConvertor.derive_max_model_len_and_key).
 LENGTH_KEYS = (

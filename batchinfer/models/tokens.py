@@ -14,7 +14,7 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_t
 
 def model_dir(path: str, revision: Optional[str] = None) -> Path:
     """The local folder of model.path: a folder as it is, a hub name from the local HF cache."""
-    from batchinfer.models import looks_local, resolve_model
+    from batchinfer.models.locations import looks_local, resolve_model
 
     resolved, rev = resolve_model(path, revision)  # errors name the path and how to get it
     if looks_local(resolved):

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchinfer.errors import InputError
-from batchinfer.openai_batch import ROW_SAMPLING
-from batchinfer.prompts import Prompt, PromptBuilder, RowError
+from batchinfer.inputs.openai_batch import ROW_SAMPLING
+from batchinfer.requests.prompts import Prompt, PromptBuilder, RowError
 
 
 @dataclass

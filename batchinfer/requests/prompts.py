@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from batchinfer.errors import ConfigError
-from batchinfer.openai_batch import RAW_PROMPT
+from batchinfer.inputs.openai_batch import RAW_PROMPT
 
 Messages = list[dict[str, str]]
 Prompt = Union[str, Messages]

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.errors import RunDirError
-from batchinfer.store import fsync_dir, refused_write, storage_error
+from batchinfer.rundir.store import fsync_dir, refused_write, storage_error
 
 LOCK_MODES = ("auto", "flock", "file")
 # An empty or unreadable lock file older than this (filesystem clock) is stale: its writer was

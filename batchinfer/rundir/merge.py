@@ -19,12 +19,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchinfer import faults
-from batchinfer.data import Shard
 from batchinfer.errors import RunDirError
-from batchinfer.locks import RunLock
-from batchinfer.schema import table_to_jsonl
-from batchinfer.security import private_umask, remove_path
-from batchinfer.store import (
+from batchinfer.inputs.read import Shard
+from batchinfer.rundir.locks import RunLock
+from batchinfer.rundir.schema import table_to_jsonl
+from batchinfer.rundir.store import (
     OUTPUT_EXT,
     TMP_PREFIX,
     RunDir,
@@ -34,6 +33,7 @@ from batchinfer.store import (
     storage_error,
     write_json,
 )
+from batchinfer.security import private_umask, remove_path
 
 log = logging.getLogger("batchinfer")
 
@@ -246,8 +246,8 @@ def _replace(tmp: Path, out: Path) -> None:
 
 def openai_lines(run: RunDir) -> Callable[[pa.Table], bytes]:
     """Lines of the OpenAI Batch output format for rows (each request's url from DIR/input)."""
-    from batchinfer.data import open_input
-    from batchinfer.openai_batch import CHAT_URL, response_line
+    from batchinfer.inputs.openai_batch import CHAT_URL, response_line
+    from batchinfer.inputs.read import open_input
 
     urls = open_input(run.input_dir).data.column("url") if run.run["input"]["format"] == "openai" else None
     model = run.run["config"]["model"]["path"]

@@ -16,8 +16,8 @@ import pyarrow as pa
 from omegaconf import DictConfig
 
 from batchinfer import __version__
-from batchinfer.config import (
-    DEFAULT_ROWS_PER_SHARD,
+from batchinfer.config.compose import require_run_keys
+from batchinfer.config.fingerprint import (
     config_files,
     describe_change,
     fingerprint,
@@ -25,10 +25,10 @@ from batchinfer.config import (
     key_changes,
     legacy_fingerprint,
     read_config_files,
-    require_run_keys,
-    to_dict,
 )
-from batchinfer.data import (
+from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, to_dict
+from batchinfer.errors import ConfigError, RunDirError
+from batchinfer.inputs.read import (
     GLOB_CHARS,
     column_type,
     convert_input,
@@ -39,13 +39,13 @@ from batchinfer.data import (
     open_input,
     plan_shards,
 )
-from batchinfer.errors import ConfigError, RunDirError
-from batchinfer.locks import flock_works
-from batchinfer.models import resolve_model
-from batchinfer.prompts import apply_labels, check_fields, load_template
-from batchinfer.schema import output_schema, schema_summary, schema_to_text
+from batchinfer.models.locations import resolve_model
+from batchinfer.requests.prompts import apply_labels, check_fields, load_template
+from batchinfer.rundir.locks import flock_works
+from batchinfer.rundir.schema import output_schema, schema_summary, schema_to_text
+from batchinfer.rundir.store import RunDir, atomic_write, write_json
 from batchinfer.security import make_private, private_umask, remove_path
-from batchinfer.store import RunDir, atomic_write, write_json
+from batchinfer.versions import installed_versions
 
 log = logging.getLogger("batchinfer")
 
@@ -244,7 +244,6 @@ def _create(
             "shards": [{"index": s.index, "start": s.start, "stop": s.stop, "rows": s.rows} for s in shards],
         },
     )
-    from batchinfer.engine import installed_versions  # metadata only: no vllm import
 
     run.write_run(
         {

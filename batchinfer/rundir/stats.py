@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from batchinfer.store import RunDir, read_json
+from batchinfer.rundir.store import RunDir, read_json
 
 PHASES = ("startup", "prepare", "generate", "commit")  # seconds a task holds its GPUs, by what it does
 SERIES_POINTS = 500  # progress.json keeps at most this many {t, rows_done, output_tokens} points

@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 import yaml
 
 from batchinfer import faults
-from batchinfer.data import Shard
 from batchinfer.errors import RunDirError, StorageError
-from batchinfer.schema import jsonl_to_table, schema_from_text, table_to_jsonl
+from batchinfer.inputs.read import Shard
+from batchinfer.rundir.schema import jsonl_to_table, schema_from_text, table_to_jsonl
 from batchinfer.security import redact_config
 
 PART_RE = re.compile(r"^part-(\d{6})\.(parquet|jsonl)$")

@@ -1,0 +1,89 @@
+"""Compose a config from conf/ and Hydra overrides typed in a shell, with errors that name the key."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from batchinfer.config.schema import LITERAL_KEYS, RANGES, conf_dir, register_configs, validate
+from batchinfer.errors import ConfigError
+
+
+def hydra_literal(value: str) -> str:
+    """Quote a raw string so Hydra's grammar and OmegaConf give it back unchanged."""
+    value = re.sub(r"(\\*)\$\{", lambda m: "\\" * (2 * len(m.group(1)) + 1) + "${", value)
+    value = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)
+    return "'" + value.replace("'", "\\'") + "'"
+
+
+def quote_literals(overrides: list[str]) -> list[str]:
+    """Pass prompt.template / prompt.system through Hydra literally, as typed in the shell."""
+    out = []
+    for ov in overrides:
+        key, sep, value = ov.partition("=")
+        if sep and key.lstrip("+~") in LITERAL_KEYS:
+            ov = f"{key}={hydra_literal(value)}"
+        out.append(ov)
+    return out
+
+
+def compose(overrides: list[str], config_dir: Optional[str] = None) -> DictConfig:
+    """Compose conf/config.yaml with Hydra overrides; errors name the bad key."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_configs()
+    overrides = quote_literals(list(overrides))
+    if config_dir:
+        cdir = Path(config_dir).expanduser().resolve()
+        if not cdir.exists():
+            raise ConfigError(f"--config-dir {config_dir}: no such directory (resolved to {cdir})")
+        if not cdir.is_dir():
+            raise ConfigError(f"--config-dir {config_dir}: not a directory (resolved to {cdir})")
+        if not os.access(cdir, os.R_OK | os.X_OK):
+            raise ConfigError(f"--config-dir {config_dir}: not readable (permission denied)")
+        overrides.append(f"hydra.searchpath=[{hydra_literal(f'file://{cdir}')}]")  # any folder name
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            cfg = hydra_compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(_override_error(e)) from None
+    finally:
+        GlobalHydra.instance().clear()
+    validate(cfg)
+    return cfg
+
+
+def _first_lines(msg: str) -> str:
+    # Hydra appends a long "Set the environment variable HYDRA_FULL_ERROR" tail.
+    lines = [ln for ln in msg.splitlines() if ln.strip() and "HYDRA_FULL_ERROR" not in ln]
+    return "\n".join(lines[:4])
+
+
+def _override_error(e: Exception) -> str:
+    """Hydra's "Error merging override k=v" names neither the type nor the range: add both."""
+    from omegaconf.errors import ValidationError
+
+    cause = e.__cause__
+    key = getattr(cause, "full_key", None)
+    if not isinstance(cause, ValidationError) or not key:
+        return _first_lines(str(e))
+    reason = str(cause).splitlines()[0]
+    allowed = RANGES.get(key)
+    return f"{key}: {reason}" + (f"; {key} takes {allowed[1]}" if allowed else "")
+
+
+def require_run_keys(cfg: DictConfig, input_required: bool = True) -> None:
+    """The keys a run cannot start without."""
+    if input_required and not cfg.input.path:
+        raise ConfigError("input.path is not set: add input.path=/path/to/corpus.jsonl")
+    if not cfg.model.path:
+        raise ConfigError("model.path is not set: add model.path=/path/to/hf-model-folder or a preset")

@@ -1,0 +1,175 @@
+"""`status`: per-shard state from the run directory plus squeue/sacct, totals, tokens/s, ETA."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from batchinfer.launch.jobs import shard_tasks
+from batchinfer.rundir.stats import with_rates
+from batchinfer.rundir.store import RunDir, read_json
+
+RUNNING = {"RUNNING", "COMPLETING", "CONFIGURING"}
+QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RESIZING"}
+
+
+def last_error_line(folder: Path, job: str) -> Optional[str]:
+    """The last line of a task's stderr log that looks like an error."""
+    logs = sorted(folder.glob(f"{job}_*log.err")) if folder.is_dir() else []
+    lines = [ln.strip() for p in logs for ln in p.read_text(errors="replace").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower() or "Killed" in ln or "CANCELLED" in ln]
+    return (errors or lines or [None])[-1]
+
+
+def shard_status(run: RunDir, states: dict[str, str]) -> list[dict[str, Any]]:
+    """One record per shard: state, rows done of total, tokens, attempts, last error."""
+    tasks = shard_tasks(run)
+    out = []
+    for shard in run.shards():
+        rec: dict[str, Any] = {"shard": shard.index, "rows": shard.rows, "rows_done": 0, "output_tokens": 0}
+        progress_path = run.done_path(shard.index) if run.is_done(shard.index) else run.progress_path(shard.index)
+        progress = with_rates(read_json(progress_path) if progress_path.is_file() else {})
+        gen = progress.get("seconds", {}).get("generate", 0.0)
+        rec.update(
+            rows_done=progress.get("rows_done", 0),
+            output_tokens=progress.get("output_tokens", 0),
+            generate_seconds=gen,
+            output_tokens_per_s=progress["output_tokens_per_s"],
+            total_tokens_per_s=progress["total_tokens_per_s"],
+            rows_per_s=round(progress.get("rows_done", 0) / gen, 3) if gen else None,
+            updated=progress.get("updated"),
+            attempts=progress.get("attempts", 0),
+            failures=progress.get("failures", 0),
+        )
+        task = tasks.get(shard.index)
+        # cluster.max_attempts counts per submission: the worker keys failures by Slurm job id
+        by_job = progress.get("failures_by_job")
+        if task and isinstance(by_job, dict):
+            rec["failures_this_submission"] = by_job.get(task["job"].split("_")[0], 0)
+        # a one-task "array" is a plain job to submitit: Slurm knows it as 123, not 123_0
+        job_state = (states.get(task["job"]) or states.get(task["job"].rsplit("_", 1)[0], "")) if task else ""
+        rec["job"] = task["job"] if task else None
+        rec["job_state"] = job_state or None
+        if run.is_done(shard.index):
+            state = "done"
+        elif job_state in RUNNING:
+            state = "running"
+        elif job_state in QUEUED:
+            state = "pending"
+        elif job_state and job_state not in ("COMPLETED",) or progress.get("last_error"):
+            state = "failed"
+        elif rec["rows_done"]:
+            state = "partial"
+        else:
+            state = "pending"
+        rec["state"] = state
+        if state == "failed":
+            log_line = last_error_line(Path(task["folder"]), task["job"]) if task else None
+            rec["error"] = progress.get("last_error") or log_line
+            rec["log"] = log_line
+        out.append(rec)
+    return out
+
+
+def running_rates(records: list[dict[str, Any]]) -> tuple[float, float, int]:
+    """(rows/s, output tok/s, tasks) of the running array tasks together. A task's shards run one at
+    a time, so each running task counts once, at the rate of its most recently updated shard; a task
+    without a rate yet (its engine is starting) counts at the mean rate of the shards that have one."""
+    known = [r for r in records if r["rows_per_s"]]
+    mean = (
+        (sum(r["rows_per_s"] for r in known) / len(known), sum(r["output_tokens_per_s"] for r in known) / len(known))
+        if known
+        else (0.0, 0.0)
+    )
+    tasks: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        if r["state"] == "running":
+            tasks.setdefault(r["job"], []).append(r)
+    rows_s = tokens_s = 0.0
+    for shards in tasks.values():
+        rated = [r for r in shards if r["rows_per_s"]]
+        if rated:
+            r = max(rated, key=lambda r: r["updated"] or 0)
+            rows_s, tokens_s = rows_s + r["rows_per_s"], tokens_s + r["output_tokens_per_s"]
+        else:
+            rows_s, tokens_s = rows_s + mean[0], tokens_s + mean[1]
+    return rows_s, tokens_s, len(tasks)
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Totals; output tokens/s of one task while generating (all tokens over all generate seconds) and
+    of the running tasks together; ETA = rows left / the running tasks' rows/s."""
+    rows = sum(r["rows"] for r in records)
+    done = sum(r["rows_done"] for r in records)
+    tokens = sum(r["output_tokens"] for r in records)
+    gen = sum(r["generate_seconds"] for r in records)
+    rows_s, tokens_s, running = running_rates(records)
+    eta = (rows - done) / rows_s if rows_s and done < rows else None
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r["state"]] = counts.get(r["state"], 0) + 1
+    return {
+        "shards": len(records),
+        "states": counts,
+        "rows": rows,
+        "rows_done": done,
+        "output_tokens": tokens,
+        "output_tokens_per_s": round(tokens / gen, 1) if gen else None,
+        "running_tasks": running,
+        "running_output_tokens_per_s": round(tokens_s, 1) if running else None,
+        "running_rows_per_s": round(rows_s, 3) if running else None,
+        "eta_seconds": round(eta) if eta is not None else None,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def failures_note(r: dict[str, Any]) -> str:
+    """`failed 3 times (1 in this submission)`, or nothing for a shard that never failed."""
+    if not r.get("failures"):
+        return ""
+    this = r.get("failures_this_submission")
+    times = f"failed {r['failures']} time" + "s" * (r["failures"] != 1)
+    return times + (f" ({this} in this submission)" if this is not None else "")
+
+
+def format_status(
+    run: RunDir,
+    records: list[dict[str, Any]],
+    totals: dict[str, Any],
+    note: Optional[str] = None,
+    unrecorded: Optional[dict[str, str]] = None,
+) -> str:
+    """A plain table for people and Slurm logs; note says Slurm did not answer, unrecorded lists
+    jobs found only by the name of a submission that was cut short."""
+    head = f"{'shard':>5}  {'state':<8} {'rows':>15}  {'tok/s':>8}  {'job':<14} {'attempts':>8}  note"
+    lines = [f"{run.path}", head]
+    for r in records:
+        rows = f"{r['rows_done']} of {r['rows']}"
+        tps = f"{r['output_tokens_per_s']:.1f}" if r["output_tokens_per_s"] else "-"
+        note_text = "; ".join(x for x in (failures_note(r), r.get("error")) if x)
+        lines.append(
+            f"{r['shard']:>5}  {r['state']:<8} {rows:>15}  {tps:>8}  {r['job'] or '-':<14} {r['attempts']:>8}  {note_text[:100]}"
+        )
+    states = ", ".join(f"{n} {s}" for s, n in sorted(totals["states"].items()))
+    tps, now, eta = totals["output_tokens_per_s"], totals["running_output_tokens_per_s"], totals["eta_seconds"]
+    tasks = totals["running_tasks"]
+    lines.append(
+        f"total: {totals['rows_done']} of {totals['rows']} rows; shards: {states}; "
+        f"output tokens: {totals['output_tokens']}"
+        + (f" ({tps} tok/s per task while generating)" if tps else "")
+        + (f"; now {now} tok/s over {tasks} running task{'s' * (tasks != 1)}" if now else "")
+        + (f"; ETA {eta // 3600} h {eta % 3600 // 60} min {eta % 60} s" if eta is not None else "")
+    )
+    if run.output_path.exists():
+        lines.append(f"merged: {run.output_path}")
+    if unrecorded:
+        shown = ", ".join(f"{j} {s}" for j, s in sorted(unrecorded.items())[:10])
+        lines.append(
+            f"jobs of a submission cut short, found by job name: {shown} "
+            f"(`batchinfer cancel {shlex.quote(str(run.path))}` cancels them)"
+        )
+    if note:
+        lines.append(note)
+    return "\n".join(lines)

@@ -1,0 +1,38 @@
+"""Launch: running shards here (`local`) or as a Slurm array through submitit (`submit`),
+the Slurm commands (`slurm`), the submissions recorded in DIR/jobs.jsonl (`jobs`).
+
+Imports everything below it (config .. engine), never insight. `slurm_task` and `slurm_merge`
+are what submitit pickles by name for a queued job, so they are defined here, at the names
+versions before the packages pickled (`batchinfer.launch.slurm_task`)."""
+
+import logging
+
+from batchinfer.errors import RequeueFailed
+from batchinfer.launch.local import run_shards
+from batchinfer.logs import setup_logging
+from batchinfer.rundir.merge import merge
+from batchinfer.rundir.store import RunDir
+
+log = logging.getLogger("batchinfer")
+
+
+def slurm_task(run_dir: str, shards: list[int]) -> None:
+    """What one array task runs (submitit pickles this call)."""
+    from batchinfer.engine.worker import Stopped
+
+    setup_logging()
+    try:
+        run_shards(RunDir(run_dir), shards)
+    except Stopped as e:
+        log.warning("%s; committed rows are safe", e)
+    except RequeueFailed as e:
+        # raised on: submitit then exits non-zero and Slurm shows FAILED; status quotes this line
+        log.error("error: %s", e)
+        raise
+
+
+def slurm_merge(run_dir: str) -> str:
+    """What the merge job runs: refuses, naming them, when shards are incomplete."""
+    setup_logging()
+    stats = merge(RunDir(run_dir))
+    return f"merged {stats['rows']} rows"

@@ -1,0 +1,94 @@
+"""The submissions recorded in DIR/jobs.jsonl, the array task each shard was given to, and the
+Slurm states of a run's jobs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from batchinfer.launch import slurm
+from batchinfer.rundir.store import RunDir
+
+
+def submissions(run: RunDir) -> list[dict[str, Any]]:
+    """Submissions recorded in DIR/jobs.jsonl, oldest first, each folded from its lines.
+
+    A submission writes a line as it starts (time, log folder, job name), one per array as soon as
+    sbatch returns its id, and one for the merge job; files of earlier versions hold one line per
+    submission with "arrays" and "merge". Each record has submission, time, folder, name, arrays
+    ([{job_id, tasks}]), merge (None until submitted) and complete (the merge job was submitted)."""
+    path = run.path / "jobs.jsonl"
+    if not path.is_file():
+        return []
+    folded: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # blank, or the torn last line of a submit killed while writing it
+        if not isinstance(rec, dict) or "submission" not in rec:
+            continue
+        sub = folded.setdefault(
+            rec["submission"],
+            {"submission": rec["submission"], "time": None, "folder": None, "name": None, "arrays": [], "merge": None},
+        )
+        for key in ("time", "folder", "name", "arrays_planned"):
+            if key in rec:
+                sub[key] = rec[key]
+        sub["arrays"] += rec.get("arrays", [])
+        if "job_id" in rec:
+            sub["arrays"].append({"job_id": rec["job_id"], "tasks": rec["tasks"]})
+        if rec.get("merge"):
+            sub["merge"] = rec["merge"]
+    out = [folded[n] for n in sorted(folded)]
+    for sub in out:
+        sub["complete"] = sub["merge"] is not None
+    return out
+
+
+def shard_tasks(run: RunDir) -> dict[int, dict[str, Any]]:
+    """The latest array task each shard was given to: job id, log folder, submission."""
+    out: dict[int, dict[str, Any]] = {}
+    for sub in submissions(run):
+        for array in sub["arrays"]:
+            for index, shards in array["tasks"].items():
+                for shard in shards:
+                    out[shard] = {
+                        "job": f"{array['job_id']}_{index}",
+                        "folder": sub["folder"],
+                        "submission": sub["submission"],
+                    }
+    return out
+
+
+def all_job_ids(run: RunDir) -> list[str]:
+    """Every array and merge job id recorded for DIR."""
+    ids = []
+    for sub in submissions(run):
+        ids += [a["job_id"] for a in sub["arrays"]]
+        if sub.get("merge"):
+            ids.append(sub["merge"])
+    return ids
+
+
+def unrecorded_names(run: RunDir) -> list[str]:
+    """Job names of submissions cut short (sbatch refused, timed out, or submit was killed):
+    jobs of theirs may exist whose ids were never recorded."""
+    return [s["name"] for s in submissions(run) if not s["complete"] and s.get("name")]
+
+
+def slurm_states(run: RunDir) -> tuple[dict[str, str], dict[str, str], Optional[str]]:
+    """(states of DIR's jobs, jobs found only by their submission's name, a note when Slurm did not
+    answer). Never raises for Slurm: status shows what the run directory knows without it."""
+    ids = sorted({t["job"] for t in shard_tasks(run).values()} | set(all_job_ids(run)))
+    names = unrecorded_names(run)
+    problems: list[str] = []
+    states = slurm.job_states(ids, names=names, problems=problems) if ids or names else {}
+    known = set(ids)
+    unrecorded = {j: s for j, s in states.items() if j not in known and j.split("_")[0] not in known}
+    note = None
+    if problems:
+        answered = {"sacct", "squeue"} - {p.split(":")[0] for p in problems}
+        source = "the run directory" + (f" and {' and '.join(sorted(answered))}" if answered and ids else " only")
+        note = f"Slurm did not answer ({'; '.join(problems)}); states come from {source}"
+    return states, unrecorded, note

@@ -1,0 +1,246 @@
+"""Submit shards as Slurm arrays (submitit) plus a merge job; resume and cancel a run's jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import time
+from typing import Any, Optional
+
+from omegaconf import DictConfig
+
+from batchinfer import security
+from batchinfer.errors import ConfigError, RunDirError, SlurmUnavailable, SubmissionRefused
+from batchinfer.launch import slurm, slurm_merge, slurm_task
+from batchinfer.launch.jobs import all_job_ids, submissions, unrecorded_names
+from batchinfer.rundir.merge import incomplete_shards
+from batchinfer.rundir.prepare import freeze_paths, prepare
+from batchinfer.rundir.store import RunDir
+
+
+def job_name(run: RunDir, number: int) -> str:
+    """A job name unique to this submission of DIR: `status` and `cancel` find its jobs by name
+    when sbatch timed out before returning an id (the job may exist all the same)."""
+    import hashlib
+
+    where = hashlib.sha256(str(run.path.resolve()).encode()).hexdigest()[:4]  # two DIRs, same config
+    return f"bi-{run.run['fingerprint'][:8]}-{number}-{where}"
+
+
+def _record(run: RunDir, line: dict[str, Any]) -> None:
+    """Append one line to DIR/jobs.jsonl and make it durable before the next sbatch."""
+    with security.private_umask(run.run["config"]["output"]["private"]), open(run.path / "jobs.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False) -> dict[str, Any]:
+    """Submit arrays over the given shards (split at MaxArraySize) and an afterany merge job.
+
+    jobs.jsonl gets a line before the first sbatch (the job name), one per array as soon as sbatch
+    returns its id, and one for the merge job: a submission refused or cut short half way leaves
+    every job it created findable by `cancel` and `status`."""
+    c = run.run["config"]
+    cluster = c["cluster"]
+    slurm.check_gpus(c)
+    per = cluster["shards_per_task"]
+    tasks = [indices[i : i + per] for i in range(0, len(indices), per)]
+    limit = slurm.max_array_size()
+    chunks = slurm.split_tasks(tasks, limit)
+    number = max((s["submission"] for s in submissions(run)), default=-1) + 1
+    folder = run.logs_dir / f"submission-{number:03d}"
+    slurm.check_log_folder(folder)
+    name = job_name(run, number)
+    if dry_run:
+        print(f"job name: {name}")
+        for n, chunk in enumerate(chunks):
+            print(f"array {n}: {len(chunk)} tasks, sbatch parameters {slurm.array_parameters(cluster, len(chunk))}")
+            for i, shards in enumerate(chunk):
+                print(f"  task {i}: shards {shards}")
+        print(f"merge job: {slurm.merge_parameters(cluster, ['<array ids>'])}")
+        return {"submission": number, "dry_run": True, "arrays": [{"tasks": dict(enumerate(ch))} for ch in chunks]}
+    security.make_private(run.path, c["output"]["private"])  # set by `resume output.private=true`
+    record: dict[str, Any] = {"submission": number, "time": time.time(), "folder": str(folder), "name": name}
+    _record(run, {**record, "arrays_planned": len(chunks)})
+    arrays: list[dict[str, Any]] = []
+    # Secrets reach the jobs through sbatch's environment (--export=ALL), never a file; the jobs
+    # keep this umask, so with output.private their logs and parts are private too.
+    try:
+        with security.submission_env(cluster["env"]), security.private_umask(c["output"]["private"]):
+            for n, chunk in enumerate(chunks):
+                ex = slurm.executor(folder, {**slurm.array_parameters(cluster, len(chunk)), "job_name": name})
+                jobs = ex.map_array(slurm_task, [str(run.path)] * len(chunk), chunk)
+                array = {"job_id": jobs[0].job_id.split("_")[0], "tasks": {str(i): ch for i, ch in enumerate(chunk)}}
+                _record(run, {"submission": number, "array": n, **array})
+                arrays.append(array)
+            after = [a["job_id"] for a in arrays]
+            mex = slurm.executor(folder, {**slurm.merge_parameters(cluster, after), "job_name": name})
+            merge_job = mex.submit(slurm_merge, str(run.path))
+    except SlurmUnavailable as e:
+        raise SlurmUnavailable(
+            e.command,
+            e.reason,
+            f"the job may have been created all the same, under the name {name}: "
+            f"{_submitted_so_far(run, arrays)}; `batchinfer status` looks it up by name and "
+            f"`batchinfer cancel {shlex.quote(str(run.path))}` cancels it",
+        ) from None
+    except Exception as e:
+        stderr = _sbatch_refusal(e)
+        if stderr is None:
+            raise
+        what = f"array {len(arrays)} of {len(chunks)}" if len(arrays) < len(chunks) else "the merge job"
+        raise SubmissionRefused(
+            f"sbatch refused {what} of submission {number}: {stderr} -> {refusal_hint(stderr, run)}. "
+            f"{_submitted_so_far(run, arrays)}"
+        ) from None
+    _record(run, {"submission": number, "merge": merge_job.job_id})
+    record.update(arrays=arrays, merge=merge_job.job_id)
+    ids = ", ".join(a["job_id"] for a in arrays)
+    print(
+        f"submitted {len(indices)} shards of {run.path} as {len(tasks)} array tasks (job {ids}); merge job {merge_job.job_id}"
+    )
+    shown = shlex.quote(str(run.path))  # commands to copy into a shell
+    print(f"  status:  batchinfer status {shown}")
+    print(f"  resume:  batchinfer resume {shown}    (after preemption, time limits or failures)")
+    print(f"  cancel:  batchinfer cancel {shown}")
+    return record
+
+
+def _sbatch_refusal(e: BaseException) -> Optional[str]:
+    """sbatch's own error line, if e is sbatch refusing (submitit's FailedJobError or CalledProcessError)."""
+    import subprocess
+
+    from submitit.core.utils import FailedJobError
+
+    if isinstance(e, subprocess.CalledProcessError):
+        return slurm.first_error_line(str(e.stderr or e.output or f"exit {e.returncode}"))
+    if isinstance(e, FailedJobError):
+        return slurm.first_error_line(str(e))
+    return None
+
+
+# sbatch's words -> the setting that decides them, with an example; the first match names it
+REFUSAL_HINTS = [
+    (r"gres|generic resource|gpu", "set cluster.gpus_per_task (0 on a CPU partition)", "cluster.gpus_per_task=0"),
+    # "Job violates accounting/QOS policy", QOSMaxSubmitJobPerUserLimit, AssocMaxJobsLimit, ...
+    (r"qos|policy|assocmax|submit ?limit", "set cluster.qos, or lower cluster.array_parallelism", "cluster.qos=NAME"),
+    # "Invalid account or account/partition combination specified": the account is wrong
+    (r"invalid account|account/partition|association", "set cluster.account to one of yours", "cluster.account=NAME"),
+    (r"partition", "set cluster.partition to one you may use (`sinfo -s` lists them)", "cluster.partition=NAME"),
+    (r"time", "set cluster.time (minutes) within the partition's limit", "cluster.time=MINUTES"),
+    (r"memory|mem", "set cluster.mem (null: the partition's default)", "cluster.mem=null"),
+    (r"feature|constraint", "set cluster.constraint to features the nodes have", "cluster.constraint=null"),
+    (r"cpu", "set cluster.cpus_per_task", "cluster.cpus_per_task=N"),
+    (r"limit", "set cluster.qos, or lower cluster.array_parallelism", "cluster.array_parallelism=N"),
+]
+
+
+def refusal_hint(stderr: str, run: RunDir) -> str:
+    """Which cluster.* setting to change for sbatch's error message, and the command that does it."""
+    import re
+
+    low = stderr.lower()
+    advice, example = "check the cluster.* settings (and cluster.sbatch_extra)", "cluster.KEY=VALUE"
+    for pattern, hint, ex in REFUSAL_HINTS:
+        if re.search(pattern, low):
+            advice, example = hint, ex
+            break
+    return f"{advice}: `batchinfer resume {shlex.quote(str(run.path))} {example}`"
+
+
+def _submitted_so_far(run: RunDir, arrays: list[dict[str, Any]]) -> str:
+    shown = shlex.quote(str(run.path))
+    if not arrays:
+        return f"Nothing of this submission was queued; {run.path} stays usable"
+    done = ", ".join(f"array {a['job_id']} (shards {sum(a['tasks'].values(), [])})" for a in arrays)
+    return (
+        f"Already queued: {done}, recorded in jobs.jsonl; `batchinfer cancel {shown}` cancels them, "
+        f"or let them run and resume the rest later"
+    )
+
+
+def submit(cfg: DictConfig, dry_run: bool = False) -> RunDir:
+    """`batchinfer submit`: prepare DIR, submit every incomplete shard, return at once."""
+    run = prepare(cfg)
+    todo = incomplete_shards(run)
+    if not todo:
+        print(f"{run.path}: every shard is done; `batchinfer merge {run.path}` writes the output if it is missing")
+        return run
+    submit_shards(run, todo, dry_run=dry_run)
+    return run
+
+
+def active_jobs(run: RunDir) -> dict[str, str]:
+    """Jobs of DIR still queued or running (also those only known by their job name)."""
+    try:
+        states = slurm.job_states(all_job_ids(run), names=unrecorded_names(run))
+    except SlurmUnavailable as e:
+        raise SlurmUnavailable(
+            e.command, e.reason, "cannot tell whether jobs of DIR still run; try again, or pass --force"
+        ) from None
+    return {j: s for j, s in states.items() if s in slurm.ACTIVE_STATES}
+
+
+def resume(run_dir: str, overrides: list[str], force: bool = False, dry_run: bool = False) -> RunDir:
+    """`batchinfer resume DIR`: resubmit only incomplete shards with the frozen config."""
+    run = RunDir(run_dir)
+    active = {} if force else active_jobs(run)
+    if active:
+        shown = ", ".join(f"{j} {s}" for j, s in sorted(active.items())[:10])
+        raise RunDirError(
+            f"{run.path} still has jobs queued or running ({shown}); wait, `batchinfer cancel` them, or pass --force"
+        )
+    if overrides:
+        apply_resource_overrides(run, overrides)
+    todo = incomplete_shards(run)
+    if not todo:
+        print(
+            f"{run.path}: every shard is done; nothing to resume (`batchinfer merge {run.path}` if output is missing)"
+        )
+        return run
+    submit_shards(run, todo, dry_run=dry_run)
+    return run
+
+
+def apply_resource_overrides(run: RunDir, overrides: list[str]) -> None:
+    """Apply key=value overrides to the frozen config; keys that change outputs are refused."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from batchinfer.config.compose import quote_literals
+    from batchinfer.config.fingerprint import changed_keys, fingerprint_keys
+    from batchinfer.config.schema import Config, to_dict, validate
+
+    record = run.run
+    new = OmegaConf.merge(OmegaConf.structured(Config), record["config"])
+    try:  # Hydra's grammar, as on the submit command line
+        for ov in OverridesParser.create().parse_overrides(quote_literals(overrides)):
+            OmegaConf.update(new, ov.key_or_group, ov.value(), merge=True, force_add=ov.is_add())
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    validate(new)
+    c = to_dict(new)
+    fp_input = record["fingerprint_keys"]["input.fingerprint"]
+    changed = changed_keys(record["fingerprint_keys"], fingerprint_keys(c, fp_input))
+    if changed:
+        raise RunDirError(f"resume accepts only settings that do not change outputs; refused: {', '.join(changed)}")
+    record["config"] = freeze_paths(run, c)  # tasks keep reading the frozen copies, never the user's files
+    run.write_run(record)
+
+
+def cancel(run_dir: str) -> list[str]:
+    """`batchinfer cancel DIR`: scancel every job recorded for DIR."""
+    run = RunDir(run_dir)
+    ids = all_job_ids(run)
+    names = unrecorded_names(run)  # submissions cut short: their jobs may exist without a recorded id
+    slurm.cancel(ids, names)
+    by_name = f"; and any job named {', '.join(names)}" if names else ""
+    if ids or names:
+        print(f"cancelled {len(ids)} jobs of {run.path}: {' '.join(ids)}{by_name}")
+    else:
+        print(f"{run.path}: no jobs recorded")
+    return ids

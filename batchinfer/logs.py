@@ -1,0 +1,18 @@
+"""batchinfer's own log lines: one format for the CLI, the local run and Slurm tasks."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+log = logging.getLogger("batchinfer")
+
+
+def setup_logging() -> None:
+    """Plain timestamped lines on stderr for batchinfer's own logger (vLLM keeps its own)."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[batchinfer %(asctime)s] %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
