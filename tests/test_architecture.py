@@ -1,0 +1,414 @@
+"""The package's shape: every stage package says what it owns, module-level imports form no
+cycle and never run up the layers, and every login-node module imports without vllm or torch.
+
+Layers, bottom to top (a module imports at module level only its own package or lower ones):
+base modules (errors, security, faults, logs, versions) < models < config < inputs < requests
+< rundir < engine < launch < insight < cli. Only engine/vllm_engine.py imports vllm, inside
+functions. The checkers are plain functions, also run on a small synthetic package to show
+that they report what they look for."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "batchinfer"
+SKIPPED_DIRS = {"conf", "__pycache__"}  # conf: YAML data shipped in the wheel
+
+# First name under the package -> layer. "" is the package's own __init__.py.
+LAYERS = {
+    "": 0,
+    "errors": 0,
+    "security": 0,
+    "faults": 0,
+    "logs": 0,
+    "versions": 0,
+    "models": 1,
+    "config": 2,
+    "inputs": 3,
+    "requests": 4,
+    "rundir": 5,
+    "engine": 6,
+    "launch": 7,
+    "insight": 8,
+    "cli": 9,
+}
+VLLM_IMPORTER = "batchinfer.engine.vllm_engine"
+HEAVY = ("vllm", "torch")
+
+
+# --- the checkers ---------------------------------------------------------------------------
+
+
+def package_dirs(src: Path, package: str) -> list[Path]:
+    """The package's folder and every folder below it holding Python files (conf excluded)."""
+    top = src / package
+    return [top] + sorted(
+        {p.parent for p in top.rglob("*.py") if p.parent != top and not SKIPPED_DIRS & set(p.relative_to(top).parts)}
+    )
+
+
+def undocumented_packages(src: Path, package: str) -> list[str]:
+    """Each package folder without an __init__.py or whose __init__.py has no docstring."""
+    out = []
+    for d in package_dirs(src, package):
+        init = d / "__init__.py"
+        if not init.is_file():
+            out.append(f"{d.relative_to(src).as_posix()}: no __init__.py")
+        elif not (ast.get_docstring(ast.parse(init.read_text())) or "").strip():
+            out.append(f"{init.relative_to(src).as_posix()}: no docstring")
+    return out
+
+
+def module_files(src: Path, package: str) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the package (a package as its __init__)."""
+    out = {}
+    for path in sorted((src / package).rglob("*.py")):
+        rel = path.relative_to(src)
+        if SKIPPED_DIRS & set(rel.parts[1:-1]):
+            continue
+        parts = list(rel.with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def module_level_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Import statements run when the module is imported: not inside a function body (a class
+    body runs at import, so it counts), not under `if TYPE_CHECKING:`."""
+
+    def walk(stmts: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+        for node in stmts:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                yield node
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            elif isinstance(node, ast.If) and _is_type_checking(node.test):
+                yield from walk(node.orelse)
+            else:
+                for name in ("body", "orelse", "finalbody"):
+                    yield from walk(getattr(node, name, None) or [])
+                for handler in getattr(node, "handlers", None) or []:
+                    yield from walk(handler.body)
+                for case in getattr(node, "cases", None) or []:
+                    yield from walk(case.body)
+
+    yield from walk(tree.body)
+
+
+def _resolve(module: str, is_package: bool, node: ast.Import | ast.ImportFrom, known: set[str]) -> list[str]:
+    """The package's modules an import statement names (a `from X import name` is X.name when
+    that is a module, else X)."""
+
+    def known_prefix(name: str) -> Optional[str]:
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            if ".".join(parts[:i]) in known:
+                return ".".join(parts[:i])
+        return None
+
+    if isinstance(node, ast.Import):
+        return [m for m in (known_prefix(a.name) for a in node.names) if m]
+    if node.level:
+        here = module.split(".") if is_package else module.split(".")[:-1]
+        base_parts = here[: len(here) - (node.level - 1)]
+        base = ".".join(base_parts + ([node.module] if node.module else []))
+    else:
+        base = node.module or ""
+    out = []
+    for alias in node.names:
+        target = known_prefix(f"{base}.{alias.name}") if f"{base}.{alias.name}" in known else known_prefix(base)
+        if target:
+            out.append(target)
+    return out
+
+
+def import_graph(src: Path, package: str) -> dict[str, list[tuple[str, str]]]:
+    """Module -> [(imported module of the package, `file:line: statement`)] at module level."""
+    files = module_files(src, package)
+    known = set(files)
+    graph: dict[str, list[tuple[str, str]]] = {}
+    for module, path in files.items():
+        source = path.read_text()
+        edges = []
+        for node in module_level_imports(ast.parse(source, str(path))):
+            where = f"{path.relative_to(src)}:{node.lineno}: {ast.get_source_segment(source, node)}"
+            for target in _resolve(module, path.name == "__init__.py", node, known):
+                if target != module:
+                    edges.append((target, where))
+        graph[module] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, list[tuple[str, str]]]) -> Optional[list[str]]:
+    """One cycle of the graph as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    path: list[str] = []
+
+    def visit(node: str) -> Optional[list[str]]:
+        state[node] = 1
+        path.append(node)
+        for target, _ in graph.get(node, []):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state:
+                found = visit(target)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def describe_cycle(graph: dict[str, list[tuple[str, str]]], cycle: list[str]) -> str:
+    """The cycle with the import statement of each step."""
+    steps = []
+    for a, b in zip(cycle[:-1], cycle[1:], strict=True):
+        where = next(w for t, w in graph[a] if t == b)
+        steps.append(f"  {a} -> {b}  ({where})")
+    return "import cycle:\n" + "\n".join(steps)
+
+
+def layer_of(module: str, package: str, layers: dict[str, int]) -> Optional[int]:
+    first = module[len(package) + 1 :].split(".")[0] if module != package else ""
+    return layers.get(first)
+
+
+def layer_violations(graph: dict[str, list[tuple[str, str]]], package: str, layers: dict[str, int]) -> list[str]:
+    """Each module-level import of a higher layer (and each module no layer is assigned to)."""
+    out = []
+    for module, edges in sorted(graph.items()):
+        mine = layer_of(module, package, layers)
+        if mine is None:
+            out.append(f"{module}: in no layer (add it to LAYERS and the README's architecture table)")
+            continue
+        for target, where in edges:
+            theirs = layer_of(target, package, layers)
+            if theirs is not None and theirs > mine:
+                out.append(f"{module} (layer {mine}) imports {target} (layer {theirs}): {where}")
+    return out
+
+
+# A fresh interpreter in which vllm and torch cannot be imported, as on a login node without
+# them: imports every module of a package (but the excluded ones) and prints what failed.
+IMPORT_ALL = textwrap.dedent(
+    """
+    import importlib, json, pkgutil, sys, traceback
+
+    BLOCKED = {blocked!r}
+
+    class Blocker:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ModuleNotFoundError(f"{{name}} is blocked (a login node without it)", name=name)
+            return None
+
+    sys.meta_path.insert(0, Blocker())
+    sys.path[:0] = {path!r}
+    package, excluded = {package!r}, set({excluded!r})
+    failed, imported = {{}}, []
+
+    def onerror(name):
+        failed[name] = traceback.format_exc(limit=-3)
+
+    try:
+        root = importlib.import_module(package)
+    except Exception:
+        print(json.dumps({{"failed": {{package: traceback.format_exc(limit=-3)}}}}))
+        raise SystemExit
+    names = [package] + [m.name for m in pkgutil.walk_packages(root.__path__, package + ".", onerror)]
+    for name in names:
+        if name in excluded or name in failed:
+            continue
+        try:
+            importlib.import_module(name)
+            imported.append(name)
+        except Exception:
+            failed[name] = traceback.format_exc(limit=-3)
+    blocked_imports = {{}}
+    for name in sorted(BLOCKED):
+        try:
+            importlib.import_module(name)
+            blocked_imports[name] = "imported"
+        except ImportError as e:
+            blocked_imports[name] = f"ImportError: {{e}}"
+    print(json.dumps({{
+        "imported": imported,
+        "failed": failed,
+        "heavy_loaded": sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED),
+        "blocked_imports": blocked_imports,
+    }}))
+    """
+)
+
+
+def import_all_without(package: str, excluded: list[str], blocked: tuple[str, ...], path: list[str]) -> dict:
+    script = IMPORT_ALL.format(blocked=set(blocked), path=path, package=package, excluded=excluded)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --- batchinfer -----------------------------------------------------------------------------
+
+
+def test_every_package_has_a_docstring_saying_what_it_owns() -> None:
+    names = {d.name for d in package_dirs(ROOT, PACKAGE)}
+    assert names >= {"models", "config", "inputs", "requests", "rundir", "engine", "launch", "insight"}
+    assert "conf" not in names
+    missing = undocumented_packages(ROOT, PACKAGE)
+    assert not missing, "packages without a docstring:\n" + "\n".join(missing)
+
+
+def test_no_import_cycle() -> None:
+    graph = import_graph(ROOT, PACKAGE)
+    assert len(graph) > 30 and sum(map(len, graph.values())) > 50  # the parser sees the imports
+    cycle = find_cycle(graph)
+    assert cycle is None, describe_cycle(graph, cycle)
+
+
+def test_imports_never_run_up_the_layers() -> None:
+    graph = import_graph(ROOT, PACKAGE)
+    assert any(t == "batchinfer.errors" for t, _ in graph["batchinfer.rundir.store"])
+    violations = layer_violations(graph, PACKAGE, LAYERS)
+    assert not violations, "imports up the layers:\n" + "\n".join(violations)
+
+
+def test_only_vllm_engine_imports_vllm_and_only_inside_functions() -> None:
+    """Statically, anywhere in a module (functions too): vllm only in engine/vllm_engine.py,
+    and there never at module level; torch never at module level."""
+    offenders = []
+    for module, path in module_files(ROOT, PACKAGE).items():
+        tree = ast.parse(path.read_text())
+        top = {id(n) for n in module_level_imports(tree)}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for name in names:
+                root = name.split(".")[0]
+                if root == "vllm" and (module != VLLM_IMPORTER or id(node) in top):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: import {name}")
+                if root == "torch" and id(node) in top:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: import {name} at module level")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_every_login_node_module_imports_without_vllm_and_torch() -> None:
+    # Installed here, so the block below (not their absence) is what keeps them out.
+    assert importlib.util.find_spec("torch") is not None and importlib.util.find_spec("vllm") is not None
+    result = import_all_without(PACKAGE, [VLLM_IMPORTER], HEAVY, [str(ROOT)])
+    assert not result["failed"], "\n".join(f"{name}:\n{tb}" for name, tb in result["failed"].items())
+    expected = set(module_files(ROOT, PACKAGE)) - {VLLM_IMPORTER}
+    assert expected <= set(result["imported"]), sorted(expected - set(result["imported"]))
+    assert VLLM_IMPORTER not in result["imported"]
+    assert result["heavy_loaded"] == [], result["heavy_loaded"]
+    # The block works: in that interpreter `import torch` / `import vllm` fail.
+    for name in HEAVY:
+        assert result["blocked_imports"][name].startswith("ImportError"), result["blocked_imports"]
+
+
+# --- the checkers find what they look for ---------------------------------------------------
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+SYNTHETIC_LAYERS = {"": 0, "base": 0, "low": 1, "high": 2}
+
+
+def test_checkers_report_a_cycle_and_an_upward_import(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": '"""Synthetic."""\n',
+            "pkg/base.py": "import os\n",
+            "pkg/low/__init__.py": '"""Low."""\n',
+            "pkg/low/a.py": "from pkg.low import b\n",
+            "pkg/low/b.py": "from . import c\n",
+            "pkg/low/c.py": "import pkg.low.a\nfrom pkg.base import os\n",
+            "pkg/low/up.py": "from pkg.high.y import thing\n",
+            "pkg/low/lazy.py": """
+                from typing import TYPE_CHECKING
+                if TYPE_CHECKING:
+                    from pkg.high import y
+                def f():
+                    from pkg.high import y
+                """,
+            "pkg/high/__init__.py": "",
+            "pkg/high/y.py": "from pkg.low import a\nthing = 1\n",
+            "pkg/odd.py": "",
+        },
+    )
+    graph = import_graph(tmp_path, "pkg")
+    assert graph["pkg.low.lazy"] == []  # TYPE_CHECKING and function-level imports do not count
+    cycle = find_cycle(graph)
+    assert cycle is not None and set(cycle) == {"pkg.low.a", "pkg.low.b", "pkg.low.c"}
+    assert cycle[0] == cycle[-1] and len(cycle) == 4
+    text = describe_cycle(graph, cycle)
+    assert "pkg/low/b.py:1: from . import c" in text and "pkg/low/c.py:1: import pkg.low.a" in text
+
+    violations = layer_violations(graph, "pkg", SYNTHETIC_LAYERS)
+    assert violations == [
+        "pkg.low.up (layer 1) imports pkg.high.y (layer 2): pkg/low/up.py:1: from pkg.high.y import thing",
+        "pkg.odd: in no layer (add it to LAYERS and the README's architecture table)",
+    ]
+
+    # A package folder without a docstring or without __init__.py is reported.
+    (tmp_path / "pkg/orphan").mkdir()
+    (tmp_path / "pkg/orphan/z.py").write_text("")
+    assert undocumented_packages(tmp_path, "pkg") == [
+        "pkg/high/__init__.py: no docstring",
+        "pkg/orphan: no __init__.py",
+    ]
+
+    # Without the cycle's closing import, none is found.
+    (tmp_path / "pkg/low/c.py").write_text("from pkg.base import os\n")
+    assert find_cycle(import_graph(tmp_path, "pkg")) is None
+
+
+def test_import_check_reports_a_module_that_needs_torch(tmp_path: Path) -> None:
+    """The same interpreter set-up fails a module importing torch, names it, and keeps the
+    excluded module out."""
+    _write(
+        tmp_path,
+        {
+            "heavypkg/__init__.py": '"""Synthetic."""\n',
+            "heavypkg/light.py": "import json\n",
+            "heavypkg/sub/__init__.py": "",
+            "heavypkg/sub/uses_torch.py": "import torch\n",
+            "heavypkg/sub/lazy_torch.py": "def f():\n    import torch\n",
+            "heavypkg/engine.py": "import vllm\n",
+        },
+    )
+    result = import_all_without("heavypkg", ["heavypkg.engine"], HEAVY, [str(tmp_path)])
+    assert set(result["failed"]) == {"heavypkg.sub.uses_torch"}
+    assert "torch is blocked" in result["failed"]["heavypkg.sub.uses_torch"]
+    assert set(result["imported"]) == {"heavypkg", "heavypkg.light", "heavypkg.sub", "heavypkg.sub.lazy_torch"}
+    assert result["heavy_loaded"] == []
