@@ -57,7 +57,7 @@ def test_template_file_is_frozen_and_its_contents_fingerprinted(tmp_path: Path, 
     # A worker elsewhere reads the frozen bytes, never the user's (now edited, then deleted) file.
     Path("t.txt").unlink()
     monkeypatch.chdir(fake_model_dir(tmp_path))
-    builder = PromptBuilder(RunDir(run.path).run["config"]["prompt"])
+    builder = PromptBuilder(RunDir(run.path).config.prompt)
     assert builder.build({"text": "x"})[-1]["content"] == "Topic of: x\n"
     # Same contents under another name: outputs cannot differ, the DIR reopens and still reads its copy.
     (tmp_path / "moved.txt").write_text("Topic of: {text}\n")

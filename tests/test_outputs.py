@@ -14,7 +14,7 @@ from conftest import assert_exactly_once, read_output, write_corpus
 from conftest import run_overrides as overrides
 
 from batchinfer.config.compose import compose
-from batchinfer.config.schema import to_dict
+from batchinfer.config.schema import to_config, to_dict
 from batchinfer.errors import ConfigError, InputError
 from batchinfer.launch.local import run_local
 from batchinfer.rundir.store import read_json
@@ -262,7 +262,7 @@ def test_ngram_speculative_decoding_keeps_greedy_outputs(tmp_path: Path, tiny_mo
     rows = write_corpus(corpus, 24, seed=26)
     plain = read_output(run_local(compose(overrides(tiny_model_path, corpus, tmp_path / "plain")), engine=engine).path)
     cfg = compose(overrides(tiny_model_path, corpus, tmp_path / "spec", "speculative=ngram"))
-    assert llm_kwargs(to_dict(cfg))["speculative_config"]["method"] == "ngram"
+    assert llm_kwargs(to_config(cfg))["speculative_config"]["method"] == "ngram"
     eng = Engine(to_dict(cfg))
     try:
         run = run_local(cfg, engine=eng)

@@ -113,9 +113,9 @@ def test_run_yaml_and_sbatch_setup_never_hold_secret_values(
     text = run.run_yaml.read_text()
     assert PLANTED not in text and "WANDB_API_KEY: <redacted>" in text and "HF_TOKEN: ''" in text
     assert run.run["config"]["cluster"]["env"]["WANDB_API_KEY"] == PLANTED  # kept in memory for the submission
-    params = slurm.array_parameters(run.run["config"]["cluster"], 1)
+    params = slurm.array_parameters(run.config.cluster, 1)
     assert params["setup"] == ["export PLAIN='a b'"]
-    assert slurm.merge_parameters(run.run["config"]["cluster"], ["1"])["setup"] == params["setup"]
+    assert slurm.merge_parameters(run.config.cluster, ["1"])["setup"] == params["setup"]
     submit_shards(run, [0], dry_run=True)  # prints the sbatch parameters
     assert PLANTED not in capsys.readouterr().out
     # Reopened (as `resume` does), the secret comes from the submitting shell's environment.

@@ -95,7 +95,7 @@ class SteppingEngine(FakeEngine):
         from batchinfer.engine.vllm_engine import model_key
 
         super().__init__(per_step=3)
-        self.key = model_key(run.run["config"])
+        self.key = model_key(run.config)
         self.on_step = on_step or (lambda: None)
 
     def step(self) -> list[Completion]:

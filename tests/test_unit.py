@@ -13,6 +13,7 @@ from conftest import fake_model_dir, read_output, write_corpus
 
 from batchinfer.config.compose import compose, hydra_literal
 from batchinfer.config.fingerprint import changed_keys
+from batchinfer.config.schema import ClusterConfig, Config, ModelConfig, PromptConfig, to_config, to_dict
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.engine.worker import StopFlag
 from batchinfer.errors import ConfigError, InputError, RunDirError
@@ -116,6 +117,15 @@ def test_template_taken_literally_from_the_shell() -> None:
     assert hydra_literal("a'b") == "'a\\'b'"
 
 
+def test_typed_config_keeps_literal_text_from_run_yaml() -> None:
+    """run.yaml holds resolved plain values: `${` in a template is text when typed again."""
+    template = "costs ${x} and \\${y} {text}"
+    typed = to_config(to_dict(compose([f"prompt.template={template}", "prompt.labels.names=[a,b]"])))
+    assert isinstance(typed, Config) and typed.prompt.template == template
+    assert typed.prompt.labels.names == ["a", "b"] and typed.sampling.params["max_tokens"] == typed.sampling.max_tokens
+    assert to_config(typed) is typed
+
+
 def test_changed_keys() -> None:
     assert changed_keys({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4}) == ["b", "c"]
 
@@ -168,21 +178,21 @@ def test_duplicate_ids_and_unknown_template_field(tmp_path: Path) -> None:
 
 
 def test_prompt_builder_chat_raw_and_row_errors() -> None:
-    b = PromptBuilder({"template": "Label: {text}", "system": "Be brief", "mode": "chat"})
+    b = PromptBuilder(PromptConfig(template="Label: {text}", system="Be brief", mode="chat"))
     assert b.build({"text": "hi"}) == [
         {"role": "system", "content": "Be brief"},
         {"role": "user", "content": "Label: hi"},
     ]
-    raw = PromptBuilder({"template": "Q: {text} {{json}}", "system": None, "mode": "raw"})
+    raw = PromptBuilder(PromptConfig(template="Q: {text} {{json}}", system=None, mode="raw"))
     assert raw.build({"text": "hi"}) == "Q: hi {json}"
     with pytest.raises(RowError, match="^field 'text' is null or missing$"):
         b.build({"text": None})
     with pytest.raises(RowError, match=r"^the prompt is empty \(field 'text' is blank\)$"):
-        PromptBuilder({"template": "{text}", "system": None, "mode": "raw"}).build({"text": "  "})
+        PromptBuilder(PromptConfig(template="{text}", system=None, mode="raw")).build({"text": "  "})
 
 
 def test_template_fields_take_text_numbers_and_bools_not_lists_or_objects() -> None:
-    b = PromptBuilder({"template": "{text} n={n} ok={ok} {meta.k}", "system": None, "mode": "raw"})
+    b = PromptBuilder(PromptConfig(template="{text} n={n} ok={ok} {meta.k}", system=None, mode="raw"))
     assert b.build({"text": "t", "n": 2.5, "ok": True, "meta": {"k": 7}}) == "t n=2.5 ok=True 7"
     cases = [
         ({"text": ["a", "b"]}, "field 'text' is a list, not a string, number or bool"),
@@ -195,7 +205,7 @@ def test_template_fields_take_text_numbers_and_bools_not_lists_or_objects() -> N
             b.build({"text": "t", "n": 1, "ok": False, "meta": {"k": 1}} | change)
         assert e.value.kind == "prompt" and e.value.message.startswith(message), e.value.message
     with pytest.raises(RowError) as e:
-        PromptBuilder({"template": "Tags: {meta}", "system": None, "mode": "raw"}).build({"meta": [1]})
+        PromptBuilder(PromptConfig(template="Tags: {meta}", system=None, mode="raw")).build({"meta": [1]})
     assert e.value.message == (
         "field 'meta' is a list, not a string, number or bool; "
         "to put JSON in a prompt, write it into a string column first (json.dumps)"
@@ -331,7 +341,7 @@ def test_fingerprint_refusal_names_changed_keys(tmp_path: Path) -> None:
 def _keyed(eng: FakeEngine, run: RunDir) -> FakeEngine:
     from batchinfer.engine.vllm_engine import model_key
 
-    eng.key = model_key(run.run["config"])  # type: ignore[attr-defined]
+    eng.key = model_key(run.config)  # type: ignore[attr-defined]
     return eng
 
 
@@ -350,9 +360,7 @@ def test_arrays_split_at_max_array_size_and_gpus_checked(tmp_path: Path, monkeyp
     out = capsys.readouterr().out
     assert "array 2: 1 tasks" in out and "'signal_delay_s': 120" in out and "'requeue': True" in out
     with pytest.raises(ConfigError, match=r"cluster.gpus_per_task=1 is less than .* = 2"):
-        slurm.check_gpus(
-            {"model": {"tensor_parallel_size": 2, "pipeline_parallel_size": 1}, "cluster": {"gpus_per_task": 1}}
-        )
+        slurm.check_gpus(Config(model=ModelConfig(tensor_parallel_size=2), cluster=ClusterConfig(gpus_per_task=1)))
 
 
 def test_env_lines_quote_values() -> None:

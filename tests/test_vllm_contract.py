@@ -72,8 +72,8 @@ def test_contract_lists_what_engine_passes() -> None:
     model = {k: ("x" if v is None else v) for k, v in dataclasses.asdict(config.ModelConfig()).items()}
     for preset in (ROOT / "conf" / "speculative").glob("*.yaml"):
         model["engine_kwargs"].update(yaml.safe_load(preset.read_text()).get("engine_kwargs") or {})
-    quant = dataclasses.asdict(config.QuantizationConfig(method="fp8"))
-    assert set(llm_kwargs({"model": model, "quantization": quant})) == set(contract.LLM_KWARGS)
+    cfg = config.Config(model=config.ModelConfig(**model), quantization=config.QuantizationConfig(method="fp8"))
+    assert set(llm_kwargs(cfg)) == set(contract.LLM_KWARGS)
 
     sampling = dataclasses.asdict(config.SamplingConfig(seed=1, logprobs=1))
     # Engine.sampling_params adds these two to what sampling_kwargs returns.

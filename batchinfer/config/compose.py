@@ -9,13 +9,13 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from batchinfer.config.schema import LITERAL_KEYS, RANGES, conf_dir, register_configs, validate
+from batchinfer.config.schema import LITERAL_KEYS, RANGES, conf_dir, escape_interpolation, register_configs, validate
 from batchinfer.errors import ConfigError
 
 
 def hydra_literal(value: str) -> str:
     """Quote a raw string so Hydra's grammar and OmegaConf give it back unchanged."""
-    value = re.sub(r"(\\*)\$\{", lambda m: "\\" * (2 * len(m.group(1)) + 1) + "${", value)
+    value = escape_interpolation(value)
     value = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)
     return "'" + value.replace("'", "\\'") + "'"
 

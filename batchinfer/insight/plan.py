@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD
+from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, Config, to_config
 from batchinfer.errors import ConfigError
 from batchinfer.models import sizing
 from batchinfer.models.maxlen import max_model_len
@@ -17,22 +17,20 @@ if TYPE_CHECKING:
 SAMPLE_ROWS = 200
 
 
-def input_section(
-    c: dict[str, Any], files: list[Path], sample_rows: int
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def input_section(c: Config, files: list[Path], sample_rows: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Input rows, shards and array tasks, plus a sample of rows; reads the input, converts nothing."""
     from batchinfer.inputs.preview import peek
     from batchinfer.inputs.read import plan_shards
 
-    fmt = c["input"]["format"]
+    fmt = c.input.format
     rows, sample = peek(files, fmt, sample_rows)
     if rows == 0:
-        raise ConfigError(f"input.path {c['input']['path']}: no rows; there is nothing to plan")
-    sh = c["sharding"]
-    shards = plan_shards(rows, sh["num_shards"], sh["rows_per_shard"], DEFAULT_ROWS_PER_SHARD)
-    per_task = c["cluster"]["shards_per_task"]
+        raise ConfigError(f"input.path {c.input.path}: no rows; there is nothing to plan")
+    sh = c.sharding
+    shards = plan_shards(rows, sh.num_shards, sh.rows_per_shard, DEFAULT_ROWS_PER_SHARD)
+    per_task = c.cluster.shards_per_task
     section = {
-        "path": c["input"]["path"],
+        "path": c.input.path,
         "files": len(files),
         "format": fmt,
         "rows": rows,
@@ -44,9 +42,7 @@ def input_section(
     return section, sample
 
 
-def prompt_section(
-    c: dict[str, Any], folder: Path, rows: int, sample: list[dict[str, Any]], max_len: int
-) -> dict[str, Any]:
+def prompt_section(c: Config, folder: Path, rows: int, sample: list[dict[str, Any]], max_len: int) -> dict[str, Any]:
     """Prompt tokens of the sampled rows, counted as vLLM would, and the totals they suggest."""
     from jinja2.exceptions import TemplateError
 
@@ -54,13 +50,13 @@ def prompt_section(
     from batchinfer.requests.build import build_request
     from batchinfer.requests.prompts import PromptBuilder, RowError, check_fields
 
-    builder = PromptBuilder(c["prompt"])
+    builder = PromptBuilder(c.prompt)
     columns = sorted({k for row in sample for k in row})
-    check_fields(builder.template, columns, c["input"]["path"])
+    check_fields(builder.template, columns, c.input.path)
     tok = LoginTokenizer.from_model_dir(folder)
-    if c["prompt"]["mode"] == "chat" and tok.chat_template is None:
-        raise ConfigError(f"model.path {c['model']['path']}: the model has no chat template; use prompt.mode=raw")
-    kwargs = c["prompt"]["chat_template_kwargs"]
+    if c.prompt.mode == "chat" and tok.chat_template is None:
+        raise ConfigError(f"model.path {c.model.path}: the model has no chat template; use prompt.mode=raw")
+    kwargs = c.prompt.chat_template_kwargs
     counts: list[int] = []
     errors: list[str] = []
     for i, row in enumerate(sample):
@@ -68,16 +64,16 @@ def prompt_section(
             counts.append(len(build_request(c, builder, row, i, lambda p: tok.encode(p, kwargs)).ids))
         except (RowError, TemplateError) as e:
             errors.append(str(e))  # an error row in a run, not a failed plan
-    sampling = c["sampling"]
+    sampling = c.sampling
     out = {
-        "mode": c["prompt"]["mode"],
+        "mode": c.prompt.mode,
         "sampled_rows": len(sample),
         "tokenized_rows": len(counts),
         "row_errors": len(errors),
         "first_row_error": errors[0] if errors else None,
-        "output_upper_bound": rows * sampling["max_tokens"] * sampling["n"],
-        "max_tokens": sampling["max_tokens"],
-        "n": sampling["n"],
+        "output_upper_bound": rows * sampling.max_tokens * sampling.n,
+        "max_tokens": sampling.max_tokens,
+        "n": sampling.n,
     }
     if counts:
         from collections import Counter
@@ -96,19 +92,19 @@ def prompt_section(
     return out
 
 
-def model_section(c: dict[str, Any], folder: Path) -> tuple[sizing.ModelSize, dict[str, Any]]:
+def model_section(c: Config, folder: Path) -> tuple[sizing.ModelSize, dict[str, Any]]:
     """Parameters, weight bytes and KV bytes per token of the configured model and quantization."""
-    m, q = c["model"], c["quantization"]
+    m, q = c.model, c.quantization
     model = sizing.read_model(folder)
-    max_len, _ = max_model_len(m["max_model_len"], folder)
-    method = q["method"]
+    max_len, _ = max_model_len(m.max_model_len, folder)
+    method = q.method
     if model.quant_method:
         method = model.quant_method  # the checkpoint's own; vLLM reads it from config.json
-    wbytes = sizing.weight_bytes(model, q["method"], m["dtype"])
-    kv_bytes = sizing.kv_dtype_bytes(q["kv_cache_dtype"], m["dtype"])
+    wbytes = sizing.weight_bytes(model, q.method, m.dtype)
+    kv_bytes = sizing.kv_dtype_bytes(q.kv_cache_dtype, m.dtype)
     per_token = sizing.kv_bytes_per_token(model, kv_bytes)
     return model, {
-        "path": m["path"],
+        "path": m.path,
         "folder": str(folder),
         "params": model.params,
         "params_source": model.params_source,
@@ -117,9 +113,9 @@ def model_section(c: dict[str, Any], folder: Path) -> tuple[sizing.ModelSize, di
         "head_dim": model.head_dim,
         "quantization": method,
         "checkpoint_quantized": model.quant_method is not None,
-        "weight_bytes_per_param": sizing.weight_bytes_per_param(model, q["method"], m["dtype"]),
+        "weight_bytes_per_param": sizing.weight_bytes_per_param(model, q.method, m.dtype),
         "weight_bytes": wbytes,
-        "kv_cache_dtype": q["kv_cache_dtype"],
+        "kv_cache_dtype": q.kv_cache_dtype,
         "kv_bytes_per_element": kv_bytes,
         "kv_bytes_per_token": per_token,
         "max_model_len": max_len,
@@ -128,11 +124,11 @@ def model_section(c: dict[str, Any], folder: Path) -> tuple[sizing.ModelSize, di
 
 
 def gpu_rows(
-    c: dict[str, Any], model: sizing.ModelSize, ms: dict[str, Any], gpus: list[str], seq_len: Optional[int]
+    c: Config, model: sizing.ModelSize, ms: dict[str, Any], gpus: list[str], seq_len: Optional[int]
 ) -> list[dict[str, Any]]:
     """One row per GPU preset: memory per GPU, KV tokens, concurrency, layout advice and warnings."""
-    m = c["model"]
-    util, tp = m["gpu_memory_utilization"], m["tensor_parallel_size"]
+    m = c.model
+    util, tp = m.gpu_memory_utilization, m.tensor_parallel_size
     out = []
     for gpu in gpus:
         adv = sizing.advice(model, ms["weight_bytes"], ms["kv_bytes_per_element"], gpu, util, tp, ms["max_model_len"])
@@ -164,8 +160,9 @@ def estimate(cfg: DictConfig, gpu: str = sizing.DEFAULT_GPU, sample_rows: int = 
 
     gpus = sizing.gpu_names(gpu)
     try:
-        c, files = resolve_input(cfg, input_required=False)  # as `run` resolves it, labels included
-        folder = model_dir(c["model"]["path"], c["model"]["revision"])
+        resolved, files = resolve_input(cfg, input_required=False)  # as `run` resolves it, labels included
+        c = to_config(resolved)
+        folder = model_dir(c.model.path, c.model.revision)
     except ConfigError as e:
         if "Hugging Face cache" not in str(e):
             raise
@@ -176,12 +173,12 @@ def estimate(cfg: DictConfig, gpu: str = sizing.DEFAULT_GPU, sample_rows: int = 
         ) from None
     model, ms = model_section(c, folder)
     report: dict[str, Any] = {"input": None, "prompt_tokens": None, "model": ms, "notes": []}
-    if model.quant_method and c["quantization"]["method"]:
+    if model.quant_method and c.quantization.method:
         report["notes"].append(
             f"the checkpoint is quantized ({model.quant_method}); quantization.method="
-            f"{c['quantization']['method']} is not used for sizing"
+            f"{c.quantization.method} is not used for sizing"
         )
-    if c["input"]["path"]:
+    if c.input.path:
         report["input"], sample = input_section(c, files, sample_rows)
         if (folder / "tokenizer.json").is_file():
             report["prompt_tokens"] = prompt_section(c, folder, report["input"]["rows"], sample, ms["max_model_len"])

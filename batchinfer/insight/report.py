@@ -17,7 +17,7 @@ def build_report(
 
     shards = shard_stats(run)
     tot = totals(shards)
-    gpus = gpus_per_task(run.run["config"], [s["device"] for s in shards])
+    gpus = gpus_per_task(run.config, [s["device"] for s in shards])
     return {
         "dir": str(run.path),
         "partial": tot["shards_done"] < tot["shards"],

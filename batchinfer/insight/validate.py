@@ -10,6 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from batchinfer.config.schema import Config, to_config
 from batchinfer.errors import ConfigError, InputError
 
 EXAMPLES = 5  # examples kept per kind of problem
@@ -68,7 +69,7 @@ class Tally:
         return sum(e["count"] for e in self.kinds.values())
 
 
-def check_rows(c: dict[str, Any], ds: Any, tok: Any, max_len: int) -> tuple[Tally, Tally, Counter[int], int]:
+def check_rows(c: Config, ds: Any, tok: Any, max_len: int) -> tuple[Tally, Tally, Counter[int], int]:
     """Every row as the worker takes it: sampling overrides, prompt, tokens, overlong policy.
     Returns error rows, run-stopping problems, prompt token lengths and rows at or over max_model_len."""
     from jinja2.exceptions import TemplateError
@@ -76,10 +77,10 @@ def check_rows(c: dict[str, Any], ds: Any, tok: Any, max_len: int) -> tuple[Tall
     from batchinfer.requests.build import build_request, overlong_tokens, row_id
     from batchinfer.requests.prompts import PromptBuilder, RowError
 
-    prompt = c["prompt"]
+    prompt = c.prompt
     builder = PromptBuilder(prompt)
     errors, stops, lengths, overlong = Tally(), Tally(), Counter[int](), 0
-    kwargs = prompt["chat_template_kwargs"]
+    kwargs = prompt.chat_template_kwargs
     for start in range(0, len(ds), BATCH_ROWS):
         rows = ds.select(range(start, min(start + BATCH_ROWS, len(ds)))).to_list()
         for index, row in enumerate(rows, start=start):
@@ -88,7 +89,7 @@ def check_rows(c: dict[str, Any], ds: Any, tok: Any, max_len: int) -> tuple[Tall
                 req = build_request(c, builder, row, index, lambda p: tok.encode(p, kwargs))
                 lengths[len(req.ids)] += 1
                 overlong += len(req.ids) >= max_len
-                overlong_tokens(req.ids, prompt["overlong"], max_len, req.sampling["max_tokens"])
+                overlong_tokens(req.ids, prompt.overlong, max_len, req.sampling["max_tokens"])
             except RowError as e:
                 errors.add(e.kind, dict(example, message=f"row {index}: {e.message}"))
             except TemplateError as e:  # the engine's chat template raises the same: the shard would fail
@@ -121,32 +122,31 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
     from batchinfer.requests.prompts import check_fields, load_template
     from batchinfer.rundir.prepare import check_writable, resolve_input
 
-    c, files = resolve_input(cfg)
-    inp, m = c["input"], c["model"]
-    check_writable(Path(c["output"]["dir"] or "runs"))
-    folder = model_dir(m["path"], m["revision"])
+    resolved, files = resolve_input(cfg)
+    c = to_config(resolved)
+    inp, m = c.input, c.model
+    check_writable(Path(c.output.dir or "runs"))
+    folder = model_dir(m.path, m.revision)
     tok = LoginTokenizer.from_model_dir(folder)
-    if c["prompt"]["mode"] == "chat" and tok.chat_template is None:
-        raise ConfigError(f"model.path {m['path']}: the model has no chat template; use prompt.mode=raw")
-    max_len, max_len_source = max_model_len(m["max_model_len"], folder)
+    if c.prompt.mode == "chat" and tok.chat_template is None:
+        raise ConfigError(f"model.path {m.path}: the model has no chat template; use prompt.mode=raw")
+    max_len, max_len_source = max_model_len(m.max_model_len, folder)
     # Converted as `run` converts it, into a temporary folder ($TMPDIR) removed afterwards.
     with tempfile.TemporaryDirectory(prefix="batchinfer-validate-") as tmp:
         dest = Path(tmp) / "input"
-        rows = convert_input(files, inp["format"], dest, inp["id_column"], inp["columns"], strict_ids=False)
+        rows = convert_input(files, inp.format, dest, inp.id_column, inp.columns, strict_ids=False)
         ds = open_input(dest)
-        check_fields(load_template(c["prompt"]), ds.column_names, inp["path"])
-        id_count, id_examples = (
-            id_problems(ds.data.column(inp["id_column"]), inp["id_column"]) if inp["id_column"] else (0, [])
-        )
+        check_fields(load_template(c.prompt), ds.column_names, inp.path)
+        id_count, id_examples = id_problems(ds.data.column(inp.id_column), inp.id_column) if inp.id_column else (0, [])
         errors, stops, lengths, overlong = check_rows(c, ds, tok, max_len)
         del ds  # memory-mapped from tmp
     if id_count:
-        stops.kinds["ids"] = {"count": id_count, "examples": [{"message": f"{inp['path']}: {e}"} for e in id_examples]}
-    policy = c["prompt"]["overlong"]
+        stops.kinds["ids"] = {"count": id_count, "examples": [{"message": f"{inp.path}: {e}"} for e in id_examples]}
+    policy = c.prompt.overlong
     return {
-        "input": {"path": inp["path"], "format": inp["format"], "files": len(files), "rows": rows},
-        "model": {"path": m["path"], "max_model_len": max_len, "max_model_len_source": max_len_source},
-        "prompt": {"mode": c["prompt"]["mode"], "overlong": policy},
+        "input": {"path": inp.path, "format": inp.format, "files": len(files), "rows": rows},
+        "model": {"path": m.path, "max_model_len": max_len, "max_model_len_source": max_len_source},
+        "prompt": {"mode": c.prompt.mode, "overlong": policy},
         "stops": {"count": stops.total(), "by_kind": stops.kinds},
         "error_rows": {"count": errors.total(), "by_kind": errors.kinds},
         "overlong": {"rows": overlong, "policy": policy, "outcome": overlong_outcome(policy, overlong, max_len)},

@@ -11,6 +11,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from batchinfer import security
+from batchinfer.config.schema import Config
 from batchinfer.engine.dtype import settle
 from batchinfer.engine.output import EngineOutput
 from batchinfer.errors import (
@@ -48,12 +49,12 @@ def progress_bar(total: int, initial: int, desc: str, file: Any = None) -> Any:
 class EngineHolder:
     """Builds the engine on first use (a finished run never imports vllm) and reuses it."""
 
-    def __init__(self, c: dict[str, Any], stop: Any, engine: Any = None, run_path: Optional[Path] = None):
+    def __init__(self, c: Config, stop: Any, engine: Any = None, run_path: Optional[Path] = None):
         self.c = c
         self.stop = stop
         self.engine = engine
         # `model.dtype: auto` settled for the whole run in DIR/dtype.json (None: for this machine)
-        self.dtype = settle(run_path, c["model"]["dtype"]) if run_path is not None else None
+        self.dtype = settle(run_path, c.model.dtype) if run_path is not None else None
         if engine is not None:
             from batchinfer.engine.vllm_engine import model_key
 
@@ -66,7 +67,7 @@ class EngineHolder:
         if self.engine is None:
             from batchinfer.engine.vllm_engine import Engine
 
-            log.info("starting vLLM engine for %s", self.c["model"]["path"])
+            log.info("starting vLLM engine for %s", self.c.model.path)
             # Block stop signals while the engine starts: its processes inherit the mask (a
             # group-wide USR2 cannot kill them) and a signal sent meanwhile stays pending.
             self.stop.block()
@@ -89,7 +90,7 @@ def run_shards(run: RunDir, indices: list[int], engine: Any = None) -> None:
     if not shards:
         return
     with (
-        security.private_umask(run.run["config"]["output"]["private"]),
+        security.private_umask(run.config.output.private),
         EngineOutput(run.logs_dir, enabled=engine is None) as output,
     ):
         _run_shards(run, shards, engine, output)
@@ -100,7 +101,7 @@ def _run_shards(run: RunDir, shards: list[Shard], engine: Any, output: EngineOut
 
     stop = StopFlag()
     saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)}
-    holder = EngineHolder(run.run["config"], stop, engine, run.path)
+    holder = EngineHolder(run.config, stop, engine, run.path)
     committed = sum(_rows_done(run, s.index) for s in shards)
     bar = progress_bar(sum(s.rows for s in shards), committed, desc=run.path.name, file=output.bar_file())
     current = shards[0]
@@ -123,7 +124,7 @@ def _run_shards(run: RunDir, shards: list[Shard], engine: Any, output: EngineOut
         if slurm.this_job():
             # The worker counted the failure under the shard lock, against this submission's budget.
             failures = worker.failures
-            limit = run.run["config"]["cluster"]["max_attempts"]
+            limit = run.config.cluster.max_attempts
             if failures is None:
                 log.error("shard %d failed outside its shard lock (%s): not requeueing", current.index, e)
             elif failures < limit:
@@ -180,7 +181,7 @@ def run_local(cfg: DictConfig, engine: Any = None) -> RunDir:
 
 def shards_of_task(run: RunDir, task: int) -> list[int]:
     """Shards an array task runs: shards_per_task consecutive shards."""
-    per = run.run["config"]["cluster"]["shards_per_task"]
+    per = run.config.cluster.shards_per_task
     indices = [s.index for s in run.shards()][task * per : (task + 1) * per]
     if not indices:
         raise RunDirError(

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Optional
 
+from batchinfer.config.schema import ClusterConfig, Config
 from batchinfer.errors import ConfigError, RequeueFailed, SlurmUnavailable
 from batchinfer.security import export_option, is_secret_name
 
@@ -69,10 +70,10 @@ def split_tasks(tasks: list[Any], limit: int) -> list[list[Any]]:
     return [tasks[i : i + limit] for i in range(0, len(tasks), limit)] or [[]]
 
 
-def check_gpus(cfg: dict[str, Any]) -> None:
+def check_gpus(cfg: Config) -> None:
     """gpus_per_task must cover tensor x pipeline parallelism (0: a CPU partition)."""
-    need = cfg["model"]["tensor_parallel_size"] * cfg["model"]["pipeline_parallel_size"]
-    have = cfg["cluster"]["gpus_per_task"]
+    need = cfg.model.tensor_parallel_size * cfg.model.pipeline_parallel_size
+    have = cfg.cluster.gpus_per_task
     if have and have < need:
         raise ConfigError(
             f"cluster.gpus_per_task={have} is less than model.tensor_parallel_size x pipeline_parallel_size = {need}; "
@@ -106,34 +107,34 @@ def check_log_folder(folder: Path) -> None:
             )
 
 
-def array_parameters(cluster: dict[str, Any], n_tasks: int) -> dict[str, Any]:
+def array_parameters(cluster: ClusterConfig, n_tasks: int) -> dict[str, Any]:
     """submitit SlurmExecutor parameters of a worker array."""
     params: dict[str, Any] = {
-        "time": cluster["time"],
-        "signal_delay_s": cluster["signal_lead_s"],
-        "array_parallelism": min(cluster["array_parallelism"], max(n_tasks, 1)),
-        "setup": [*cluster["setup"], *env_lines(cluster["env"])],
-        "additional_parameters": {"requeue": True, **export_option(cluster["sbatch_extra"] or {}, cluster["env"])},
+        "time": cluster.time,
+        "signal_delay_s": cluster.signal_lead_s,
+        "array_parallelism": min(cluster.array_parallelism, max(n_tasks, 1)),
+        "setup": [*cluster.setup, *env_lines(cluster.env)],
+        "additional_parameters": {"requeue": True, **export_option(cluster.sbatch_extra or {}, cluster.env)},
     }
     for key in ("partition", "account", "qos", "cpus_per_task", "mem", "constraint"):
-        if cluster.get(key) is not None:
-            params[key] = cluster[key]
-    if cluster["gpus_per_task"]:
-        params["gpus_per_task"] = cluster["gpus_per_task"]
+        if getattr(cluster, key) is not None:
+            params[key] = getattr(cluster, key)
+    if cluster.gpus_per_task:
+        params["gpus_per_task"] = cluster.gpus_per_task
     return params
 
 
-def merge_parameters(cluster: dict[str, Any], after: list[str]) -> dict[str, Any]:
+def merge_parameters(cluster: ClusterConfig, after: list[str]) -> dict[str, Any]:
     """The merge job: no GPU, one CPU, after every array ends however it ends (afterany)."""
     params: dict[str, Any] = {
         "time": 60,
         "cpus_per_task": 1,
-        "setup": [*cluster["setup"], *env_lines(cluster["env"])],
+        "setup": [*cluster.setup, *env_lines(cluster.env)],
         "dependency": "afterany:" + ":".join(after),
     }
     for key in ("partition", "account", "qos"):
-        if cluster.get(key) is not None:
-            params[key] = cluster[key]
+        if getattr(cluster, key) is not None:
+            params[key] = getattr(cluster, key)
     return params
 
 

@@ -30,7 +30,7 @@ def job_name(run: RunDir, number: int) -> str:
 
 def _record(run: RunDir, line: dict[str, Any]) -> None:
     """Append one line to DIR/jobs.jsonl and make it durable before the next sbatch."""
-    with security.private_umask(run.run["config"]["output"]["private"]), open(run.path / "jobs.jsonl", "a") as f:
+    with security.private_umask(run.config.output.private), open(run.path / "jobs.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
         f.flush()
         os.fsync(f.fileno())
@@ -42,10 +42,10 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False) -> dic
     jobs.jsonl gets a line before the first sbatch (the job name), one per array as soon as sbatch
     returns its id, and one for the merge job: a submission refused or cut short half way leaves
     every job it created findable by `cancel` and `status`."""
-    c = run.run["config"]
-    cluster = c["cluster"]
+    c = run.config
+    cluster = c.cluster
     slurm.check_gpus(c)
-    per = cluster["shards_per_task"]
+    per = cluster.shards_per_task
     tasks = [indices[i : i + per] for i in range(0, len(indices), per)]
     limit = slurm.max_array_size()
     chunks = slurm.split_tasks(tasks, limit)
@@ -61,14 +61,14 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False) -> dic
                 print(f"  task {i}: shards {shards}")
         print(f"merge job: {slurm.merge_parameters(cluster, ['<array ids>'])}")
         return {"submission": number, "dry_run": True, "arrays": [{"tasks": dict(enumerate(ch))} for ch in chunks]}
-    security.make_private(run.path, c["output"]["private"])  # set by `resume output.private=true`
+    security.make_private(run.path, c.output.private)  # set by `resume output.private=true`
     record: dict[str, Any] = {"submission": number, "time": time.time(), "folder": str(folder), "name": name}
     _record(run, {**record, "arrays_planned": len(chunks)})
     arrays: list[dict[str, Any]] = []
     # Secrets reach the jobs through sbatch's environment (--export=ALL), never a file; the jobs
     # keep this umask, so with output.private their logs and parts are private too.
     try:
-        with security.submission_env(cluster["env"]), security.private_umask(c["output"]["private"]):
+        with security.submission_env(cluster.env), security.private_umask(c.output.private):
             for n, chunk in enumerate(chunks):
                 ex = slurm.executor(folder, {**slurm.array_parameters(cluster, len(chunk)), "job_name": name})
                 jobs = ex.map_array(slurm_task, [str(run.path)] * len(chunk), chunk)
@@ -213,10 +213,10 @@ def apply_resource_overrides(run: RunDir, overrides: list[str]) -> None:
 
     from batchinfer.config.compose import quote_literals
     from batchinfer.config.fingerprint import changed_keys, fingerprint_keys
-    from batchinfer.config.schema import Config, to_dict, validate
+    from batchinfer.config.schema import structured, to_dict, validate
 
     record = run.run
-    new = OmegaConf.merge(OmegaConf.structured(Config), record["config"])
+    new = structured(record["config"])
     try:  # Hydra's grammar, as on the submit command line
         for ov in OverridesParser.create().parse_overrides(quote_literals(overrides)):
             OmegaConf.update(new, ov.key_or_group, ov.value(), merge=True, force_add=ov.is_add())

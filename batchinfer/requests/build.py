@@ -6,12 +6,15 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
+from batchinfer.config.schema import Config, SamplingConfig
 from batchinfer.errors import InputError
 from batchinfer.inputs.openai_batch import ROW_SAMPLING
 from batchinfer.requests.prompts import Prompt, PromptBuilder, RowError
+
+SAMPLING_KEYS = frozenset(f.name for f in fields(SamplingConfig))
 
 
 @dataclass
@@ -25,19 +28,19 @@ class RowRequest:
     ids: list[int]
 
 
-def row_id(cfg: dict[str, Any], row: dict[str, Any], index: int) -> Any:
+def row_id(cfg: Config, row: dict[str, Any], index: int) -> Any:
     """The row's id: input.id_column, else its index."""
-    column = cfg["input"]["id_column"]
+    column = cfg.input.id_column
     return row[column] if column else index
 
 
-def sampling_for(cfg: dict[str, Any], own: str) -> dict[str, Any]:
-    """The run's sampling config with a row's own overrides (JSON) on top."""
-    return dict(cfg["sampling"], **json.loads(own)) if own else cfg["sampling"]
+def sampling_for(cfg: Config, own: str) -> dict[str, Any]:
+    """The run's sampling config (SamplingParams names) with a row's own overrides (JSON) on top."""
+    return dict(cfg.sampling.params, **json.loads(own)) if own else cfg.sampling.params
 
 
 def build_request(
-    cfg: dict[str, Any], builder: PromptBuilder, row: dict[str, Any], index: int, encode: Callable[[Prompt], list[int]]
+    cfg: Config, builder: PromptBuilder, row: dict[str, Any], index: int, encode: Callable[[Prompt], list[int]]
 ) -> RowRequest:
     """Id, sampling, prompt and token ids of a row; a bad row raises RowError."""
     id_ = row_id(cfg, row, index)
@@ -70,11 +73,11 @@ def overlong_tokens(ids: list[int], policy: str, max_model_len: int, max_tokens:
     return ids[-keep:] if policy == "truncate_left" else ids[:keep]
 
 
-def row_sampling(cfg: dict[str, Any], row: dict[str, Any], id_: Any) -> str:
+def row_sampling(cfg: Config, row: dict[str, Any], id_: Any) -> str:
     """A row's own sampling overrides as canonical JSON ("" when none): an OpenAI request's
     fields, input.sampling_column, and the row's seed under sampling.seed_per_row."""
     own: dict[str, Any] = json.loads(row.get(ROW_SAMPLING) or "{}")
-    column = cfg["input"]["sampling_column"]
+    column = cfg.input.sampling_column
     if column and row.get(column) is not None:
         value = row[column]
         if isinstance(value, str):
@@ -84,13 +87,13 @@ def row_sampling(cfg: dict[str, Any], row: dict[str, Any], id_: Any) -> str:
                 raise RowError("sampling", f"field {column!r} is not a JSON object: {e}") from None
         if not isinstance(value, dict):
             raise RowError("sampling", f"field {column!r} must be an object of SamplingParams, got {value!r}")
-        unknown = sorted(set(value) - set(cfg["sampling"]) - {"structured_outputs"})
+        unknown = sorted(set(value) - SAMPLING_KEYS - {"structured_outputs"})
         if unknown:
             raise RowError("sampling", f"field {column!r} has unknown sampling keys {unknown}")
         own.update({k: v for k, v in value.items() if v is not None})
-    s = cfg["sampling"]
-    if s["seed_per_row"] and "seed" not in own:
-        own["seed"] = row_seed(s["seed"], id_)
+    s = cfg.sampling
+    if s.seed_per_row and "seed" not in own:
+        own["seed"] = row_seed(s.seed, id_)
     return json.dumps(own, sort_keys=True) if own else ""
 
 

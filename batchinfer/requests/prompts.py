@@ -6,6 +6,7 @@ import string
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from batchinfer.config.schema import PromptConfig
 from batchinfer.errors import ConfigError
 from batchinfer.inputs.openai_batch import RAW_PROMPT
 
@@ -25,15 +26,15 @@ class RowError(Exception):
         self.message = message
 
 
-def load_template(prompt_cfg: dict[str, Any]) -> str:
+def load_template(prompt: PromptConfig) -> str:
     """The template text: prompt.template_file when set, else prompt.template."""
-    path = prompt_cfg.get("template_file")
+    path = prompt.template_file
     if path:
         p = Path(path).expanduser()
         if not p.is_file():
             raise ConfigError(f"prompt.template_file {path}: no such file")
         return p.read_text(encoding="utf-8")
-    return prompt_cfg["template"]
+    return prompt.template
 
 
 def template_fields(template: str) -> list[str]:
@@ -69,7 +70,8 @@ def check_fields(template: str, columns: list[str], source: str) -> None:
 
 
 def apply_labels(c: dict[str, Any]) -> None:
-    """prompt.labels -> a system prompt naming the labels, the choice constraint, logprobs for confidence."""
+    """prompt.labels -> a system prompt naming the labels, the choice constraint, logprobs for confidence
+    (on the plain dict that prepare freezes into run.yaml)."""
     labels = c["prompt"]["labels"]
     if not labels["names"]:
         return
@@ -129,12 +131,12 @@ _FORMATTER = _RowFormatter()
 class PromptBuilder:
     """Renders rows into prompts: template, system prompt, few-shot examples, chat or raw."""
 
-    def __init__(self, prompt_cfg: dict[str, Any]):
-        self.template = load_template(prompt_cfg)
+    def __init__(self, prompt: PromptConfig):
+        self.template = load_template(prompt)
         self.fields = template_fields(self.template)
-        self.system: Optional[str] = prompt_cfg.get("system")
-        self.mode: str = prompt_cfg["mode"]
-        self.examples: list[dict[str, str]] = list(prompt_cfg.get("examples") or [])
+        self.system: Optional[str] = prompt.system
+        self.mode: str = prompt.mode
+        self.examples: list[dict[str, Any]] = list(prompt.examples or [])
         for i, ex in enumerate(self.examples):
             missing = [f for f in [*self.fields, "answer"] if f not in ex]
             if missing:

@@ -69,11 +69,11 @@ def shard_rows_in_order(run: RunDir, shard: Shard) -> pa.Table:
 
 def merge(run: RunDir) -> dict[str, Any]:
     """Write DIR/output* and DIR/stats.json; refuses, naming them, while shards are incomplete."""
-    output = run.run["config"]["output"]
-    with private_umask(output.get("private")):
+    output = run.config.output
+    with private_umask(output.private):
         # One merge at a time (a merge job and a `batchinfer merge` typed meanwhile): the second
         # is refused naming the first, instead of renaming the other's half-written file.
-        with RunLock(run.path, log=log.warning, mode=output.get("lock") or "auto"):
+        with RunLock(run.path, log=log.warning, mode=output.lock):
             _remove_leftovers(run)
             return _merge(run)
 
@@ -250,7 +250,7 @@ def openai_lines(run: RunDir) -> Callable[[pa.Table], bytes]:
     from batchinfer.inputs.read import open_input
 
     urls = open_input(run.input_dir).data.column("url") if run.run["input"]["format"] == "openai" else None
-    model = run.run["config"]["model"]["path"]
+    model = run.config.model.path
     tag = run.run["fingerprint"][:12]
     created = int(time.time())
 

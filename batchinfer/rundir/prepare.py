@@ -26,7 +26,7 @@ from batchinfer.config.fingerprint import (
     legacy_fingerprint,
     read_config_files,
 )
-from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, to_dict
+from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, to_config, to_dict
 from batchinfer.errors import ConfigError, RunDirError
 from batchinfer.inputs.read import (
     GLOB_CHARS,
@@ -218,7 +218,7 @@ def _create(
         local_cache=local_cache,
     )
     ds = open_input(run.input_dir)
-    check_fields(load_template(c["prompt"]), ds.column_names, inp["path"])
+    check_fields(load_template(to_config(c).prompt), ds.column_names, inp["path"])
     arrow = ds.data.schema
     id_type = arrow.field(inp["id_column"]).type if inp["id_column"] else pa.int64()
     columns = inp["columns"] or []

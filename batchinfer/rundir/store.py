@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from batchinfer import faults
+from batchinfer.config.schema import Config, to_config
 from batchinfer.errors import RunDirError, StorageError
 from batchinfer.inputs.read import Shard
 from batchinfer.rundir.schema import jsonl_to_table, schema_from_text, table_to_jsonl
@@ -199,6 +200,7 @@ class RunDir:
         self.stats_json = self.path / "stats.json"
         self._run: Optional[dict[str, Any]] = None
         self._schema: Optional[pa.Schema] = None
+        self._config: Optional[Config] = None
 
     def exists(self) -> bool:
         """Whether run.yaml has been written."""
@@ -219,6 +221,14 @@ class RunDir:
         text = yaml.dump(stored, Dumper=_NoAliasDumper, sort_keys=False, allow_unicode=True)
         atomic_write(self.run_yaml, text.encode())
         self._run = record
+        self._config = None
+
+    @property
+    def config(self) -> Config:
+        """The run's frozen config, typed (run.yaml's `config`)."""
+        if self._config is None:
+            self._config = to_config(self.run["config"])
+        return self._config
 
     @property
     def schema(self) -> pa.Schema:
@@ -230,7 +240,7 @@ class RunDir:
     @property
     def output_format(self) -> str:
         """jsonl, parquet, openai or hf."""
-        return self.run["config"]["output"]["format"]
+        return self.config.output.format
 
     @property
     def part_format(self) -> str:
@@ -240,7 +250,7 @@ class RunDir:
     @property
     def output_split(self) -> Optional[int]:
         """output.max_rows_per_file: the merged output as several files of at most this many rows."""
-        return self.run["config"]["output"].get("max_rows_per_file")
+        return self.config.output.max_rows_per_file
 
     @property
     def output_path(self) -> Path:
