@@ -120,14 +120,17 @@ def task_running(job: str) -> bool:
 
 
 def test_submit_three_shards_merged_exactly_once(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:
+    # Two array tasks, the first with two shards: fan-out and a task's shard list, two engine starts.
     rows, run_dir, out = submit_corpus(
-        tmp_path, tiny_model_path, 90, 11, "sharding.num_shards=3", "sampling.max_tokens=6"
+        tmp_path, tiny_model_path, 90, 11, "sharding.num_shards=3", "cluster.shards_per_task=2", "sampling.max_tokens=6"
     )
-    assert "submitted 3 shards" in out and "batchinfer status" in out
+    assert "submitted 3 shards" in out and "as 2 array tasks" in out and "batchinfer status" in out
     wait_until_idle(run_dir)
     assert_exactly_once(read_output(run_dir), rows)
     st = status_json(run_dir)
     assert st["totals"]["states"] == {"done": 3} and st["totals"]["rows_done"] == 90
+    array = first_submission(run_dir)["arrays"][0]
+    assert array["tasks"] == {"0": [0, 1], "1": [2]}
     merge_log = next((run_dir / "logs").glob("submission-000/*_0_log.out"), None)
     assert merge_log is not None
     task_logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.*"))
@@ -141,9 +144,10 @@ def test_usr2_preemption_and_external_requeue(
     rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 3000, 12, *extra)
     ov = cluster_overrides(tmp_path, tmp_path / "c.jsonl", tiny_model_path, *extra)
     array = first_submission(run_dir)["arrays"][0]["job_id"]
-    # USR2 (what Slurm sends before a time limit or preemption) to task 0 once it has committed.
+    # Task 0, once it has committed: Slurm's preemption notice (USR2), then the time limit's TERM
+    # before the worker has acted on the first. The first signal's intent (requeue) must win.
     wait_for(lambda: list(run_dir.glob("shards/00000/part-*")), what="a committed part of shard 0")
-    subprocess.run(["scancel", "--signal=USR2", f"{array}_0"], timeout=15, capture_output=True)
+    signal_usr2_then_term(f"{array}_0")
     # An external `scontrol requeue` of task 1 once it has committed (no signal reaches the worker first).
     wait_for(
         lambda: list(run_dir.glob("shards/00001/part-*")) and task_running(f"{array}_1"), timeout=600, what="shard 1"
@@ -155,22 +159,27 @@ def test_usr2_preemption_and_external_requeue(
     clean = read_output(run_local(compose([*ov, f"output.dir={tmp_path}/clean", "cluster=local"]), engine=engine).path)
     assert project(out) == project(clean)
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.err"))
-    assert "received SIGUSR2: committing and stopping" in logs and f"requeued {array}_0" in logs
-    assert "resuming" in logs
+    assert "received SIGUSR2: committing and stopping" in logs and "received SIGTERM after SIGUSR2" in logs
+    assert f"requeued {array}_0" in logs and "resuming" in logs
     for shard in (0, 1):
         done = json.loads((run_dir / f"shards/0000{shard}/DONE.json").read_text())
         assert done["attempts"] >= 2, done
+    # sacct -D keeps the requeued run of task 0: REQUEUED, then the run that finished
+    sacct = subprocess.run(
+        ["sacct", "-n", "-X", "-D", "-P", "-o", "State", "-j", f"{array}_0"], capture_output=True, text=True
+    )
+    assert "REQUEUED" in sacct.stdout.split() and "COMPLETED" in sacct.stdout.split(), sacct.stdout + sacct.stderr
 
 
 def test_failed_task_named_by_status_merge_refuses_then_resume(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path
 ) -> None:
-    extra = ["sharding.num_shards=2", "sampling.max_tokens=16", "output.commit_every_rows=16"]
+    extra = ["sharding.num_shards=1", "sampling.max_tokens=16", "output.commit_every_rows=16"]
     fault = "+cluster.env.BATCHINFER_FAULT=after-part-rename:2"
-    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 300, 13, *extra, fault)
+    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 150, 13, *extra, fault)
     wait_until_idle(run_dir)
     st = status_json(run_dir)
-    assert st["totals"]["states"] == {"failed": 2}, st
+    assert st["totals"]["states"] == {"failed": 1}, st
     for shard in st["shards"]:
         assert shard["state"] == "failed" and shard["job_state"] == "FAILED" and shard["error"]
         assert 0 < shard["rows_done"] < shard["rows"]
@@ -178,14 +187,14 @@ def test_failed_task_named_by_status_merge_refuses_then_resume(
     assert "failed" in text and "of 150" in text
     merge_job = first_submission(run_dir)["merge"]
     merge_err = next((run_dir / "logs").rglob(f"{merge_job}_0_log.err")).read_text()
-    assert "2 of 2 shards are incomplete (shards 0, 1)" in merge_err
+    assert "1 of 1 shards are incomplete (shards 0)" in merge_err
     assert not (run_dir / "output.parquet").exists()
     res = run_cli(["resume", str(run_dir), "cluster.env.BATCHINFER_FAULT="])
     assert res.returncode == 0, res.stderr
-    assert "submitted 2 shards" in res.stdout
+    assert "submitted 1 shards" in res.stdout
     wait_until_idle(run_dir)
     assert_exactly_once(read_output(run_dir), rows)
-    assert status_json(run_dir)["totals"]["states"] == {"done": 2}
+    assert status_json(run_dir)["totals"]["states"] == {"done": 1}
 
 
 def under_slurmstepd(pid: int) -> bool:
@@ -315,11 +324,13 @@ def test_login_node_commands_import_no_vllm_or_torch(slurm_env: dict, tmp_path: 
 def test_plain_sbatch_script_runs_the_worker(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:
     corpus = tmp_path / "c.jsonl"
     rows = write_corpus(corpus, 40, seed=16)
-    ov = cluster_overrides(tmp_path, corpus, tiny_model_path, "sharding.num_shards=2", "sampling.max_tokens=4")
+    ov = cluster_overrides(
+        tmp_path, corpus, tiny_model_path, "sharding.num_shards=2", "cluster.shards_per_task=2", "sampling.max_tokens=4"
+    )
     res = run_cli(["submit", "--dry-run", *ov])
-    assert res.returncode == 0 and "task 1: shards [1]" in res.stdout
+    assert res.returncode == 0 and "task 0: shards [0, 1]" in res.stdout
     run_dir = tmp_path / "run"
-    cmd = ["sbatch", "--parsable", "--array=0-1%1", "--gpus-per-task=0", "--cpus-per-task=2", f"--chdir={tmp_path}"]
+    cmd = ["sbatch", "--parsable", "--array=0", "--gpus-per-task=0", "--cpus-per-task=2", f"--chdir={tmp_path}"]
     job = subprocess.run([*cmd, str(REPO / "slurm/batchinfer.sbatch"), str(run_dir)], capture_output=True, text=True)
     assert job.returncode == 0, job.stderr
     job_id = job.stdout.strip().split(";")[0]
@@ -335,7 +346,10 @@ def test_plain_sbatch_script_runs_the_worker(slurm_env: dict, tmp_path: Path, ti
 
 
 def job_worker_pid(job: str) -> Optional[int]:
-    """The batchinfer worker of a running job: the submitit process slurmstepd started for its step."""
+    """The batchinfer worker of a running job or array task (A_T): the submitit process slurmstepd
+    started for its step."""
+    array, _, task = job.partition("_")
+    marks = [f"SLURM_ARRAY_JOB_ID={array}", f"SLURM_ARRAY_TASK_ID={task}"] if task else [f"SLURM_JOB_ID={job}"]
     res = subprocess.run(["pgrep", "-f", "submitit.core._submit"], capture_output=True, text=True)
     for pid in map(int, res.stdout.split()):
         try:
@@ -343,23 +357,17 @@ def job_worker_pid(job: str) -> Optional[int]:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if (
-            Path(f"/proc/{parent}/comm").read_text().strip() == "slurmstepd"
-            and f"SLURM_JOB_ID={job}".encode() in environ
+        if Path(f"/proc/{parent}/comm").read_text().strip() == "slurmstepd" and all(
+            m.encode() in environ for m in marks
         ):
             return pid
     return None
 
 
-def test_usr2_then_term_still_requeues(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:
-    # Slurm's preemption notice (USR2), then the time limit's TERM before the worker has acted on the
-    # first: the first signal's intent (requeue) must win over the second (stop).
-    extra = ["sampling.max_tokens=16", "output.commit_every_rows=16"]
-    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 1000, 18, *extra)
-    job = first_submission(run_dir)["arrays"][0]["job_id"]  # one task: submitit submits a plain job
-    wait_for(lambda: list(run_dir.glob("shards/00000/part-*")), what="a committed part of shard 0")
+def signal_usr2_then_term(job: str) -> None:
+    """USR2 then TERM to a running job, both pending when its worker next runs."""
     worker = job_worker_pid(job)
-    assert worker, "the worker process of the job"
+    assert worker, f"the worker process of {job}"
     # Hold the worker so both signals are pending when it resumes (a running worker could act on
     # USR2 before scancel delivers TERM); Python then runs their handlers in signal-number order,
     # USR2 (12) first. The engine is not held: TERM kills it, as at a real time limit.
@@ -370,16 +378,6 @@ def test_usr2_then_term_still_requeues(slurm_env: dict, tmp_path: Path, tiny_mod
         time.sleep(2)
     finally:
         os.kill(worker, 18)  # SIGCONT
-    wait_until_idle(run_dir)
-    out = read_output(run_dir)
-    assert_exactly_once(out, rows)
-    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.err"))
-    assert "received SIGTERM after SIGUSR2" in logs and f"requeued {job}" in logs
-    done = json.loads((run_dir / "shards/00000/DONE.json").read_text())
-    assert done["attempts"] >= 2 and done["rows_done"] == 1000, done
-    # sacct -D keeps the requeued run of the job: REQUEUED, then the run that finished
-    sacct = subprocess.run(["sacct", "-n", "-X", "-D", "-P", "-o", "State", "-j", job], capture_output=True, text=True)
-    assert "REQUEUED" in sacct.stdout.split() and "COMPLETED" in sacct.stdout.split(), sacct.stdout + sacct.stderr
 
 
 def test_second_array_refused_by_sbatch_is_cancelled(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:
