@@ -126,6 +126,17 @@ def test_typed_config_keeps_literal_text_from_run_yaml() -> None:
     assert to_config(typed) is typed
 
 
+def test_resume_overrides_keep_a_template_with_interpolation_text(tmp_path: Path) -> None:
+    from batchinfer.launch.submit import apply_resource_overrides
+
+    template = "Price ${{amount}} for {text}"  # `${` is text here, not an OmegaConf interpolation
+    run = _prepared(tmp_path, 4, f"prompt.template={template}")
+    apply_resource_overrides(RunDir(run.path), ["output.commit_every_rows=7"])
+    again = RunDir(run.path)
+    assert again.config.prompt.template == template and again.config.output.commit_every_rows == 7
+    assert again.run["config"]["prompt"]["template"] == template
+
+
 def test_changed_keys() -> None:
     assert changed_keys({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4}) == ["b", "c"]
 
