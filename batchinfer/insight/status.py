@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import time
 from pathlib import Path
@@ -15,22 +16,89 @@ RUNNING = {"RUNNING", "COMPLETING", "CONFIGURING"}
 QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RESIZING"}
 
 
+# A failed task's log is read from its end in blocks until a line looks like an error, and no
+# further back than this: a vLLM task's stderr can be large, and many tasks can fail at once.
+LOG_BLOCK_BYTES = 64 * 1024
+LOG_SCAN_BYTES = 4 * 1024 * 1024
+
+
+def task_log_paths(folder: Path, job: str) -> list[Path]:
+    """The stderr logs submitit names for an array task A_T (`A_T_0_log.err`, from `%A_%a_%t`)
+    and, for a one-task array submitted as the plain job A (recorded as A_0), `A_0_log.err`."""
+    paths = [folder / f"{job}_0_log.err"]
+    array, _, index = job.rpartition("_")
+    if array and index == "0":
+        paths.append(folder / f"{array}_0_log.err")
+    return sorted(paths)
+
+
+def _is_error(line: str) -> bool:
+    return "error" in line.lower() or "Killed" in line or "CANCELLED" in line
+
+
+def _scan_log(path: Path) -> tuple[Optional[str], Optional[str]]:
+    """(last line that looks like an error, last line) of a log, read backwards from its end."""
+    try:
+        f = path.open("rb")
+    except OSError:
+        return None, None
+    with f:
+        end = pos = f.seek(0, os.SEEK_END)
+        last: Optional[str] = None
+        carry = b""  # the start of a line cut by a block boundary, finished by the block before it
+        while pos > 0 and end - pos < LOG_SCAN_BYTES:
+            step = min(LOG_BLOCK_BYTES, pos)
+            pos -= step
+            f.seek(pos)
+            pieces = (f.read(step) + carry).split(b"\n")
+            carry = pieces.pop(0) if pos > 0 else b""
+            for piece in reversed(pieces):
+                # splitlines as before: tqdm's \r-separated progress counts as lines too
+                for line in reversed(piece.decode(errors="replace").splitlines()):
+                    line = line.strip()
+                    if line:
+                        last = last or line
+                        if _is_error(line):
+                            return line, last
+    return None, last
+
+
 def last_error_line(folder: Path, job: str) -> Optional[str]:
-    """The last line of a task's stderr log that looks like an error."""
-    logs = sorted(folder.glob(f"{job}_*log.err")) if folder.is_dir() else []
-    lines = [ln.strip() for p in logs for ln in p.read_text(errors="replace").splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "error" in ln.lower() or "Killed" in ln or "CANCELLED" in ln]
-    return (errors or lines or [None])[-1]
+    """The last line of a task's stderr log that looks like an error, else its last line.
+
+    Only the log files named for this task are opened: the log folder of a large run holds tens
+    of thousands of files, and listing it on a shared filesystem costs more than the rest of status."""
+    last = None
+    for path in reversed(task_log_paths(folder, job)):  # as if the logs were one text, in name order
+        found, tail = _scan_log(path)
+        if found:
+            return found
+        last = last or tail
+    return last
+
+
+def _progress(run: RunDir, index: int) -> tuple[bool, dict[str, Any]]:
+    """(done, the shard's DONE.json, else progress.json, else {}): opened, not stat-ed first,
+    so a shard costs one or two metadata calls on a shared filesystem, not four."""
+    try:
+        return True, read_json(run.done_path(index))
+    except FileNotFoundError:
+        pass
+    try:
+        return False, read_json(run.progress_path(index))
+    except FileNotFoundError:
+        return False, {}
 
 
 def shard_status(run: RunDir, states: dict[str, str]) -> list[dict[str, Any]]:
     """One record per shard: state, rows done of total, tokens, attempts, last error."""
     tasks = shard_tasks(run)
+    log_lines: dict[str, Optional[str]] = {}  # a task's shards share its log: read it once
     out = []
     for shard in run.shards():
         rec: dict[str, Any] = {"shard": shard.index, "rows": shard.rows, "rows_done": 0, "output_tokens": 0}
-        progress_path = run.done_path(shard.index) if run.is_done(shard.index) else run.progress_path(shard.index)
-        progress = with_rates(read_json(progress_path) if progress_path.is_file() else {})
+        done, raw = _progress(run, shard.index)
+        progress = with_rates(raw)
         gen = progress.get("seconds", {}).get("generate", 0.0)
         rec.update(
             rows_done=progress.get("rows_done", 0),
@@ -52,7 +120,7 @@ def shard_status(run: RunDir, states: dict[str, str]) -> list[dict[str, Any]]:
         job_state = (states.get(task["job"]) or states.get(task["job"].rsplit("_", 1)[0], "")) if task else ""
         rec["job"] = task["job"] if task else None
         rec["job_state"] = job_state or None
-        if run.is_done(shard.index):
+        if done:
             state = "done"
         elif job_state in RUNNING:
             state = "running"
@@ -66,7 +134,12 @@ def shard_status(run: RunDir, states: dict[str, str]) -> list[dict[str, Any]]:
             state = "pending"
         rec["state"] = state
         if state == "failed":
-            log_line = last_error_line(Path(task["folder"]), task["job"]) if task else None
+            log_line = None
+            if task and task["folder"]:
+                key = f"{task['folder']}/{task['job']}"
+                if key not in log_lines:
+                    log_lines[key] = last_error_line(Path(task["folder"]), task["job"])
+                log_line = log_lines[key]
             rec["error"] = progress.get("last_error") or log_line
             rec["log"] = log_line
         out.append(rec)

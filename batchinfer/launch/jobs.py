@@ -46,10 +46,12 @@ def submissions(run: RunDir) -> list[dict[str, Any]]:
     return out
 
 
-def shard_tasks(run: RunDir) -> dict[int, dict[str, Any]]:
-    """The latest array task each shard was given to: job id, log folder, submission."""
+def shard_tasks(run: RunDir, subs: Optional[list[dict[str, Any]]] = None) -> dict[int, dict[str, Any]]:
+    """The latest array task each shard was given to: job id, log folder, submission.
+
+    subs: submissions(run) when the caller has read them already."""
     out: dict[int, dict[str, Any]] = {}
-    for sub in submissions(run):
+    for sub in submissions(run) if subs is None else subs:
         for array in sub["arrays"]:
             for index, shards in array["tasks"].items():
                 for shard in shards:
@@ -61,27 +63,29 @@ def shard_tasks(run: RunDir) -> dict[int, dict[str, Any]]:
     return out
 
 
-def all_job_ids(run: RunDir) -> list[str]:
-    """Every array and merge job id recorded for DIR."""
+def all_job_ids(run: RunDir, subs: Optional[list[dict[str, Any]]] = None) -> list[str]:
+    """Every array and merge job id recorded for DIR (subs: submissions(run), if read already)."""
     ids = []
-    for sub in submissions(run):
+    for sub in submissions(run) if subs is None else subs:
         ids += [a["job_id"] for a in sub["arrays"]]
         if sub.get("merge"):
             ids.append(sub["merge"])
     return ids
 
 
-def unrecorded_names(run: RunDir) -> list[str]:
+def unrecorded_names(run: RunDir, subs: Optional[list[dict[str, Any]]] = None) -> list[str]:
     """Job names of submissions cut short (sbatch refused, timed out, or submit was killed):
-    jobs of theirs may exist whose ids were never recorded."""
-    return [s["name"] for s in submissions(run) if not s["complete"] and s.get("name")]
+    jobs of theirs may exist whose ids were never recorded. subs: submissions(run), if read already."""
+    return [s["name"] for s in (submissions(run) if subs is None else subs) if not s["complete"] and s.get("name")]
 
 
 def slurm_states(run: RunDir) -> tuple[dict[str, str], dict[str, str], Optional[str]]:
     """(states of DIR's jobs, jobs found only by their submission's name, a note when Slurm did not
     answer). Never raises for Slurm: status shows what the run directory knows without it."""
-    ids = sorted({t["job"] for t in shard_tasks(run).values()} | set(all_job_ids(run)))
-    names = unrecorded_names(run)
+    subs = submissions(run)
+    # array ids, not their tasks': job_states answers for every task of an array asked about
+    ids = sorted(set(all_job_ids(run, subs)))
+    names = unrecorded_names(run, subs)
     problems: list[str] = []
     states = slurm.job_states(ids, names=names, problems=problems) if ids or names else {}
     known = set(ids)
