@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_overrides(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--jobs", type=int, metavar="N", help="processes that tokenize (default: the CPUs allowed, affinity and cgroup)"
+    )
+    p.add_argument(
+        "--sample", type=int, metavar="N", help="check only N rows, one in each of N equal stretches of the input"
+    )
     p = sub.add_parser("status", help="per-shard state, totals, tokens/s and ETA")
     p.add_argument("dir")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -134,7 +140,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.cfg:
         print(OmegaConf.to_yaml(cfg), end="")
         return 0
-    report = validate(cfg)
+    for flag, value in (("--jobs", args.jobs), ("--sample", args.sample)):
+        if value is not None and value < 1:
+            raise BatchinferError(f"{flag} {value}: must be at least 1")
+    report = validate(cfg, jobs=args.jobs, sample=args.sample)
     print(json.dumps(report, indent=2, default=str) if args.json else format_report(report))
     return report["exit_code"]
 

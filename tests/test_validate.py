@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,7 +18,9 @@ from conftest import run_overrides as overrides
 from batchinfer.config.compose import compose
 from batchinfer.errors import InputError, RunDirError
 from batchinfer.inputs.read import convert_input, detect_format
-from batchinfer.insight.validate import histogram, percentile, validate
+from batchinfer.insight import validate as validate_module
+from batchinfer.insight.cpus import allowed_cpus, cgroup_cpu_limit
+from batchinfer.insight.validate import Checked, Sample, check_rows, histogram, percentile, validate
 from batchinfer.launch.local import run_local
 from batchinfer.models.maxlen import derived_max_model_len
 
@@ -240,3 +243,139 @@ def test_validate_cli_exit_codes_and_no_engine_imports(tmp_path: Path, tiny_mode
     res = run_cli(["validate", f"input.path={bad}", f"model.path={tmp_path}/nope"])
     assert res.returncode == 2 and f"model.path {tmp_path}/nope: no model folder with a config.json there" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+# ---------------------------------------------------------------- many rows: processes, CPUs, samples
+
+
+def bad_corpus(path: Path, copies: int) -> Path:
+    """BAD_ROWS repeated, ids made unique but one (a duplicate of row 0's), so every kind of problem recurs."""
+    rows = [dict(r, id=f"{r['id']}-{k}") for k in range(copies) for r in BAD_ROWS]
+    rows[-1]["id"] = rows[0]["id"]
+    return write_rows(path, rows)
+
+
+def test_chunks_checked_apart_and_merged_in_order_equal_one_pass(tmp_path: Path, tiny_model_path: Path) -> None:
+    from batchinfer.config.schema import to_config
+    from batchinfer.inputs.read import open_input
+    from batchinfer.models.tokens import LoginTokenizer
+
+    corpus = bad_corpus(tmp_path / "bad.jsonl", 3)
+    c = to_config(compose(overrides(tiny_model_path, corpus, tmp_path / "run", "input.sampling_column=params")))
+    convert_input([corpus], "jsonl", tmp_path / "input", "id", None, strict_ids=False)
+    ds, tok = open_input(tmp_path / "input"), LoginTokenizer.from_model_dir(tiny_model_path)
+    whole = check_rows(c, ds, tok, 128)
+    merged = Checked()
+    for start in range(0, 30, 4):  # chunks of 4 split the 5 prompt examples of rows 1-5 over two chunks
+        merged.merge(check_rows(c, ds, tok, 128, range(start, min(start + 4, 30))))
+    assert merged == whole
+    prompt = whole.errors.kinds["prompt"]
+    assert prompt["count"] == 15 and [e["row"] for e in prompt["examples"]] == [1, 2, 3, 4, 5]
+    assert list(whole.errors.kinds) == ["prompt", "overlong", "sampling"]  # first seen first, as in one pass
+    # Tokenized: ok, long (then overlong), number and bool; the sampling error comes before the prompt.
+    assert whole.overlong == 3 and sum(whole.lengths.values()) == 3 * 4
+
+
+def test_parallel_report_equals_one_process_report(
+    tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    corpus = bad_corpus(tmp_path / "bad.jsonl", 30)
+    ov = overrides(tiny_model_path, corpus, tmp_path / "run", "input.sampling_column=params")
+    # Tiny chunks, so that 300 rows make 100 tasks for two worker processes, finishing in any order.
+    monkeypatch.setattr(validate_module, "ROWS_PER_WORKER", 1)
+    monkeypatch.setattr(validate_module, "MIN_CHUNK_ROWS", 1)
+    monkeypatch.setattr(validate_module, "CHUNK_ROWS", 3)
+    monkeypatch.setattr(logging.getLogger("batchinfer"), "propagate", True)  # setup_logging turns it off
+    caplog.set_level(logging.DEBUG, logger="batchinfer")
+    for extra in ([], ["prompt.overlong=fail"]):
+        one = validate(compose([*ov, *extra]), jobs=1)
+        caplog.clear()
+        assert validate(compose([*ov, *extra]), jobs=2) == one
+        workers = [r.args[2] for r in caplog.records if "checked by worker processes" in r.msg]
+        assert workers and os.getpid() not in workers[0]  # the rows were checked in other processes
+    assert one["stops"]["by_kind"]["overlong"]["count"] == 30 and one["stops"]["by_kind"]["ids"]["count"] == 1
+    report = validate(compose(ov), jobs=1)
+    prompt = report["error_rows"]["by_kind"]["prompt"]
+    assert prompt["count"] == 150 and [e["row"] for e in prompt["examples"]] == [1, 2, 3, 4, 5]
+    assert report["prompt_tokens"]["rows"] == 30 * 4 and report["sample"] is None
+
+
+def fake_proc(tmp_path: Path, cgroup: str, mounts: list[str]) -> Path:
+    proc = tmp_path / "proc"
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text(cgroup + "\n")
+    (proc / "mountinfo").write_text("".join(m + "\n" for m in mounts))
+    return proc
+
+
+def write_files(folder: Path, files: dict[str, str]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text + "\n")
+
+
+def test_allowed_cpus_honours_affinity_and_cgroup_quota(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    # cgroup v2, mounted at a path with a space (written \040), a quota of 2.5 CPUs on the user's
+    # slice and none on the session below it: the slice's binds.
+    v2 = tmp_path / "v2" / "cg root"
+    proc = fake_proc(
+        tmp_path / "v2",
+        "0::/user.slice/user-1000.slice/session-3.scope",
+        [f"30 1 0:26 / {str(v2).replace(' ', chr(92) + '040')} rw,nosuid - cgroup2 cgroup2 rw,nsdelegate"],
+    )
+    write_files(v2 / "user.slice/user-1000.slice", {"cpu.max": "250000 100000"})
+    write_files(v2 / "user.slice/user-1000.slice/session-3.scope", {"cpu.max": "max 100000"})
+    assert cgroup_cpu_limit(proc) == 2.5 and allowed_cpus(proc) == 3  # rounded up
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5})
+    assert allowed_cpus(proc) == 2  # the affinity mask is smaller
+    (v2 / "user.slice/user-1000.slice/cpu.max").write_text("max 100000\n")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert cgroup_cpu_limit(proc) is None and allowed_cpus(proc) == 8  # no quota anywhere
+
+    # cgroup v1 (cpu,cpuacct hierarchy) in a container whose mount root is its own cgroup: half a CPU -> 1.
+    v1 = tmp_path / "v1" / "cpu,cpuacct"
+    proc = fake_proc(
+        tmp_path / "v1",
+        "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc",
+        [f"40 30 0:35 /docker/abc {v1} rw - cgroup cgroup rw,cpu,cpuacct"],
+    )
+    write_files(v1, {"cpu.cfs_quota_us": "50000", "cpu.cfs_period_us": "100000"})
+    assert cgroup_cpu_limit(proc) == 0.5 and allowed_cpus(proc) == 1
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert allowed_cpus(proc) == 8
+
+
+def test_sample_checks_n_rows_spread_over_the_corpus(tmp_path: Path, tiny_model_path: Path) -> None:
+    from batchinfer.models.tokens import LoginTokenizer
+
+    # Row i has its own length (i+1 words) and every 7th row no text: which rows were tokenized
+    # shows in the token total.
+    rows = [{"id": f"r{i}", "text": None if i % 7 == 3 else " ".join(["hello"] * (i % 50 + 1))} for i in range(1000)]
+    corpus = write_rows(tmp_path / "c.jsonl", rows)
+    ov = overrides(tiny_model_path, corpus, tmp_path / "run", "prompt.mode=raw")
+    picked = Sample(1000, 40)[:]
+    assert picked == Sample(1000, 40)[:] and len(set(picked)) == 40  # the same rows every time
+    assert [r // 25 for r in picked] == list(range(40))  # one in each stretch of 25 rows
+    assert len({r % 25 for r in picked}) > 10  # not at the same place in each stretch
+
+    report = validate(compose(ov), sample=40)
+    tok = LoginTokenizer.from_model_dir(tiny_model_path)
+    good = [i for i in picked if rows[i]["text"] is not None]
+    bad = [i for i in picked if rows[i]["text"] is None]
+    assert bad and report["sample"]["rows"] == 40 and report["sample"]["of"] == 1000
+    assert report["prompt_tokens"]["rows"] == len(good)
+    assert report["prompt_tokens"]["total"] == sum(tok.count(rows[i]["text"]) for i in good)
+    assert report["error_rows"]["count"] == len(bad) and report["would_run"] == 40 - len(bad)
+    assert [e["row"] for e in report["error_rows"]["by_kind"]["prompt"]["examples"]] == bad[:5]
+    est = report["sample"]["estimate"]
+    assert est["error_rows"] == len(bad) * 25 and est["error_rows_95"][0] <= 143 <= est["error_rows_95"][1]
+    assert est["prompt_tokens_total"] == report["prompt_tokens"]["total"] * 25
+
+    res = run_cli(["validate", "--sample", "40", *ov])
+    assert res.returncode == 1, res.stderr
+    assert "sample       sampled 40 of 1,000 rows, one in each stretch of 25" in res.stdout
+    assert f"error rows   prompt: {len(bad)} (~{len(bad) * 25:,} of all rows)" in res.stdout
+    assert f"rows         {40 - len(bad)} of 40 sampled rows would run; ~{len(bad) * 25:,} of 1,000 rows" in res.stdout
+    res = run_cli(["validate", "--jobs", "0", *ov])
+    assert res.returncode == 2 and "batchinfer: error: --jobs 0: must be at least 1" in res.stderr

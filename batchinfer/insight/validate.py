@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import tempfile
 from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig
 
 from batchinfer.config.schema import Config, to_config
-from batchinfer.errors import ConfigError, InputError
+from batchinfer.errors import BatchinferError, ConfigError, InputError
+
+log = logging.getLogger("batchinfer")
 
 EXAMPLES = 5  # examples kept per kind of problem
 BATCH_ROWS = 1000  # rows in memory at once
+CHUNK_ROWS = 10_000  # most rows a worker process checks per task: a few seconds, so progress moves
+MIN_CHUNK_ROWS = 500  # fewer rows per task and sending tasks and results costs more than checking them
+# A worker process takes ~1 s to start (spawn, import datasets, load the tokenizer), the time one
+# core checks ~2,700 rows: each gets at least 2 s of rows, or fewer processes finish sooner.
+ROWS_PER_WORKER = 5_000
+PROGRESS_ROWS = 50_000  # a progress bar from this many rows on (~20 s on one core)
 
 
 def percentile(counts: Counter[int], q: float) -> int:
@@ -51,11 +63,11 @@ def token_stats(counts: Counter[int]) -> dict[str, Any]:
     return stats | {"max": max(counts), "mean": round(total / rows, 1), "total": total, "histogram": histogram(counts)}
 
 
+@dataclass
 class Tally:
     """Counts and the first examples of each kind of problem."""
 
-    def __init__(self) -> None:
-        self.kinds: dict[str, dict[str, Any]] = {}
+    kinds: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def add(self, kind: str, example: dict[str, Any]) -> None:
         """Count one problem of a kind, keeping it as an example while there are few."""
@@ -68,10 +80,41 @@ class Tally:
         """Problems of every kind."""
         return sum(e["count"] for e in self.kinds.values())
 
+    def merge(self, later: Tally) -> None:
+        """Add the problems of rows that come after these: examples stay the first ones in row order."""
+        for kind, theirs in later.kinds.items():
+            entry = self.kinds.setdefault(kind, {"count": 0, "examples": []})
+            entry["count"] += theirs["count"]
+            entry["examples"] = (entry["examples"] + theirs["examples"])[:EXAMPLES]
 
-def check_rows(c: Config, ds: Any, tok: Any, max_len: int) -> tuple[Tally, Tally, Counter[int], int]:
-    """Every row as the worker takes it: sampling overrides, prompt, tokens, overlong policy.
-    Returns error rows, run-stopping problems, prompt token lengths and rows at or over max_model_len."""
+
+@dataclass
+class Checked:
+    """What checking rows found: error rows, run-stopping problems, prompt token lengths, overlong rows."""
+
+    errors: Tally = field(default_factory=Tally)
+    stops: Tally = field(default_factory=Tally)
+    lengths: Counter[int] = field(default_factory=Counter)
+    overlong: int = 0
+
+    def merge(self, later: Checked) -> None:
+        """Add what was found in rows that come after these."""
+        self.errors.merge(later.errors)
+        self.stops.merge(later.stops)
+        self.lengths.update(later.lengths)
+        self.overlong += later.overlong
+
+
+def check_rows(
+    c: Config,
+    ds: Any,
+    tok: Any,
+    max_len: int,
+    rows: Optional[Sequence[int]] = None,
+    progress: Optional[Callable[[int], Any]] = None,
+) -> Checked:
+    """Rows (all by default, in increasing order) as the worker takes them: sampling overrides, prompt,
+    tokens, overlong policy."""
     from jinja2.exceptions import TemplateError
 
     from batchinfer.requests.build import build_request, overlong_tokens, row_id
@@ -79,16 +122,18 @@ def check_rows(c: Config, ds: Any, tok: Any, max_len: int) -> tuple[Tally, Tally
 
     prompt = c.prompt
     builder = PromptBuilder(prompt)
-    errors, stops, lengths, overlong = Tally(), Tally(), Counter[int](), 0
+    found = Checked()
+    errors, stops, lengths = found.errors, found.stops, found.lengths
     kwargs = prompt.chat_template_kwargs
-    for start in range(0, len(ds), BATCH_ROWS):
-        rows = ds.select(range(start, min(start + BATCH_ROWS, len(ds)))).to_list()
-        for index, row in enumerate(rows, start=start):
+    rows = range(len(ds)) if rows is None else rows
+    for start in range(0, len(rows), BATCH_ROWS):
+        batch = rows[start : start + BATCH_ROWS]
+        for index, row in zip(batch, ds.select(batch).to_list(), strict=True):
             example = {"row": index, "id": row_id(c, row, index)}
             try:
                 req = build_request(c, builder, row, index, lambda p: tok.encode(p, kwargs))
                 lengths[len(req.ids)] += 1
-                overlong += len(req.ids) >= max_len
+                found.overlong += len(req.ids) >= max_len
                 overlong_tokens(req.ids, prompt.overlong, max_len, req.sampling["max_tokens"])
             except RowError as e:
                 errors.add(e.kind, dict(example, message=f"row {index}: {e.message}"))
@@ -96,7 +141,150 @@ def check_rows(c: Config, ds: Any, tok: Any, max_len: int) -> tuple[Tally, Tally
                 stops.add("chat_template", dict(example, message=f"row {index}: chat template: {e}"))
             except InputError as e:  # prompt.overlong=fail stops the run
                 stops.add("overlong", dict(example, message=f"row {index}: {e}"))
-    return errors, stops, lengths, overlong
+        if progress is not None:
+            progress(len(batch))
+    return found
+
+
+# One worker process's own tokenizer and memory-mapped dataset, loaded once by _start_worker.
+_WORKER: dict[str, Any] = {}
+
+
+def _start_worker(c: Config, dest: str, folder: str, max_len: int) -> None:
+    import signal
+
+    from batchinfer.inputs.read import open_input
+    from batchinfer.models.tokens import LoginTokenizer
+
+    # Ctrl-C reaches the whole process group: the parent stops the pool, workers must not print tracebacks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:  # die with the parent (killed validate), rather than linger holding the dataset's memory map
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        pass
+    _WORKER.update(c=c, ds=open_input(Path(dest)), tok=LoginTokenizer.from_model_dir(folder), max_len=max_len)
+
+
+def _check_chunk(rows: Sequence[int]) -> tuple[int, Checked]:
+    w = _WORKER
+    return os.getpid(), check_rows(w["c"], w["ds"], w["tok"], w["max_len"], rows)
+
+
+def chunk_size(rows: int, jobs: int) -> int:
+    """Rows per task: about 4 tasks per process so that uneven rows even out, within [500, 10,000]."""
+    return max(MIN_CHUNK_ROWS, min(CHUNK_ROWS, math.ceil(rows / (4 * jobs))))
+
+
+def check_parallel(
+    c: Config,
+    dest: Path,
+    folder: Path,
+    max_len: int,
+    rows: Sequence[int],
+    jobs: int,
+    chunk_rows: int,
+    progress: Optional[Callable[[int], Any]] = None,
+) -> Checked:
+    """check_rows over chunks of rows in `jobs` worker processes, merged in row order: the same result
+    as one process. Spawned, not forked: the parent already runs pyarrow's and the tokenizer's threads,
+    and a fork copies their locks in whatever state they are (deadlocks; tokenizers then turns its
+    parallelism off with a warning); spawn costs each worker ~1 s of imports, once per run. A script
+    calling this needs the `if __name__ == "__main__":` guard: spawn imports the main module."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
+
+    chunks = [rows[i : i + chunk_rows] for i in range(0, len(rows), chunk_rows)]
+    merged, pending, nxt, pids = Checked(), {}, 0, set()
+    ctx = multiprocessing.get_context("spawn")
+    init = (c, str(dest), str(folder), max_len)
+    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_start_worker, initargs=init) as pool:
+        try:
+            futures = {pool.submit(_check_chunk, chunk): k for k, chunk in enumerate(chunks)}
+            for future in as_completed(futures):
+                try:
+                    pid, pending[futures[future]] = future.result()
+                except BrokenProcessPool:
+                    raise BatchinferError(
+                        f"validate: a worker process died (out of memory?); try fewer processes than --jobs {jobs}"
+                    ) from None
+                pids.add(pid)
+                while nxt in pending:  # merged in row order as soon as the earlier chunks are in
+                    merged.merge(pending.pop(nxt))
+                    nxt += 1
+                if progress is not None:
+                    progress(len(chunks[futures[future]]))
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)  # workers finish their chunk (seconds), start no other
+            raise
+    log.debug("validate: %d chunks of %d rows checked by worker processes %s", len(chunks), chunk_rows, sorted(pids))
+    return merged
+
+
+MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    # splitmix64: a well-spread 64-bit hash of x, so that row k of a sample needs no generator state.
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+class Sample(Sequence[int]):
+    """n rows of total, one in each of n equal stretches, at a place in it the seed picks: spread over
+    the whole corpus like evenly spaced rows, but a corpus that repeats with a period (sources
+    interleaved, a header every k rows) cannot line up with the spacing. The same rows every time.
+    Rows are computed when asked, so a sample of millions is no list of millions (a slice is a list)."""
+
+    def __init__(self, total: int, n: int, seed: int = 0) -> None:
+        self.total, self.n, self.seed = total, min(n, total), seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _row(self, k: int) -> int:
+        lo, hi = k * self.total // self.n, (k + 1) * self.total // self.n
+        return lo + _mix(self.seed * self.total + k) % (hi - lo)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self._row(k) for k in range(*i.indices(self.n))]
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        return self._row(i % self.n)
+
+
+def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson interval of a proportion seen hits times in n draws (sound at 0 and n, unlike p +- 2 sd)."""
+    p, z2 = hits / n, z * z
+    centre, half = p + z2 / (2 * n), z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return max(0.0, (centre - half) / (1 + z2 / n)), min(1.0, (centre + half) / (1 + z2 / n))
+
+
+def sample_section(checked: int, total: int, found: Checked) -> dict[str, Any]:
+    """What a sample says of the whole corpus: counts scaled by total/checked, error rows with a 95% range."""
+    scale, errors = total / checked, found.errors.total()
+    lo, hi = wilson(errors, checked)
+    # The sample's own rows are known: at least its error rows, at most every row outside its good ones.
+    low, high = max(errors, math.floor(lo * total)), min(total - (checked - errors), math.ceil(hi * total))
+    estimate = {
+        "error_rows": round(errors * scale),
+        "error_rows_95": [low, high],
+        "error_rows_by_kind": {k: round(e["count"] * scale) for k, e in found.errors.kinds.items()},
+        "overlong_rows": round(found.overlong * scale),
+        "prompt_tokens_total": round(sum(v * n for v, n in found.lengths.items()) * scale),
+    }
+    estimate["would_run"] = total - estimate["error_rows"]
+    return {
+        "rows": checked,
+        "of": total,
+        "spread": "one row in each of `rows` equal stretches, picked by seed 0",
+        "estimate": estimate,
+    }
 
 
 OVERLONG = {
@@ -107,16 +295,27 @@ OVERLONG = {
 }
 
 
-def overlong_outcome(policy: str, count: int, max_len: int) -> str:
-    """What prompt.overlong does with the rows at or over max_model_len."""
+def overlong_outcome(policy: str, count: int, max_len: int, estimate: Optional[int] = None) -> str:
+    """What prompt.overlong does with the rows at or over max_model_len (estimate: of all rows, from a sample)."""
+    sampled = "" if estimate is None else "sampled "
     if not count:
-        return f"no prompt reaches max_model_len={max_len:,}"
-    return f"{count:,} row{'s' if count > 1 else ''} at or over max_model_len={max_len:,}: {OVERLONG[policy]}"
+        return f"no {sampled}prompt reaches max_model_len={max_len:,}"
+    rows = f"{count:,} {sampled}row{'s' if count > 1 else ''}" + (f" (~{estimate:,} of all)" if sampled else "")
+    return f"{rows} at or over max_model_len={max_len:,}: {OVERLONG[policy]}"
 
 
-def validate(cfg: DictConfig) -> dict[str, Any]:
-    """The validate report of a composed config: input, ids, would-be error rows, overlong, token lengths."""
+def validate(
+    cfg: DictConfig,
+    jobs: Optional[int] = None,
+    sample: Optional[int] = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """The validate report of a composed config: input, ids, would-be error rows, overlong, token lengths.
+    jobs: processes that tokenize (default: the CPUs this process may use; the report is the same
+    whatever it is); sample: check only this many rows, spread over the input (Sample)."""
     from batchinfer.inputs.read import convert_input, id_problems, open_input
+    from batchinfer.insight.cpus import allowed_cpus
+    from batchinfer.launch.local import progress_bar
     from batchinfer.models.maxlen import max_model_len
     from batchinfer.models.tokens import LoginTokenizer, model_dir
     from batchinfer.requests.prompts import check_fields, load_template
@@ -131,45 +330,73 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
     if c.prompt.mode == "chat" and tok.chat_template is None:
         raise ConfigError(f"model.path {m.path}: the model has no chat template; use prompt.mode=raw")
     max_len, max_len_source = max_model_len(m.max_model_len, folder)
+    jobs = jobs or allowed_cpus()
     # Converted as `run` converts it, into a temporary folder ($TMPDIR) removed afterwards.
     with tempfile.TemporaryDirectory(prefix="batchinfer-validate-") as tmp:
         dest = Path(tmp) / "input"
         rows = convert_input(files, inp.format, dest, inp.id_column, inp.columns, strict_ids=False)
         ds = open_input(dest)
         check_fields(load_template(c.prompt), ds.column_names, inp.path)
+        # Ids on every row even in a sample: a duplicate pair is rarely both sampled, and the column is cheap.
         id_count, id_examples = id_problems(ds.data.column(inp.id_column), inp.id_column) if inp.id_column else (0, [])
-        errors, stops, lengths, overlong = check_rows(c, ds, tok, max_len)
+        todo: Sequence[int] = Sample(rows, sample) if sample and sample < rows else range(rows)
+        workers = max(1, min(jobs, len(todo) // ROWS_PER_WORKER))
+        bar = progress_bar(len(todo), 0, "validate") if progress and len(todo) >= PROGRESS_ROWS else None
+        try:
+            if workers > 1:
+                size = chunk_size(len(todo), workers)
+                found = check_parallel(c, dest, folder, max_len, todo, workers, size, bar and bar.update)
+            else:
+                found = check_rows(c, ds, tok, max_len, todo, bar and bar.update)
+        finally:
+            if bar is not None:
+                bar.close()
         del ds  # memory-mapped from tmp
+    errors, stops, lengths, overlong = found.errors, found.stops, found.lengths, found.overlong
     if id_count:
         stops.kinds["ids"] = {"count": id_count, "examples": [{"message": f"{inp.path}: {e}"} for e in id_examples]}
     policy = c.prompt.overlong
+    sampled = sample_section(len(todo), rows, found) if len(todo) < rows else None
+    estimate = sampled["estimate"]["overlong_rows"] if sampled else None
     return {
         "input": {"path": inp.path, "format": inp.format, "files": len(files), "rows": rows},
         "model": {"path": m.path, "max_model_len": max_len, "max_model_len_source": max_len_source},
         "prompt": {"mode": c.prompt.mode, "overlong": policy},
+        "sample": sampled,
         "stops": {"count": stops.total(), "by_kind": stops.kinds},
         "error_rows": {"count": errors.total(), "by_kind": errors.kinds},
-        "overlong": {"rows": overlong, "policy": policy, "outcome": overlong_outcome(policy, overlong, max_len)},
+        "overlong": {
+            "rows": overlong,
+            "policy": policy,
+            "outcome": overlong_outcome(policy, overlong, max_len, estimate),
+        },
         "prompt_tokens": token_stats(lengths),
-        "would_run": rows - errors.total(),
+        "would_run": len(todo) - errors.total(),
         "exit_code": 2 if stops.total() else 1 if errors.total() else 0,
     }
 
 
 def format_report(r: dict[str, Any]) -> str:
     """The report as lines for a terminal."""
-    inp, mo, pt = r["input"], r["model"], r["prompt_tokens"]
+    inp, mo, pt, sa = r["input"], r["model"], r["prompt_tokens"], r.get("sample")
+    est = sa["estimate"] if sa else {}
     files = f", {inp['files']} files" if inp["files"] > 1 else ""
     lines = [
         f"input        {inp['path']} ({inp['format']}{files}): {inp['rows']:,} rows",
         f"model        {mo['path']}",
         f"             max_model_len {mo['max_model_len']:,} ({mo['max_model_len_source']})",
     ]
+    if sa:
+        lines.append(
+            f"sample       sampled {sa['rows']:,} of {sa['of']:,} rows, one in each stretch of "
+            f"{sa['of'] / sa['rows']:,.4g}: counts are of the sample, ~ estimates for all rows; ids checked on every row"
+        )
     if pt["rows"]:
+        all_tokens = f" (~{est['prompt_tokens_total']:,} for all rows)" if sa else ""
         lines.append(
             f"prompt       {r['prompt']['mode']} mode, {pt['rows']:,} rows tokenized: min {pt['min']:,} "
             f"p50 {pt['p50']:,} p90 {pt['p90']:,} p99 {pt['p99']:,} max {pt['max']:,} mean {pt['mean']:,} "
-            f"total {pt['total']:,} tokens"
+            f"total {pt['total']:,} tokens{all_tokens}"
         )
         peak = max(b["rows"] for b in pt["histogram"])
         for b in pt["histogram"]:
@@ -178,7 +405,9 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"overlong     {r['overlong']['outcome']} (prompt.overlong={r['overlong']['policy']})")
     for title, section in (("stops run", r["stops"]), ("error rows", r["error_rows"])):
         for kind, entry in section["by_kind"].items():
-            lines.append(f"{title:<12} {kind}: {entry['count']:,}")
+            scaled = est.get("error_rows_by_kind", {}).get(kind) if section is r["error_rows"] else None
+            of_all = "" if scaled is None else f" (~{scaled:,} of all rows)"
+            lines.append(f"{title:<12} {kind}: {entry['count']:,}{of_all}")
             for ex in entry["examples"]:
                 who = f"id {ex['id']!r}: " if "id" in ex else ""
                 lines.append(f"               {who}{ex['message']}")
@@ -188,5 +417,13 @@ def format_report(r: dict[str, Any]) -> str:
         "become error rows (exit 1)",
         2: "stop         the run would not start or would stop: fix the problems under `stops run` (exit 2)",
     }
+    if sa:
+        low, high = est["error_rows_95"]
+        unchecked = sa["of"] - sa["rows"]
+        verdict[0] = f"ok           all {sa['rows']:,} sampled rows would run; {unchecked:,} rows were not checked"
+        verdict[1] = (
+            f"rows         {r['would_run']:,} of {sa['rows']:,} sampled rows would run; ~{est['error_rows']:,} of "
+            f"{inp['rows']:,} rows (95%: {low:,} to {high:,}) would become error rows (exit 1)"
+        )
     lines.append(verdict[r["exit_code"]])
     return "\n".join(lines)
