@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
+from collections.abc import Callable, Iterable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from batchinfer.errors import InputError
 from batchinfer.inputs.openai_batch import convert_requests, looks_like_openai_batch
-from batchinfer.inputs.textfiles import COMPRESSION_SUFFIXES, first_line, open_text, scan_jsonl, text_lines
+from batchinfer.inputs.textfiles import (
+    COMPRESSION_SUFFIXES,
+    count_lines,
+    first_line,
+    open_text,
+    scan_jsonl,
+    text_lines,
+)
 from batchinfer.models.locations import looks_local
 from batchinfer.security import remove_path
 
@@ -31,6 +42,15 @@ FORMATS_BY_SUFFIX = {
 FORMATS = ("jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf_disk", "openai")
 GLOB_CHARS = set("*?[")
 HUB_PREFIX = "hf://datasets/"
+# pyarrow's streaming JSON reader takes its schema from the first block: as large as the first chunk
+# `datasets`' JSON builder infers its features from, so both settle on the same types.
+JSONL_BLOCK_BYTES = 10 << 20
+ARROW_CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
+DATA_FILE = "data-00000-of-00001.arrow"
+# The id check sorts at most this many ids at once (~70 bytes each): its memory stays the same for
+# any corpus size, at the cost of one more pass over the ids per million rows.
+ID_PASS_ROWS = 1 << 20
+IdChunks = Callable[[], Iterable[pa.Array]]
 
 
 @dataclass(frozen=True)
@@ -209,29 +229,202 @@ def convert_input(
         cache = dest.with_name(".hf-cache")
         remove_path(cache, ignore_errors=True)  # a symlink here would send datasets' cache outside DIR
     try:
-        try:
-            ds = _load(files, fmt, cache, shown)
-        except InputError:
-            raise
-        except Exception as e:  # the readers raise ValueError, OSError, ArrowException, DatasetGenerationError
-            raise _read_error(files, fmt, shown, e) from None
-        if len(ds) == 0:
+        ds = None
+        fast = _jsonl_to_arrow(files, tmp, cache / "ids.arrow", id_column) if fmt == "jsonl" else None
+        if fast is not None:
+            rows, schema = fast
+            ids: IdChunks = lambda: _stream_column(cache / "ids.arrow")  # noqa: E731
+        else:
+            remove_path(tmp, ignore_errors=True)
+            try:
+                ds = _load(files, fmt, cache, shown)
+            except InputError:
+                raise
+            except Exception as e:  # the readers raise ValueError, OSError, ArrowException, DatasetGenerationError
+                raise _read_error(files, fmt, shown, e) from None
+            rows, schema = len(ds), ds.data.schema
+            ids = lambda: ds.data.column(id_column).chunks  # noqa: E731
+        if rows == 0:
             raise InputError(f"{shown}: no rows; there is nothing to run")
         if id_column is not None:
-            if id_column not in ds.column_names:
+            if id_column not in schema.names:
                 raise InputError(
-                    f"{shown}: input.id_column={id_column!r} is not a column (columns: {', '.join(ds.column_names)})"
+                    f"{shown}: input.id_column={id_column!r} is not a column (columns: {', '.join(schema.names)})"
                 )
             if strict_ids:
-                check_ids(shown, ds.data.column(id_column), id_column)
+                check_ids(shown, ids, id_column)
         for col in columns or []:
-            column_type(ds.data.schema, col, shown)
-        ds.save_to_disk(str(tmp))
+            column_type(schema, col, shown)
+        if ds is not None:
+            ds.save_to_disk(str(tmp))
         os.replace(tmp, dest)
-        return len(ds)
+        return rows
     finally:
         remove_path(cache, ignore_errors=True)
         remove_path(tmp, ignore_errors=True)
+
+
+def _jsonl_to_arrow(
+    files: list[Path], dest: Path, ids_file: Path, id_column: Optional[str]
+) -> Optional[tuple[int, pa.Schema]]:
+    """JSON lines streamed by pyarrow into one Arrow file in `Dataset.save_to_disk`'s layout at dest,
+    the id column also into ids_file; the row count and schema. None where the line-by-line check and
+    `datasets` must decide: a line pyarrow cannot read, one that is not exactly one object, a type
+    that changes after the first block, or a file `datasets` would read into other types."""
+    import pyarrow.json as paj
+
+    schema: Optional[pa.Schema] = None
+    features: Any = None
+    rows = 0
+    head_checked = False
+    try:
+        with ExitStack() as stack:
+            for n, path in enumerate(files):
+                source = _arrow_source(path)
+                if source is None:
+                    return None
+                reader = paj.open_json(source, read_options=paj.ReadOptions(block_size=JSONL_BLOCK_BYTES))
+                if schema is None:
+                    schema, features = reader.schema, _features_as_datasets_reads(reader.schema)
+                    if features is None:
+                        return None
+                    dest.mkdir(parents=True)
+                    data = stack.enter_context(
+                        pa.ipc.new_stream(
+                            stack.enter_context(pa.OSFile(str(dest / DATA_FILE), "wb")), features.arrow_schema
+                        )
+                    )
+                    id_at = schema.get_field_index(id_column) if id_column else -1
+                    if id_at >= 0:
+                        ids_file.parent.mkdir(parents=True, exist_ok=True)
+                        id_schema = pa.schema([schema.field(id_at)])
+                        ids = stack.enter_context(
+                            pa.ipc.new_stream(stack.enter_context(pa.OSFile(str(ids_file), "wb")), id_schema)
+                        )
+                elif not reader.schema.equals(schema):
+                    return None  # `datasets` casts a later file to the first one's types
+                file_rows = 0
+                for i, batch in enumerate(reader):
+                    # pyarrow passes invalid UTF-8 through into strings; the line check names it.
+                    batch.validate(full=True)
+                    # Two blocks cover `datasets`' first chunk, where it looks for objects with varying keys.
+                    if n == 0 and i < 2 and not head_checked and _keys_may_vary(batch):
+                        head_checked = True
+                        if _objects_vary(path):
+                            return None
+                    data.write_batch(batch)
+                    if id_at >= 0:
+                        ids.write_batch(pa.record_batch([batch.column(id_at)], schema=id_schema))
+                    file_rows += batch.num_rows
+                # pyarrow also reads two objects on a line, or one over several lines: each line must be one row.
+                if file_rows != count_lines(path) and file_rows != count_lines(path, exact=True):
+                    return None
+                rows += file_rows
+    except (pa.ArrowException, UnicodeDecodeError, OSError):
+        return None
+    if schema is None:
+        return None
+    _write_dataset_state(dest, features)
+    return rows, schema
+
+
+def _arrow_source(path: Path) -> Any:
+    """What pyarrow reads path from, decompressing it natively; None for a compression it lacks."""
+    name = path.name.lower()
+    for suffix, codec in ARROW_CODECS.items():
+        if name.endswith(suffix):
+            return pa.input_stream(str(path), compression=codec) if pa.Codec.is_available(codec) else None
+    if name.endswith(COMPRESSION_SUFFIXES):
+        return None
+    return str(path)
+
+
+def _features_as_datasets_reads(schema: pa.Schema) -> Any:
+    """`datasets` Features for pyarrow's schema of a JSON lines file, or None where `datasets`' own
+    JSON builder would give other types (an empty object as JSON text, agent traces)."""
+    import datasets
+
+    features = datasets.Features.from_arrow_schema(schema)
+    if not features.arrow_schema.equals(schema) or any(_empty_objects(f.type) for f in schema):
+        return None
+    try:
+        from datasets.packaged_modules.json.json import has_agent_traces_markers
+
+        if has_agent_traces_markers(features):
+            return None
+    except ImportError:  # older `datasets`: no such reading
+        pass
+    return features
+
+
+def _empty_objects(t: pa.DataType) -> bool:
+    """Whether a type is or holds a struct without fields (`{}` in every row)."""
+    if pa.types.is_struct(t) and t.num_fields == 0:
+        return True
+    return any(_empty_objects(t.field(i).type) for i in range(t.num_fields))
+
+
+def _keys_may_vary(batch: pa.RecordBatch) -> bool:
+    """Whether an object below the row may lack a key another one has: a field null where its object
+    is not (a missing key and a null value look alike in Arrow)."""
+
+    def varies(arr: pa.Array) -> bool:
+        if pa.types.is_struct(arr.type):
+            valid = arr.is_valid()
+            for i in range(arr.type.num_fields):
+                child = arr.field(i)
+                if child.null_count and pc.any(pc.and_(valid, child.is_null())).as_py():
+                    return True
+                if varies(child):
+                    return True
+            return False
+        if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+            return varies(arr.flatten())
+        return False
+
+    return any(varies(col) for col in batch.columns)
+
+
+def _objects_vary(first: Path) -> bool:
+    """Whether `datasets`' JSON builder finds objects with varying keys in the file's first chunk, which
+    it keeps as JSON text (a check its newer versions make; none in older ones)."""
+    try:
+        from datasets.utils.json import find_mixed_struct_types_field_paths, ujson_loads
+    except ImportError:
+        return False
+    with open_text(first) as f:
+        head = f.read(10 << 20)
+        head += f.readline()
+    try:  # as the builder does: a line that is not JSON skips the check
+        examples = [ujson_loads(line) for line in head.removeprefix(b"\xef\xbb\xbf").splitlines()]
+    except ValueError:
+        return False
+    return bool(find_mixed_struct_types_field_paths(examples))
+
+
+def _write_dataset_state(dest: Path, features: Any) -> None:
+    """state.json and dataset_info.json beside dest's one data file, as `Dataset.save_to_disk` writes them."""
+    import datasets
+
+    state = {
+        "_data_files": [{"filename": DATA_FILE}],
+        "_fingerprint": os.urandom(8).hex(),
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": "train",
+    }
+    (dest / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
+    datasets.DatasetInfo(features=features, builder_name="json", dataset_name="json").write_to_directory(str(dest))
+
+
+def _stream_column(path: Path) -> Iterable[pa.Array]:
+    """The one column of an Arrow stream file, batch by batch, read rather than memory-mapped so
+    that a pass over it leaves no resident pages behind."""
+    with pa.OSFile(str(path)) as f:
+        for batch in pa.ipc.open_stream(f):
+            yield batch.column(0)
 
 
 def column_type(schema: pa.Schema, dotted: str, source: str) -> pa.DataType:
@@ -257,26 +450,139 @@ def get_path(row: dict[str, Any], dotted: str) -> Any:
     return value
 
 
-def id_problems(ids: pa.ChunkedArray, column: str, limit: int = 5) -> tuple[int, list[str]]:
-    """Null and duplicate ids: how many rows have one, and the first `limit` said as messages."""
-    count, shown = 0, []
-    seen: dict[Any, int] = {}
-    for row, value in enumerate(ids.to_pylist()):
-        if value is None:
-            msg = f"row {row}: input.id_column {column!r} is null or missing; every row needs an id"
-        elif value in seen:
-            msg = f"duplicate id {value!r} in rows {seen[value]} and {row}; ids must be unique"
+def id_problems(ids: Union[pa.ChunkedArray, IdChunks], column: str, limit: int = 5) -> tuple[int, list[str]]:
+    """Null and duplicate ids: how many rows have one, and the first `limit` in row order said as
+    messages. ids is a column or a function giving its chunks anew for each pass over them."""
+    chunks: IdChunks = (lambda: ids.chunks) if isinstance(ids, pa.ChunkedArray) else ids  # type: ignore[union-attr]
+    found: list[tuple[int, str]] = []  # (row, message), at most `limit` of each kind
+    nulls, sample, total = _null_rows(chunks, limit, found, column)
+    if len(sample) == 0:
+        return nulls, [msg for _, msg in sorted(found)[:limit]]
+    if not _sortable(sample):
+        count, shown = _id_problems_python(chunks, column, limit, found)
+        return nulls + count, shown
+    dups = 0
+    for lo, hi in _id_ranges(sample, total - nulls):
+        dups += _duplicates(chunks, lo, hi, limit, found)
+    return nulls + dups, [msg for _, msg in sorted(found)[:limit]]
+
+
+def _null_rows(chunks: IdChunks, limit: int, found: list[tuple[int, str]], column: str) -> tuple[int, pa.Array, int]:
+    """Count null ids and add the first `limit`; a sample of the ids spread over every chunk; the row count."""
+    import numpy as np
+
+    nulls = total = 0
+    sample = []
+    for chunk in chunks():
+        chunk = _plain(chunk)
+        if chunk.null_count:
+            if nulls < limit:
+                for row in pc.indices_nonzero(chunk.is_null()).to_numpy()[: limit - nulls]:
+                    msg = f"row {total + row}: input.id_column {column!r} is null or missing; every row needs an id"
+                    found.append((total + int(row), msg))
+            nulls += chunk.null_count
+        if len(chunk) > chunk.null_count:
+            # 64 ids of each chunk (thousands of rows): enough to split the ids into ranges of even size
+            picks = np.unique(np.linspace(0, len(chunk) - 1, 64).astype(np.int64))
+            sample.append(chunk.take(pa.array(picks)).drop_null())
+        total += len(chunk)
+    return nulls, pa.concat_arrays(sample) if sample else pa.array([]), total
+
+
+def _plain(chunk: pa.Array) -> pa.Array:
+    """A dictionary-encoded chunk as its values; others as they are."""
+    return chunk.dictionary_decode() if pa.types.is_dictionary(chunk.type) else chunk
+
+
+def _sortable(sample: pa.Array) -> bool:
+    """Whether Arrow sorts and compares ids of this type (not lists or structs)."""
+    try:
+        pc.sort_indices(sample[:2])
+        pc.less(sample[:1], sample[0])
+    except (pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        return False
+    return True
+
+
+def _id_ranges(sample: pa.Array, ids: int) -> list[tuple[Any, Any]]:
+    """[lo, hi) bounds (None: open) splitting the ids into ranges of ~ID_PASS_ROWS each, from a sample."""
+    parts = -(-ids // ID_PASS_ROWS)
+    if parts <= 1:
+        return [(None, None)]
+    ordered = sample.take(pc.sort_indices(sample))
+    cuts = pc.unique(ordered.take(pa.array([len(ordered) * i // parts for i in range(1, parts)])))
+    bounds = [None, *cuts, None]
+    return list(zip(bounds, bounds[1:], strict=False))
+
+
+def _duplicates(chunks: IdChunks, lo: Any, hi: Any, limit: int, found: list[tuple[int, str]]) -> int:
+    """Count the ids in [lo, hi) that repeat an earlier row's, and add the first `limit` of them."""
+    import numpy as np
+
+    values, rows = [], []
+    offset = 0
+    for chunk in chunks():
+        chunk = _plain(chunk)
+        if lo is None and hi is None:
+            keep = chunk.is_valid()
         else:
-            seen[value] = row
-            continue
-        count += 1
-        if len(shown) < limit:
-            shown.append(msg)
-    return count, shown
+            parts = ([pc.greater_equal(chunk, lo)] if lo is not None else []) + (
+                [pc.less(chunk, hi)] if hi is not None else []
+            )
+            keep = parts[0] if len(parts) == 1 else pc.and_(*parts)
+        at = pc.indices_nonzero(keep)
+        values.append(chunk.take(at))
+        rows.append(at.to_numpy() + offset)
+        offset += len(chunk)
+    if not values:
+        return 0
+    # A stable sort: equal ids stay in row order, so each run of them starts at its first row.
+    merged = pa.concat_arrays(values)
+    del values
+    order = pc.sort_indices(merged)
+    ordered = merged.take(order)
+    del merged
+    row = np.concatenate(rows)[order.to_numpy()]
+    del rows, order
+    starts = np.ones(len(row), dtype=bool)
+    if len(row) > 1:
+        same = pc.equal(ordered.slice(1), ordered.slice(0, len(ordered) - 1))
+        starts[1:] = ~same.fill_null(False).to_numpy(zero_copy_only=False)
+    repeats = np.flatnonzero(~starts)
+    if len(repeats):
+        first = np.maximum.accumulate(np.where(starts, np.arange(len(row)), 0))
+        firsts = repeats[np.argsort(row[repeats], kind="stable")[:limit]]
+        for i in firsts:
+            value = ordered[int(i)].as_py()
+            msg = f"duplicate id {value!r} in rows {int(row[first[i]])} and {int(row[i])}; ids must be unique"
+            found.append((int(row[i]), msg))
+    return len(repeats)
 
 
-def check_ids(path: Any, ids: pa.ChunkedArray, column: str = "id") -> None:
-    """Ids must be present and unique; the error names the id and its rows."""
+def _id_problems_python(
+    chunks: IdChunks, column: str, limit: int, found: list[tuple[int, str]]
+) -> tuple[int, list[str]]:
+    """Duplicates of ids Arrow cannot sort (lists, structs), one row at a time; null rows already in found."""
+    count = 0
+    seen: dict[Any, int] = {}
+    row = 0
+    for chunk in chunks():
+        for value in chunk.to_pylist():
+            if value is not None:
+                key = value if isinstance(value, (str, int, float, bytes)) else repr(value)
+                if key in seen:
+                    msg = f"duplicate id {value!r} in rows {seen[key]} and {row}; ids must be unique"
+                    count += 1
+                    if count <= limit:
+                        found.append((row, msg))
+                else:
+                    seen[key] = row
+            row += 1
+    return count, [msg for _, msg in sorted(found)[:limit]]
+
+
+def check_ids(path: Any, ids: Union[pa.ChunkedArray, IdChunks], column: str = "id") -> None:
+    """Ids must be present and unique; the error names the first bad row, its id and the row it repeats."""
     count, shown = id_problems(ids, column, limit=1)
     if count:
         raise InputError(f"{path}: {shown[0]}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 from batchinfer.errors import InputError
 
 COMPRESSION_SUFFIXES = (".gz", ".zst", ".bz2", ".xz")
+# A newline that ends a line of JSON whitespace only (RapidJSON's: space, tab, CR), the next newline not consumed.
+_BLANK_LINE = re.compile(rb"\n[ \t\r]*(?=\n)")
 
 
 def first_line(path: Path) -> str:
@@ -88,3 +91,27 @@ def scan_jsonl(path: Path) -> int:
             json_object(path, lineno, line)
             rows += 1
     return rows
+
+
+def count_lines(path: Path, exact: bool = False) -> int:
+    """Lines of a (possibly compressed) text file, a last one without a newline included. exact=True
+    counts only lines with something besides JSON whitespace, the rows a JSON lines reader makes."""
+    newlines = blank = 0
+    # exact: whether the line still open at a block's end has content so far; its bytes are not kept.
+    open_line = b""
+    last = b"\n"
+    with open_text(path) as f:
+        while block := f.read(1 << 24):
+            newlines += block.count(b"\n")
+            last = block[-1:]
+            if exact:
+                # The leading newline lets the pattern see the block's first line as a whole one.
+                cut = block.rfind(b"\n")
+                if cut < 0:
+                    open_line = open_line or (b"x" if block.strip(b" \t\r") else b"")
+                    continue
+                blank += len(_BLANK_LINE.findall(b"\n" + open_line + block[: cut + 1]))
+                open_line = b"x" if block[cut + 1 :].strip(b" \t\r") else b""
+    if exact:
+        return newlines - blank + (open_line == b"x")
+    return newlines + (last != b"\n")
