@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections import Counter
+from collections.abc import Callable
 
 ENV = "BATCHINFER_FAULT"
 # Benchmarks: append "<time> <rows finished so far>" to this file at every engine step.
 TRACE_ENV = "BATCHINFER_TRACE"
 # A prompt containing this text kills the engine's processes when it is fed (a "poison row").
 POISON_ENV = "BATCHINFER_POISON"
+# Slurm tests: after its first committed part a worker waits up to this many seconds for a stop
+# signal, so a signal, requeue or engine kill surely lands on a partial shard of a small corpus.
+HOLD_ENV = "BATCHINFER_HOLD"
 POINTS = (
     "in-part-write",  # half of a part's bytes are in its temporary file
     "before-part-rename",  # temporary part complete and fsynced, not yet renamed
@@ -21,6 +26,7 @@ POINTS = (
     "in-merge",  # merged output half written
 )
 _hits: Counter[str] = Counter()
+_held = False
 
 
 def point(name: str) -> None:
@@ -38,6 +44,19 @@ def point(name: str) -> None:
     if os.getpgid(0) == os.getpid():
         os.killpg(0, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hold(stopped: Callable[[], bool]) -> None:
+    """Wait (once per process) while BATCHINFER_HOLD asks and no stop signal has come; a requeued
+    Slurm job's later runs (SLURM_RESTART_COUNT > 0) do not wait, so they finish the shard."""
+    global _held
+    seconds = float(os.environ.get(HOLD_ENV) or 0)
+    if _held or seconds <= 0 or int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
+        return
+    _held = True
+    deadline = time.monotonic() + seconds
+    while not stopped() and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def poisoned(prompt: object) -> bool:
@@ -61,7 +80,5 @@ def trace_finished(rows: int) -> None:
     """Record how many rows this process has finished (for measuring work lost to a kill)."""
     path = os.environ.get(TRACE_ENV)
     if path:
-        import time
-
         with open(path, "a") as f:
             f.write(f"{time.time():.3f} {rows}\n")

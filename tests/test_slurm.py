@@ -45,6 +45,13 @@ def slurm_env() -> dict[str, str]:
     return dict(os.environ)
 
 
+# Each task waits after its first committed part until a stop signal (at most this long; not after a
+# requeue): the signal, requeue or engine kill of a test surely lands on a partial shard, so the
+# corpora stay small. Shards need more rows than vLLM runs at once (max_num_seqs, 256 on CPU) so
+# that their first part is not the whole shard.
+HOLD = "+cluster.env.BATCHINFER_HOLD=240"
+
+
 def cluster_overrides(tmp: Path, corpus: Path, model: Path, *extra: str, out: Optional[Path] = None) -> list[str]:
     """A small CPU run into out (default tmp/run); paths quoted for Hydra's grammar, as a user types them."""
     return [
@@ -140,8 +147,8 @@ def test_submit_three_shards_merged_exactly_once(slurm_env: dict, tmp_path: Path
 def test_usr2_preemption_and_external_requeue(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path, engine: Any
 ) -> None:
-    extra = ["sharding.num_shards=2", "sampling.max_tokens=64", "output.commit_every_rows=16"]
-    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 3000, 12, *extra)
+    extra = ["sharding.num_shards=2", "sampling.max_tokens=16", "output.commit_every_rows=16"]
+    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 1200, 12, *extra, HOLD)
     ov = cluster_overrides(tmp_path, tmp_path / "c.jsonl", tiny_model_path, *extra)
     array = first_submission(run_dir)["arrays"][0]["job_id"]
     # Task 0, once it has committed: Slurm's preemption notice (USR2), then the time limit's TERM
@@ -219,8 +226,9 @@ def job_engine_pids() -> list[int]:
 def test_engine_death_commits_and_requeues_until_max_attempts(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path
 ) -> None:
-    extra = ["sampling.max_tokens=48", "output.commit_every_rows=16", "cluster.max_attempts=2"]
-    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 1200, 15, *extra)
+    extra = ["sampling.max_tokens=16", "output.commit_every_rows=16", "cluster.max_attempts=2"]
+    # held 20 s after the first part: the engine is killed meanwhile, the next step finds it dead
+    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 600, 15, *extra, "+cluster.env.BATCHINFER_HOLD=20")
     wait_for(lambda: list(run_dir.glob("shards/00000/part-*")) and job_engine_pids(), what="a committed part")
     for pid in job_engine_pids():
         os.kill(pid, 9)  # the engine dies (OOM killer, GPU fault) while the worker lives
@@ -235,9 +243,8 @@ def test_engine_death_commits_and_requeues_until_max_attempts(
 def test_cancel_of_running_task_commits_and_does_not_requeue(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path
 ) -> None:
-    # Enough work that shard 0 is still generating when the cancel arrives (~4,000 rows x 64 tokens).
-    extra = ["sharding.num_shards=2", "sampling.max_tokens=64", "output.commit_every_rows=16"]
-    _, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 8000, 14, *extra)
+    extra = ["sharding.num_shards=2", "sampling.max_tokens=16", "output.commit_every_rows=16"]
+    _, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 1200, 14, *extra, HOLD)
     res = run_cli(["resume", str(run_dir)])
     assert res.returncode == 2 and "still has jobs queued or running" in res.stderr
     wait_for(lambda: list(run_dir.glob("shards/00000/part-*")), what="a committed part of shard 0")
@@ -253,8 +260,8 @@ def test_cancel_of_running_task_commits_and_does_not_requeue(
 
 
 def test_status_shows_tok_s_and_eta_of_a_running_array(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:
-    extra = ["sharding.num_shards=2", "sampling.max_tokens=64", "output.commit_every_rows=16"]
-    _, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 6000, 17, *extra)
+    extra = ["sharding.num_shards=2", "sampling.max_tokens=16", "output.commit_every_rows=16"]
+    _, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 1200, 17, *extra, HOLD)
 
     def running_with_rows() -> bool:
         return any(s["state"] == "running" and s["rows_done"] > 0 for s in status_json(run_dir)["shards"])
@@ -274,10 +281,10 @@ def test_status_shows_tok_s_and_eta_of_a_running_array(slurm_env: dict, tmp_path
         shard["output_tokens_per_s"], 1
     )
     assert totals["eta_seconds"] > 0 and totals["eta_seconds"] == round(
-        (6000 - totals["rows_done"]) / shard["rows_per_s"]
+        (1200 - totals["rows_done"]) / shard["rows_per_s"]
     )
     # The text (a moment later: figures may have moved on) shows a shard's tok/s, the total and the ETA.
-    line = re.search(rf"^\s*{shard['shard']}\s+running\s+\d+ of 3000\s+([\d.]+)\s", text, re.M)
+    line = re.search(rf"^\s*{shard['shard']}\s+running\s+\d+ of 600\s+([\d.]+)\s", text, re.M)
     now = re.search(r"now ([\d.]+) tok/s over 1 running task; ETA (\d+) h (\d+) min (\d+) s", text)
     assert line and now, text
     assert float(line.group(1)) > 0 and float(now.group(1)) > 0 and sum(map(int, now.groups()[1:])) > 0

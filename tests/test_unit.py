@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,7 @@ from batchinfer.config.compose import compose, hydra_literal
 from batchinfer.config.fingerprint import changed_keys
 from batchinfer.config.schema import ClusterConfig, Config, ModelConfig, PromptConfig, to_config, to_dict
 from batchinfer.engine.vllm_engine import Completion
-from batchinfer.engine.worker import StopFlag
+from batchinfer.engine.worker import StopFlag, Stopped
 from batchinfer.errors import ConfigError, InputError, RunDirError
 from batchinfer.inputs.read import Shard, plan_shards, scan_jsonl
 from batchinfer.launch.local import run_shards
@@ -450,6 +453,38 @@ def test_trace_records_rows_finished_per_step(tmp_path: Path, monkeypatch) -> No
     run_shards(run, [0], engine=_keyed(FakeEngine(), run))
     counts = [int(line.split()[1]) for line in trace.read_text().splitlines()]
     assert counts == sorted(counts) and counts[-1] == 20  # what redo_bench compares with committed rows
+
+
+def test_hold_waits_after_the_first_commit_until_a_stop_signal(tmp_path: Path, monkeypatch) -> None:
+    """BATCHINFER_HOLD: the Slurm tests' way to signal a shard that is surely partial."""
+    from batchinfer import faults
+
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 20)
+    run = prepare(compose(fake_overrides(tmp_path, corpus, "output.commit_every_rows=4")))
+    monkeypatch.setenv("BATCHINFER_HOLD", "60")
+    monkeypatch.setattr(faults, "_held", False)
+    seen: list[int] = []
+
+    def stop_during_hold() -> None:  # the hold's sleep is where the signal lands
+        time.sleep(0.5)
+        seen.append(RunDir(run.path).read_shard(0).num_rows)
+        if not run.is_done(0):  # a finished run has no handler left: USR2 would end pytest
+            os.kill(os.getpid(), signal.SIGUSR2)
+
+    threading.Thread(target=stop_during_hold).start()
+    t0 = time.monotonic()
+    with pytest.raises(Stopped):
+        run_shards(run, [0], engine=_keyed(FakeEngine(), run))
+    assert time.monotonic() - t0 < 30 and seen and 0 < seen[0] < 20  # held on a partial shard, not 60 s
+    assert 0 < run.read_shard(0).num_rows < 20 and not run.is_done(0)
+    # once per process, and never in a requeued Slurm job's later runs
+    faults.hold(lambda: False)
+    monkeypatch.setattr(faults, "_held", False)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    t0 = time.monotonic()
+    faults.hold(lambda: False)
+    assert time.monotonic() - t0 < 1
 
 
 @pytest.mark.parametrize(

@@ -392,6 +392,7 @@ class ShardWorker:
         add_point(progress)
         self._write_progress(shard, progress, error=error)
         faults.point("after-progress")
+        faults.hold(lambda: self.stop.signum is not None)
 
     def _write_progress(self, shard: Shard, progress: dict[str, Any], error: Optional[str] = None) -> None:
         record = dict(with_rates(progress), updated=time.time(), holder=holder_info())
