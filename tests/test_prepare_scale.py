@@ -103,8 +103,10 @@ def varied_inputs(d: Path) -> dict[str, tuple[list[Path], bool]]:
     (d / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + "\r\n\r\n".join(rows).encode() + b"\r\n  \n\t")
     write_lines(d / "part-1.jsonl", rows[:100])
     write_lines(d / "part-2.jsonl", rows[100:])
-    write_lines(d / "other-1.jsonl", ['{"id": 1, "x": 1.5}'])
-    write_lines(d / "other-2.jsonl", ['{"id": 2, "x": 2}'])
+    write_lines(d / "other-1.jsonl", ['{"id": 1, "x": 1.5, "s": "a"}'])
+    write_lines(d / "other-2.jsonl", ['{"id": 2, "x": 2, "s": "b"}'])
+    write_lines(d / "str-1.jsonl", ['{"id": 1, "s": "a"}'])
+    write_lines(d / "str-2.jsonl", ['{"id": 2, "s": 5}'])
     scalars = ['{"id": 1, "n": 1, "f": 1.5, "b": true, "s": null}', '{"id": 2, "n": 2.5, "f": NaN, "b": false}']
     return {
         "nested": ([corpus(d / "nested.jsonl", 300)], True),
@@ -129,8 +131,8 @@ def varied_inputs(d: Path) -> dict[str, tuple[list[Path], bool]]:
         ),
         # int and str ids: pyarrow refuses the mixed column, `datasets` keeps it as JSON text
         "mixed int and str ids": ([write_lines(d / "mixed.jsonl", ['{"id": 1}', '{"id": "b"}', '{"id": 3}'])], False),
-        # a type that changes after pyarrow's first block (made small here) but not in `datasets`' first chunk
-        "an int field, then a float after the first block": (
+        # a value of another type after the first chunk (made small here): `datasets` casts it
+        "an int field, then a float after the first chunk": (
             [
                 write_lines(
                     d / "late.jsonl", [f'{{"id": {i}, "x": {i}}}' for i in range(10_000)] + ['{"id": -1, "x": 2.5}']
@@ -138,7 +140,8 @@ def varied_inputs(d: Path) -> dict[str, tuple[list[Path], bool]]:
             ],
             False,
         ),
-        "files with other types": ([d / "other-1.jsonl", d / "other-2.jsonl"], False),
+        "a later file with ints where the first has floats": ([d / "other-1.jsonl", d / "other-2.jsonl"], True),
+        "a later file with an int where the first has a string": ([d / "str-1.jsonl", d / "str-2.jsonl"], False),
     }
 
 
@@ -154,8 +157,9 @@ INPUTS = [
     "empty object",
     "a list of objects with varying keys",
     "mixed int and str ids",
-    "an int field, then a float after the first block",
-    "files with other types",
+    "an int field, then a float after the first chunk",
+    "a later file with ints where the first has floats",
+    "a later file with an int where the first has a string",
 ]
 
 
@@ -165,7 +169,7 @@ def test_same_rows_and_types_as_datasets_read_them(
 ) -> None:
     """Every kind of JSON lines input gives the rows and types `datasets` gave before (the old
     conversion); pyarrow's stream alone does it where it can, with no line-by-line scan."""
-    monkeypatch.setattr(read, "JSONL_BLOCK_BYTES", 1 << 16)
+    monkeypatch.setattr(read, "DATASETS_CHUNK_BYTES", 1 << 16)
     files, fast = varied_inputs(tmp_path / "in")[name]
     ds, rows = converted(tmp_path, files)
     ref = as_datasets_read(tmp_path, files)
@@ -176,6 +180,20 @@ def test_same_rows_and_types_as_datasets_read_them(
     pick = [rows - 1, 0]
     assert same_rows(ds.select(pick).to_list(), ref.select(pick).to_list())
     assert calls == ({"scan": 0, "old_path": 0} if fast else {"scan": len(files), "old_path": 1})
+
+
+def test_a_row_longer_than_a_block_after_the_first_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, calls: dict[str, int]
+) -> None:
+    """Blocks are sized from the first chunk's longest line; a longer row further on gets one more
+    try with bigger blocks, not the slow path."""
+    monkeypatch.setattr(read, "DATASETS_CHUNK_BYTES", 1 << 16)
+    lines = [json.dumps(row(i)) for i in range(2000)]
+    lines[1500] = json.dumps(dict(row(1500), text="long " * (1 << 19)))  # 2.5 MB, blocks start at 1 MB
+    p = write_lines(tmp_path / "long.jsonl", lines)
+    ds, rows = converted(tmp_path, [p])
+    assert rows == 2000 and ds[1500]["text"] == "long " * (1 << 19) and ds[1999] == row(1999)
+    assert calls == {"scan": 0, "old_path": 0}
 
 
 def test_input_dir_is_a_saved_dataset_and_nothing_else(tmp_path: Path, calls: dict[str, int]) -> None:

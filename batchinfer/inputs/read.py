@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import tempfile
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,9 +44,11 @@ FORMATS_BY_SUFFIX = {
 FORMATS = ("jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf_disk", "openai")
 GLOB_CHARS = set("*?[")
 HUB_PREFIX = "hf://datasets/"
-# pyarrow's streaming JSON reader takes its schema from the first block: as large as the first chunk
-# `datasets`' JSON builder infers its features from, so both settle on the same types.
-JSONL_BLOCK_BYTES = 10 << 20
+# `datasets`' JSON builder takes its types from the first 10 MB of the first file and casts the rest to
+# them; the fast path reads that chunk first and streams every file with its types.
+DATASETS_CHUNK_BYTES = 10 << 20
+# pyarrow's streaming reader keeps ~40 blocks in flight: 1 MB blocks hold its memory to ~40 MB.
+JSONL_BLOCK_BYTES = 1 << 20
 ARROW_CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
 DATA_FILE = "data-00000-of-00001.arrow"
 # The id check sorts at most this many ids at once (~70 bytes each): its memory stays the same for
@@ -269,63 +273,92 @@ def _jsonl_to_arrow(
 ) -> Optional[tuple[int, pa.Schema]]:
     """JSON lines streamed by pyarrow into one Arrow file in `Dataset.save_to_disk`'s layout at dest,
     the id column also into ids_file; the row count and schema. None where the line-by-line check and
-    `datasets` must decide: a line pyarrow cannot read, one that is not exactly one object, a type
-    that changes after the first block, or a file `datasets` would read into other types."""
+    `datasets` must decide: a line pyarrow cannot read, one that is not exactly one object, a value
+    that does not fit the types of the first chunk, or a file `datasets` would read into other types."""
     import pyarrow.json as paj
 
-    schema: Optional[pa.Schema] = None
-    features: Any = None
-    rows = 0
-    head_checked = False
+    head = _first_chunk(files[0])
     try:
-        with ExitStack() as stack:
-            for n, path in enumerate(files):
-                source = _arrow_source(path)
-                if source is None:
-                    return None
-                reader = paj.open_json(source, read_options=paj.ReadOptions(block_size=JSONL_BLOCK_BYTES))
-                if schema is None:
-                    schema, features = reader.schema, _features_as_datasets_reads(reader.schema)
-                    if features is None:
-                        return None
-                    dest.mkdir(parents=True)
-                    data = stack.enter_context(
-                        pa.ipc.new_stream(
-                            stack.enter_context(pa.OSFile(str(dest / DATA_FILE), "wb")), features.arrow_schema
-                        )
-                    )
-                    id_at = schema.get_field_index(id_column) if id_column else -1
-                    if id_at >= 0:
-                        ids_file.parent.mkdir(parents=True, exist_ok=True)
-                        id_schema = pa.schema([schema.field(id_at)])
-                        ids = stack.enter_context(
-                            pa.ipc.new_stream(stack.enter_context(pa.OSFile(str(ids_file), "wb")), id_schema)
-                        )
-                elif not reader.schema.equals(schema):
-                    return None  # `datasets` casts a later file to the first one's types
-                file_rows = 0
-                for i, batch in enumerate(reader):
-                    # pyarrow passes invalid UTF-8 through into strings; the line check names it.
-                    batch.validate(full=True)
-                    # Two blocks cover `datasets`' first chunk, where it looks for objects with varying keys.
-                    if n == 0 and i < 2 and not head_checked and _keys_may_vary(batch):
-                        head_checked = True
-                        if _objects_vary(path):
-                            return None
-                    data.write_batch(batch)
-                    if id_at >= 0:
-                        ids.write_batch(pa.record_batch([batch.column(id_at)], schema=id_schema))
-                    file_rows += batch.num_rows
-                # pyarrow also reads two objects on a line, or one over several lines: each line must be one row.
-                if file_rows != count_lines(path) and file_rows != count_lines(path, exact=True):
-                    return None
-                rows += file_rows
-    except (pa.ArrowException, UnicodeDecodeError, OSError):
+        table = paj.read_json(io.BytesIO(head), read_options=paj.ReadOptions(block_size=max(len(head), 1)))
+        schema = table.schema
+    except (pa.ArrowException, UnicodeDecodeError):
         return None
-    if schema is None:
+    features = _features_as_datasets_reads(schema)
+    if features is None or (any(_keys_may_vary(b) for b in table.to_batches()) and _objects_vary(head)):
         return None
-    _write_dataset_state(dest, features)
-    return rows, schema
+    del table
+    # A row must fit in a block: blocks well above the head's longest line, a bigger try if one is not.
+    longest = max((len(line) for line in head.splitlines()), default=0)
+    block = max(JSONL_BLOCK_BYTES, 1 << (4 * longest).bit_length())
+    for size in (block, 16 * block):
+        try:
+            rows = _stream_jsonl(files, dest, ids_file, id_column, features, size)
+        except pa.ArrowInvalid as e:
+            if "straddl" not in str(e):
+                return None
+            remove_path(dest, ignore_errors=True)
+            continue
+        except (pa.ArrowException, UnicodeDecodeError, OSError):
+            return None  # unreadable here: the line-by-line path says why, in the reader's words
+        if rows is None:
+            return None
+        _write_dataset_state(dest, features)
+        return rows, schema
+    return None
+
+
+def _first_chunk(path: Path) -> bytes:
+    """The bytes `datasets`' JSON builder takes its types from: the first 10 MB and the rest of that
+    line, a UTF-8 BOM dropped."""
+    with open_text(path) as f:
+        head = f.read(DATASETS_CHUNK_BYTES)
+        head += f.readline()
+    return head.removeprefix(b"\xef\xbb\xbf")
+
+
+def _stream_jsonl(
+    files: list[Path], dest: Path, ids_file: Path, id_column: Optional[str], features: Any, block: int
+) -> Optional[int]:
+    """Every file streamed with the first chunk's types (a field pyarrow did not see there, or a value of
+    another type, stops it) into dest's data file and the ids into ids_file; the row count, or None
+    where a file's rows are not its lines with content."""
+    import pyarrow.json as paj
+
+    schema = features.arrow_schema
+    read_options = paj.ReadOptions(block_size=block)
+    parse_options = paj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error")
+    id_at = schema.get_field_index(id_column) if id_column else -1
+    rows = 0
+    dest.mkdir(parents=True)
+    with ExitStack() as stack:
+        # The lines are counted on another core while pyarrow (one core) parses.
+        counter = ThreadPoolExecutor(1)
+        stack.callback(counter.shutdown, cancel_futures=True)
+        lines = [counter.submit(count_lines, path) for path in files]
+        data = stack.enter_context(
+            pa.ipc.new_stream(stack.enter_context(pa.OSFile(str(dest / DATA_FILE), "wb")), schema)
+        )
+        if id_at >= 0:
+            ids_file.parent.mkdir(parents=True, exist_ok=True)
+            id_schema = pa.schema([schema.field(id_at).remove_metadata()])
+            ids = stack.enter_context(pa.ipc.new_stream(stack.enter_context(pa.OSFile(str(ids_file), "wb")), id_schema))
+        for path, counted in zip(files, lines, strict=True):
+            source = _arrow_source(path)
+            if source is None:
+                return None
+            file_rows = 0
+            for batch in paj.open_json(source, read_options=read_options, parse_options=parse_options):
+                # pyarrow passes invalid UTF-8 through into strings: the line-by-line check names it.
+                batch.validate(full=True)
+                data.write_batch(batch)
+                if id_at >= 0:
+                    ids.write_batch(pa.record_batch([batch.column(id_at)], schema=id_schema))
+                file_rows += batch.num_rows
+            # pyarrow also reads two objects on a line, or one over several lines: each line must be one row.
+            if file_rows != counted.result() and file_rows != count_lines(path, exact=True):
+                return None
+            rows += file_rows
+    return rows
 
 
 def _arrow_source(path: Path) -> Any:
@@ -385,18 +418,15 @@ def _keys_may_vary(batch: pa.RecordBatch) -> bool:
     return any(varies(col) for col in batch.columns)
 
 
-def _objects_vary(first: Path) -> bool:
-    """Whether `datasets`' JSON builder finds objects with varying keys in the file's first chunk, which
-    it keeps as JSON text (a check its newer versions make; none in older ones)."""
+def _objects_vary(head: bytes) -> bool:
+    """Whether `datasets`' JSON builder finds objects with varying keys in the first chunk, which it
+    keeps as JSON text (a check its newer versions make; none in older ones)."""
     try:
         from datasets.utils.json import find_mixed_struct_types_field_paths, ujson_loads
     except ImportError:
         return False
-    with open_text(first) as f:
-        head = f.read(10 << 20)
-        head += f.readline()
     try:  # as the builder does: a line that is not JSON skips the check
-        examples = [ujson_loads(line) for line in head.removeprefix(b"\xef\xbb\xbf").splitlines()]
+        examples = [ujson_loads(line) for line in head.splitlines()]
     except ValueError:
         return False
     return bool(find_mixed_struct_types_field_paths(examples))
