@@ -210,6 +210,18 @@ def test_input_dir_is_a_saved_dataset_and_nothing_else(tmp_path: Path, calls: di
     assert ds[999] == row(999) and ds.data.schema.field("meta").type.field("tags").type == pa.list_(pa.string())
 
 
+def test_blocks_are_written_as_few_big_record_batches(tmp_path: Path, calls: dict[str, int]) -> None:
+    """Every task that opens DIR/input maps pages around each batch's header: 1 MB blocks are
+    gathered into batches of ~32 MB before they are written."""
+    p = corpus(tmp_path / "c.jsonl")
+    assert p.stat().st_size > 5 * read.JSONL_BLOCK_BYTES
+    ds, rows = converted(tmp_path, [p])
+    with pa.memory_map(str(tmp_path / "input" / read.DATA_FILE)) as source:
+        batches = list(pa.ipc.open_stream(source))
+    assert [b.num_rows for b in batches] == [ROWS] and calls == {"scan": 0, "old_path": 0}
+    assert ds.select([ROWS - 1]).to_list() == [row(ROWS - 1)]
+
+
 def test_prepare_through_the_fast_path(tmp_path: Path, calls: dict[str, int]) -> None:
     p = corpus(tmp_path / "c.jsonl", 3000)
     run = prepare(

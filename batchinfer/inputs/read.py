@@ -49,6 +49,7 @@ HUB_PREFIX = "hf://datasets/"
 DATASETS_CHUNK_BYTES = 10 << 20
 # pyarrow's streaming reader keeps ~40 blocks in flight: 1 MB blocks hold its memory to ~40 MB.
 JSONL_BLOCK_BYTES = 1 << 20
+WRITE_BATCH_BYTES = 32 << 20  # the record batches written: ~80,000 rows of ~415 bytes
 ARROW_CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
 DATA_FILE = "data-00000-of-00001.arrow"
 # The id check sorts at most this many ids at once (~70 bytes each): its memory stays the same for
@@ -342,6 +343,9 @@ def _stream_jsonl(
             ids_file.parent.mkdir(parents=True, exist_ok=True)
             id_schema = pa.schema([schema.field(id_at).remove_metadata()])
             ids = stack.enter_context(pa.ipc.new_stream(stack.enter_context(pa.OSFile(str(ids_file), "wb")), id_schema))
+        else:
+            ids = id_schema = None
+        pending: list[pa.RecordBatch] = []
         for path, counted in zip(files, lines, strict=True):
             source = _arrow_source(path)
             if source is None:
@@ -350,15 +354,29 @@ def _stream_jsonl(
             for batch in paj.open_json(source, read_options=read_options, parse_options=parse_options):
                 # pyarrow passes invalid UTF-8 through into strings: the line-by-line check names it.
                 batch.validate(full=True)
-                data.write_batch(batch)
-                if id_at >= 0:
-                    ids.write_batch(pa.record_batch([batch.column(id_at)], schema=id_schema))
+                pending.append(batch)
+                if sum(b.nbytes for b in pending) >= WRITE_BATCH_BYTES:
+                    _write_batches(pending, data, ids, id_at, id_schema)
                 file_rows += batch.num_rows
             # pyarrow also reads two objects on a line, or one over several lines: each line must be one row.
             if file_rows != counted.result() and file_rows != count_lines(path, exact=True):
                 return None
             rows += file_rows
+        _write_batches(pending, data, ids, id_at, id_schema)
     return rows
+
+
+def _write_batches(pending: list[pa.RecordBatch], data: Any, ids: Any, id_at: int, id_schema: Any) -> None:
+    """The pending batches as one, written to the data file and its id column to the ids file; pending
+    is emptied. Every reader of the input maps a run of pages around each batch's header (~64 KB): a
+    batch per 1 MB block would cost every task ~25 MB per million rows."""
+    if not pending:
+        return
+    for batch in pa.Table.from_batches(pending).combine_chunks().to_batches():
+        data.write_batch(batch)
+        if ids is not None:
+            ids.write_batch(pa.record_batch([batch.column(id_at)], schema=id_schema))
+    pending.clear()
 
 
 def _arrow_source(path: Path) -> Any:
@@ -503,8 +521,7 @@ def _null_rows(chunks: IdChunks, limit: int, found: list[tuple[int, str]], colum
 
     nulls = total = 0
     sample = []
-    for chunk in chunks():
-        chunk = _plain(chunk)
+    for chunk in _grouped(chunks()):
         if chunk.null_count:
             if nulls < limit:
                 for row in pc.indices_nonzero(chunk.is_null()).to_numpy()[: limit - nulls]:
@@ -512,11 +529,26 @@ def _null_rows(chunks: IdChunks, limit: int, found: list[tuple[int, str]], colum
                     found.append((total + int(row), msg))
             nulls += chunk.null_count
         if len(chunk) > chunk.null_count:
-            # 64 ids of each chunk (thousands of rows): enough to split the ids into ranges of even size
+            # 64 ids of every ~260,000: enough to split the ids into ranges of even size
             picks = np.unique(np.linspace(0, len(chunk) - 1, 64).astype(np.int64))
             sample.append(chunk.take(pa.array(picks)).drop_null())
         total += len(chunk)
     return nulls, pa.concat_arrays(sample) if sample else pa.array([]), total
+
+
+def _grouped(chunks: Iterable[pa.Array], rows: int = 1 << 18) -> Iterable[pa.Array]:
+    """Consecutive chunks as arrays of at least `rows` ids, dictionaries decoded: on chunks of a
+    thousand ids Arrow's cost per call, not the ids, would take the time."""
+    pending: list[pa.Array] = []
+    count = 0
+    for chunk in chunks:
+        pending.append(_plain(chunk))
+        count += len(chunk)
+        if count >= rows:
+            yield pending[0] if len(pending) == 1 else pa.concat_arrays(pending)
+            pending, count = [], 0
+    if pending:
+        yield pending[0] if len(pending) == 1 else pa.concat_arrays(pending)
 
 
 def _plain(chunk: pa.Array) -> pa.Array:
@@ -551,8 +583,7 @@ def _duplicates(chunks: IdChunks, lo: Any, hi: Any, limit: int, found: list[tupl
 
     values, rows = [], []
     offset = 0
-    for chunk in chunks():
-        chunk = _plain(chunk)
+    for chunk in _grouped(chunks()):
         if lo is None and hi is None:
             keep = chunk.is_valid()
         else:
