@@ -299,33 +299,57 @@ def random_ids(rng: random.Random, n: int, kind: str) -> list[Any]:
     return ids
 
 
-@pytest.mark.parametrize("kind", ["int", "str"])
-@pytest.mark.parametrize("pass_rows", [1 << 20, 997])
-def test_id_check_in_passes_finds_what_a_dict_finds(monkeypatch: pytest.MonkeyPatch, kind: str, pass_rows: int) -> None:
-    """Split into ranges sorted one at a time (as 10M rows are), the check counts and names the same
-    rows as a dict of every id: the first problems in row order, each duplicate with its first row."""
-    monkeypatch.setattr(read, "ID_PASS_ROWS", pass_rows)
-    rng = random.Random(pass_rows)
-    values = random_ids(rng, 20_000, kind)
-    sizes = [rng.randint(1, 3000) for _ in range(40)]
+def chunked(rng: random.Random, values: list[Any], typ: Optional[pa.DataType] = None) -> pa.ChunkedArray:
+    """values in chunks of 1 to 3,000."""
     cuts = [0]
     while cuts[-1] < len(values):
-        cuts.append(min(len(values), cuts[-1] + sizes[len(cuts) % len(sizes)]))
-    ids = pa.chunked_array([pa.array(values[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)])
-    passes = []
-    duplicates = read._duplicates
-    monkeypatch.setattr(read, "_duplicates", lambda *a: passes.append(a[1:3]) or duplicates(*a))
+        cuts.append(min(len(values), cuts[-1] + rng.randint(1, 3000)))
+    return pa.chunked_array([pa.array(values[a:b], typ) for a, b in zip(cuts, cuts[1:], strict=False)], typ)
+
+
+@pytest.mark.parametrize("kind", ["int", "str", "long str"])
+@pytest.mark.parametrize("collide", [False, True])
+def test_id_check_finds_what_a_dict_finds(monkeypatch: pytest.MonkeyPatch, kind: str, collide: bool) -> None:
+    """Hashes sorted in place, then the ids of repeated hashes compared: the same count and rows as a
+    dict of every id, the first problems in row order, each duplicate with its first row; also when
+    many different ids share a hash (collide)."""
+    if collide:
+        hashes = read._id_hashes
+        monkeypatch.setattr(read, "_id_hashes", lambda chunk: hashes(chunk) % 7)
+    rng = random.Random(kind)
+    values = random_ids(rng, 20_000, "int" if kind == "int" else "str")
+    if kind == "long str":
+        values = [v if v is None else v * rng.choice([1, 1, 40]) for v in values]
+    ids = chunked(rng, values)
     for limit in (1, 5, 50):
         assert id_problems(ids, "id", limit) == dict_id_problems(values, "id", limit)
-    # one sort of all ids, or one per range of ~pass_rows of them
-    assert len(passes) == 3 * (1 if pass_rows > len(values) else len(values) // pass_rows + 1)
     assert id_problems(pa.chunked_array([[1, 2, 3]]), "id") == (0, [])
 
 
 def test_id_check_of_other_id_types() -> None:
+    import datetime as dt
+    from decimal import Decimal
+
+    day = dt.date(2024, 2, 29)
+    for values, typ in [
+        ([1.5, -0.0, float("nan"), 0.0, float("nan"), None, 1.5], pa.float64()),
+        ([True, False, None, True], pa.bool_()),
+        ([day, None, day], pa.date32()),
+        (
+            [dt.datetime(2024, 1, 1, 12), dt.datetime(2024, 1, 1, 12, 0, 1), dt.datetime(2024, 1, 1, 12)],
+            pa.timestamp("us"),
+        ),
+        ([Decimal("1.50"), Decimal("2.00"), Decimal("1.50")], pa.decimal128(6, 2)),
+        ([b"ab", b"cd", None, b"ab"], pa.binary(2)),
+        ([b"\x00", b"\x00\x00", b"", b"", b"\x00"], pa.binary()),
+        (["a", "b", "", "a", ""], pa.large_string()),
+        ([3, 5, 3, None], pa.int8()),
+    ]:
+        ids = pa.chunked_array([pa.array(values[:2], typ), pa.array(values[2:], typ)])
+        assert id_problems(ids, "k") == dict_id_problems(values, "k"), typ
     enc = pa.chunked_array([pa.array(["a", "b", None, "a"]).dictionary_encode()])
     assert id_problems(enc, "k") == dict_id_problems(["a", "b", None, "a"], "k")
-    nested = pa.chunked_array([pa.array([[1, 2], [3], [1, 2], None])])  # not sortable: one row at a time
+    nested = pa.chunked_array([pa.array([[1, 2], [3], [1, 2], None])])  # no hash: one row at a time
     assert id_problems(nested, "k") == (
         2,
         [

@@ -52,9 +52,6 @@ JSONL_BLOCK_BYTES = 1 << 20
 WRITE_BATCH_BYTES = 32 << 20  # the record batches written: ~80,000 rows of ~415 bytes
 ARROW_CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
 DATA_FILE = "data-00000-of-00001.arrow"
-# The id check sorts at most this many ids at once (~70 bytes each): its memory stays the same for
-# any corpus size, at the cost of one more pass over the ids per million rows.
-ID_PASS_ROWS = 1 << 20
 IdChunks = Callable[[], Iterable[pa.Array]]
 
 
@@ -501,26 +498,31 @@ def get_path(row: dict[str, Any], dotted: str) -> Any:
 def id_problems(ids: Union[pa.ChunkedArray, IdChunks], column: str, limit: int = 5) -> tuple[int, list[str]]:
     """Null and duplicate ids: how many rows have one, and the first `limit` in row order said as
     messages. ids is a column or a function giving its chunks anew for each pass over them."""
+    import numpy as np
+
     chunks: IdChunks = (lambda: ids.chunks) if isinstance(ids, pa.ChunkedArray) else ids  # type: ignore[union-attr]
     found: list[tuple[int, str]] = []  # (row, message), at most `limit` of each kind
-    nulls, sample, total = _null_rows(chunks, limit, found, column)
-    if len(sample) == 0:
-        return nulls, [msg for _, msg in sorted(found)[:limit]]
-    if not _sortable(sample):
-        count, shown = _id_problems_python(chunks, column, limit, found)
-        return nulls + count, shown
-    dups = 0
-    for lo, hi in _id_ranges(sample, total - nulls):
-        dups += _duplicates(chunks, lo, hi, limit, found)
+    nulls, total = _null_rows(chunks, limit, found, column)
+    # One 64-bit hash per id is all that is kept of the ids: 8 bytes a row, sorted in place.
+    hashes = np.empty(total - nulls, np.uint64)
+    at = 0
+    for chunk in _grouped(chunks()):
+        h = _id_hashes(chunk)
+        if h is None:
+            return nulls + _id_problems_python(chunks, limit, found), [msg for _, msg in sorted(found)[:limit]]
+        h = h[chunk.is_valid().to_numpy(zero_copy_only=False)] if chunk.null_count else h
+        hashes[at : at + len(h)] = h
+        at += len(h)
+    hashes.sort()
+    repeated = np.unique(hashes[1:][hashes[1:] == hashes[:-1]])
+    del hashes
+    dups = _duplicates(*_with_hashes_in(chunks, repeated), limit, found) if len(repeated) else 0
     return nulls + dups, [msg for _, msg in sorted(found)[:limit]]
 
 
-def _null_rows(chunks: IdChunks, limit: int, found: list[tuple[int, str]], column: str) -> tuple[int, pa.Array, int]:
-    """Count null ids and add the first `limit`; a sample of the ids spread over every chunk; the row count."""
-    import numpy as np
-
+def _null_rows(chunks: IdChunks, limit: int, found: list[tuple[int, str]], column: str) -> tuple[int, int]:
+    """Count null ids and add the first `limit`; the null count and the row count."""
     nulls = total = 0
-    sample = []
     for chunk in _grouped(chunks()):
         if chunk.null_count:
             if nulls < limit:
@@ -528,12 +530,8 @@ def _null_rows(chunks: IdChunks, limit: int, found: list[tuple[int, str]], colum
                     msg = f"row {total + row}: input.id_column {column!r} is null or missing; every row needs an id"
                     found.append((total + int(row), msg))
             nulls += chunk.null_count
-        if len(chunk) > chunk.null_count:
-            # 64 ids of every ~260,000: enough to split the ids into ranges of even size
-            picks = np.unique(np.linspace(0, len(chunk) - 1, 64).astype(np.int64))
-            sample.append(chunk.take(pa.array(picks)).drop_null())
         total += len(chunk)
-    return nulls, pa.concat_arrays(sample) if sample else pa.array([]), total
+    return nulls, total
 
 
 def _grouped(chunks: Iterable[pa.Array], rows: int = 1 << 18) -> Iterable[pa.Array]:
@@ -556,74 +554,128 @@ def _plain(chunk: pa.Array) -> pa.Array:
     return chunk.dictionary_decode() if pa.types.is_dictionary(chunk.type) else chunk
 
 
-def _sortable(sample: pa.Array) -> bool:
-    """Whether Arrow sorts and compares ids of this type (not lists or structs)."""
-    try:
-        pc.sort_indices(sample[:2])
-        pc.less(sample[:1], sample[0])
-    except (pa.ArrowNotImplementedError, pa.ArrowTypeError):
-        return False
-    return True
-
-
-def _id_ranges(sample: pa.Array, ids: int) -> list[tuple[Any, Any]]:
-    """[lo, hi) bounds (None: open) splitting the ids into ranges of ~ID_PASS_ROWS each, from a sample."""
-    parts = -(-ids // ID_PASS_ROWS)
-    if parts <= 1:
-        return [(None, None)]
-    ordered = sample.take(pc.sort_indices(sample))
-    cuts = pc.unique(ordered.take(pa.array([len(ordered) * i // parts for i in range(1, parts)])))
-    bounds = [None, *cuts, None]
-    return list(zip(bounds, bounds[1:], strict=False))
-
-
-def _duplicates(chunks: IdChunks, lo: Any, hi: Any, limit: int, found: list[tuple[int, str]]) -> int:
-    """Count the ids in [lo, hi) that repeat an earlier row's, and add the first `limit` of them."""
+def _with_hashes_in(chunks: IdChunks, repeated: Any) -> tuple[pa.Array, Any]:
+    """The non-null ids whose hash is one of `repeated`, and their rows (ascending): every duplicate
+    and its first row, and the rare id that only shares its hash."""
     import numpy as np
 
     values, rows = [], []
     offset = 0
     for chunk in _grouped(chunks()):
-        if lo is None and hi is None:
-            keep = chunk.is_valid()
-        else:
-            parts = ([pc.greater_equal(chunk, lo)] if lo is not None else []) + (
-                [pc.less(chunk, hi)] if hi is not None else []
-            )
-            keep = parts[0] if len(parts) == 1 else pc.and_(*parts)
-        at = pc.indices_nonzero(keep)
-        values.append(chunk.take(at))
-        rows.append(at.to_numpy() + offset)
+        hit = np.isin(_id_hashes(chunk), repeated)
+        if chunk.null_count:
+            hit &= chunk.is_valid().to_numpy(zero_copy_only=False)
+        at = np.flatnonzero(hit)
+        values.append(chunk.take(pa.array(at)))
+        rows.append(at + offset)
         offset += len(chunk)
-    if not values:
+    return pa.concat_arrays(values), np.concatenate(rows)
+
+
+_MIX = 0xBF58476D1CE4E5B9
+
+
+def _mixed(h: Any) -> Any:
+    """h's bits spread over all 64 (a splitmix64 step, in place)."""
+    import numpy as np
+
+    h ^= h >> np.uint64(31)
+    h *= np.uint64(_MIX)
+    h ^= h >> np.uint64(29)
+    return h
+
+
+def _id_hashes(chunk: pa.Array) -> Any:
+    """A 64-bit hash of each id of a chunk (any value where null): equal ids, equal hashes, as Arrow
+    compares them (0.0 and -0.0 alike). None for ids of other types (lists, structs)."""
+    import numpy as np
+
+    t, n = chunk.type, len(chunk)
+    if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t) or pa.types.is_large_binary(t):
+        bufs = chunk.buffers()
+        kind = np.int64 if pa.types.is_large_string(t) or pa.types.is_large_binary(t) else np.int32
+        offsets = np.frombuffer(bufs[1], kind)[chunk.offset : chunk.offset + n + 1].astype(np.int64)
+        data = np.frombuffer(bufs[2], np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+        return _bytes_hashes(offsets, data)
+    if pa.types.is_floating(t):
+        x = chunk.fill_null(0).to_numpy(zero_copy_only=False).astype(np.float64) + 0.0  # -0.0 becomes 0.0
+        return _mixed(x.view(np.uint64))
+    if pa.types.is_boolean(t):
+        return _mixed(chunk.fill_null(False).to_numpy(zero_copy_only=False).astype(np.uint64))
+    try:  # other fixed-width values (ints, dates, times, decimals, fixed-size binary) by their bytes
+        width = t.bit_width // 8 if t.bit_width % 8 == 0 else 0
+    except ValueError:  # lists, structs, ...
+        return None
+    if not width or t.num_fields or pa.types.is_interval(t) or len(chunk.buffers()) != 2:
+        return None
+    data = np.frombuffer(chunk.buffers()[1], np.uint8)[chunk.offset * width : (chunk.offset + n) * width]
+    if width in (1, 2, 4, 8):
+        return _mixed(data.view(f"<u{width}").astype(np.uint64))
+    return _matrix_hashes(data.reshape(n, width), np.full(n, width, np.int64))
+
+
+def _bytes_hashes(offsets: Any, data: Any) -> Any:
+    """Hashes of variable-length values given by Arrow offsets into data."""
+    import numpy as np
+
+    lengths = np.diff(offsets)
+    n = len(lengths)
+    longest = int(lengths.max()) if n else 0
+    if n == 0 or longest == 0:
+        return _mixed(lengths.astype(np.uint64))
+    if n * longest > 1 << 26 and n > 1:  # a few long ids: halves, so the padded copy stays small
+        half = n // 2
+        return np.concatenate([_bytes_hashes(offsets[: half + 1], data), _bytes_hashes(offsets[half:], data)])
+    base = int(offsets[0])
+    if (lengths == longest).all():
+        matrix = data[base : base + n * longest].reshape(n, longest)
+    else:
+        matrix = np.zeros((n, longest), np.uint8)
+        row = np.repeat(np.arange(n), lengths)
+        matrix[row, np.arange(len(row)) - np.repeat(offsets[:-1] - base, lengths)] = data[base : int(offsets[-1])]
+    return _matrix_hashes(matrix, lengths)
+
+
+def _matrix_hashes(matrix: Any, lengths: Any) -> Any:
+    """Hashes of the rows of an (ids, bytes) matrix, 8 bytes at a time, each row's length mixed in."""
+    import numpy as np
+
+    n, width = matrix.shape
+    words = np.zeros((n, -(-width // 8) * 8), np.uint8)
+    words[:, :width] = matrix
+    words = words.view(np.uint64)
+    h = lengths.astype(np.uint64)
+    for j in range(words.shape[1]):
+        h = _mixed(h ^ words[:, j])
+    return h
+
+
+def _duplicates(values: pa.Array, rows: Any, limit: int, found: list[tuple[int, str]]) -> int:
+    """Count the ids that repeat an earlier row's (rows ascending with them), and add the first `limit`."""
+    import numpy as np
+
+    if len(values) < 2:
         return 0
     # A stable sort: equal ids stay in row order, so each run of them starts at its first row.
-    merged = pa.concat_arrays(values)
-    del values
-    order = pc.sort_indices(merged)
-    ordered = merged.take(order)
-    del merged
-    row = np.concatenate(rows)[order.to_numpy()]
-    del rows, order
+    order = pc.sort_indices(values)
+    ordered = values.take(order)
+    row = rows[order.to_numpy()]
+    del order
     starts = np.ones(len(row), dtype=bool)
-    if len(row) > 1:
-        same = pc.equal(ordered.slice(1), ordered.slice(0, len(ordered) - 1))
-        starts[1:] = ~same.fill_null(False).to_numpy(zero_copy_only=False)
+    same = pc.equal(ordered.slice(1), ordered.slice(0, len(ordered) - 1))
+    starts[1:] = ~same.fill_null(False).to_numpy(zero_copy_only=False)
     repeats = np.flatnonzero(~starts)
     if len(repeats):
         first = np.maximum.accumulate(np.where(starts, np.arange(len(row)), 0))
-        firsts = repeats[np.argsort(row[repeats], kind="stable")[:limit]]
-        for i in firsts:
+        for i in repeats[np.argsort(row[repeats], kind="stable")[:limit]]:
             value = ordered[int(i)].as_py()
             msg = f"duplicate id {value!r} in rows {int(row[first[i]])} and {int(row[i])}; ids must be unique"
             found.append((int(row[i]), msg))
     return len(repeats)
 
 
-def _id_problems_python(
-    chunks: IdChunks, column: str, limit: int, found: list[tuple[int, str]]
-) -> tuple[int, list[str]]:
-    """Duplicates of ids Arrow cannot sort (lists, structs), one row at a time; null rows already in found."""
+def _id_problems_python(chunks: IdChunks, limit: int, found: list[tuple[int, str]]) -> int:
+    """Duplicates of ids Arrow cannot sort (lists, structs), one row at a time, the first `limit` added."""
     count = 0
     seen: dict[Any, int] = {}
     row = 0
@@ -632,14 +684,13 @@ def _id_problems_python(
             if value is not None:
                 key = value if isinstance(value, (str, int, float, bytes)) else repr(value)
                 if key in seen:
-                    msg = f"duplicate id {value!r} in rows {seen[key]} and {row}; ids must be unique"
                     count += 1
                     if count <= limit:
-                        found.append((row, msg))
+                        found.append((row, f"duplicate id {value!r} in rows {seen[key]} and {row}; ids must be unique"))
                 else:
                     seen[key] = row
             row += 1
-    return count, [msg for _, msg in sorted(found)[:limit]]
+    return count
 
 
 def check_ids(path: Any, ids: Union[pa.ChunkedArray, IdChunks], column: str = "id") -> None:
