@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -237,6 +238,7 @@ def main() -> None:
         run_dir, bin_dir, counts = build(a.build, a.shards, a.arrays)
         print(json.dumps({"run_dir": str(run_dir), "bin_dir": str(bin_dir), "counts": counts}))
         return
+    a.load = os.getloadavg()
     versions = [("after", ROOT)] + ([(a.old_label, a.old.resolve())] if a.old else [])
     root = Path(tempfile.mkdtemp(prefix="status-bench-"))
     try:
@@ -289,17 +291,25 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+# Said under the table when --old is the code before status looked up Slurm per array and logs by name.
+WHAT_DIFFERS = """The difference: before, `status` passed every task id to `sacct -j` (the argument's size above)
+and found a failed shard's log with a glob of the log folder, so each of the {failed:,} failed shards
+listed {log_files:,} files; after, sacct is asked about the array job ids and reads their task lines
+back, and each failed task's stderr log is opened by the name submitit gave it, read from its end."""
+
+
 def write_markdown(
     a: argparse.Namespace, results: list[dict[str, Any]], counts: dict[str, int], summary: str, same: bool
 ) -> None:
     """benchmarks/results/status.md: the figures, the command, the machine."""
-    cmd = f"python benchmarks/status_bench.py --shards {a.shards} --arrays {a.arrays} --repeats {a.repeats}"
+    args = ["--shards", str(a.shards), "--arrays", str(a.arrays), "--repeats", str(a.repeats)]
     if a.old:
-        cmd += f" --old {a.old} --old-label {a.old_label}"
+        args += ["--old", str(a.old), "--old-label", a.old_label]
     if a.build_with != ROOT:
-        cmd += f" --build-with {a.build_with}"
+        args += ["--build-with", str(a.build_with)]
     if a.out:
-        cmd += f" --out {a.out}"
+        args += ["--out", str(a.out)]
+    cmd = shlex.join(["python", "benchmarks/status_bench.py", *args])
     rows = "\n".join(
         f"| {r['code']} | {r['shards']:,} | {r['seconds']:.2f} | {', '.join(f'{s:.2f}' for s in r['runs'])} "
         f"| {r['peak_rss_mb']:.0f} | {r['sacct_arg_bytes']:,} | {r['import_s']:.2f} |"
@@ -325,11 +335,15 @@ jobs.jsonl with {a.arrays} arrays of {-(-a.shards // a.arrays):,} one-shard task
 which is what the by-name log lookup saves most).
 {"Both versions print the same status text." if same and len(results) > 1 else ""}
 
+{WHAT_DIFFERS.format(failed=counts["failed_after_commit"] + counts["failed_before_commit"], **counts) if a.old else ""}
+
 Status's summary line: `{summary}`
 
 Command: `{cmd}`
 
-CPU: {cpu_name()} ({os.cpu_count()} logical CPUs); Python {platform.python_version()}; {time.strftime("%Y-%m-%d")}.
+CPU: {cpu_name()} ({os.cpu_count()} logical CPUs); Python {platform.python_version()}; {time.strftime("%Y-%m-%d")};
+1-minute load average before and after the timed runs: {a.load[0]:.2f}, {os.getloadavg()[0]:.2f}
+(other work on the machine slows every figure alike).
 """
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(text)
