@@ -111,6 +111,7 @@ def measure(code: str, args: list[str], pythonpath: str) -> dict[str, Any]:
     """Run `python -c code args` in a fresh process: its JSON line, wall time, peak RSS (wait4's, the
     kernel's own maximum) and peak RssAnon / RssFile (polled every 20 ms)."""
     env = dict(os.environ, PYTHONPATH=pythonpath, HF_DATASETS_OFFLINE="1")
+    load = os.getloadavg()[0]  # other work on the machine slows both sides: kept with each figure
     start = time.perf_counter()
     r, w = os.pipe()
     pid = os.fork()
@@ -145,6 +146,7 @@ def measure(code: str, args: list[str], pythonpath: str) -> dict[str, Any]:
     return dict(
         result,
         wall=wall,
+        load=load,
         cpu=usage.ru_utime + usage.ru_stime,
         peak_mb=usage.ru_maxrss / 1024,
         anon_mb=peak["RssAnon"] / 1024,
@@ -187,8 +189,8 @@ def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| rows | MB | system | in-process s | process s | process CPU s | x pyarrow read (in-process) "
         "| x pyarrow read (process) | x pyarrow read + write (in-process) | peak RSS MB | RSS after imports MB "
-        "| peak anon MB | peak file-backed MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peak anon MB | peak file-backed MB | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     read = {r["rows"]: r for r in results if r["system"] == "pyarrow"}
     floor = {r["rows"]: r for r in results if r["system"] == "pyarrow + write"}
@@ -198,7 +200,7 @@ def table(results: list[dict[str, Any]]) -> str:
             f"| {r['rows']:,} | {r['bytes'] / 1e6:.0f} | {r['system']} | {r['inner']:.2f} | {r['wall']:.2f} "
             f"| {r['cpu']:.2f} | {r['inner'] / b['inner']:.2f} | {r['wall'] / b['wall']:.2f} "
             f"| {r['inner'] / f['inner']:.2f} | {r['peak_mb']:.0f} | {r['start_mb']:.0f} | {r['anon_mb']:.0f} "
-            f"| {r['file_mb']:.0f} |"
+            f"| {r['file_mb']:.0f} | {r['load']:.1f} |"
         )
     return "\n".join(lines)
 

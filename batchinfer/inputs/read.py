@@ -235,6 +235,7 @@ def convert_input(
         fast = _jsonl_to_arrow(files, tmp, cache / "ids.arrow", id_column) if fmt == "jsonl" else None
         if fast is not None:
             rows, schema = fast
+            # The ids' own file: passes over them read ~20 bytes a row, not the whole data file.
             ids: IdChunks = lambda: _stream_column(cache / "ids.arrow")  # noqa: E731
         else:
             remove_path(tmp, ignore_errors=True)
@@ -285,7 +286,7 @@ def _jsonl_to_arrow(
     if features is None or (any(_keys_may_vary(b) for b in table.to_batches()) and _objects_vary(head)):
         return None
     del table
-    # A row must fit in a block: blocks well above the head's longest line, a bigger try if one is not.
+    # A row must fit in a block: blocks well above the first chunk's longest line, 16x if a later one does not.
     longest = max((len(line) for line in head.splitlines()), default=0)
     block = max(JSONL_BLOCK_BYTES, 1 << (4 * longest).bit_length())
     for size in (block, 16 * block):
@@ -329,7 +330,7 @@ def _stream_jsonl(
     rows = 0
     dest.mkdir(parents=True)
     with ExitStack() as stack:
-        # The lines are counted on another core while pyarrow (one core) parses.
+        # Lines are counted in a thread beside the parse (numpy counts without holding the GIL).
         counter = ThreadPoolExecutor(1)
         stack.callback(counter.shutdown, cancel_futures=True)
         lines = [counter.submit(count_lines, path) for path in files]
