@@ -344,6 +344,7 @@ def _stream_jsonl(
         else:
             ids = id_schema = None
         pending: list[pa.RecordBatch] = []
+        pending_bytes = 0
         for path, counted in zip(files, lines, strict=True):
             source = _arrow_source(path)
             if source is None:
@@ -353,8 +354,10 @@ def _stream_jsonl(
                 # pyarrow passes invalid UTF-8 through into strings: the line-by-line check names it.
                 batch.validate(full=True)
                 pending.append(batch)
-                if sum(b.nbytes for b in pending) >= WRITE_BATCH_BYTES:
+                pending_bytes += batch.nbytes
+                if pending_bytes >= WRITE_BATCH_BYTES:
                     _write_batches(pending, data, ids, id_at, id_schema)
+                    pending_bytes = 0
                 file_rows += batch.num_rows
             # pyarrow also reads two objects on a line, or one over several lines: each line must be one row.
             if file_rows != counted.result() and file_rows != count_lines(path, exact=True):
@@ -370,7 +373,11 @@ def _write_batches(pending: list[pa.RecordBatch], data: Any, ids: Any, id_at: in
     batch per 1 MB block would cost every task ~25 MB per million rows."""
     if not pending:
         return
-    for batch in pa.Table.from_batches(pending).combine_chunks().to_batches():
+    if hasattr(pa, "concat_batches"):  # pyarrow >= 19: one copy, ~2x faster than through a Table
+        joined = [pa.concat_batches(pending)]
+    else:
+        joined = pa.Table.from_batches(pending).combine_chunks().to_batches()
+    for batch in joined:
         data.write_batch(batch)
         if ids is not None:
             ids.write_batch(pa.record_batch([batch.column(id_at)], schema=id_schema))
