@@ -1,8 +1,8 @@
 """`batchinfer validate` on a large JSONL: --jobs 1, --jobs N (the allowed CPUs) and --sample.
 
-Generates a corpus (~415 bytes a row), runs the real CLI in a subprocess for each setting and
-reports wall time, rows checked per second, the ratio to --jobs 1, and the peak memory of the
-process tree (validate and its worker processes, polled from /proc: the sum of RSS, which counts
+Generates a corpus (benchmarks/gen_corpus.py, ~415 bytes a row), runs the real CLI in a subprocess
+for each setting and reports wall time, rows checked per second, the ratio to --jobs 1, and the
+peak memory of the process tree (validate and its worker processes, polled from /proc: the sum of RSS, which counts
 the memory-mapped dataset once per process, and the sum of PSS, which shares it out). A run with
 `--sample 1` measures the part every run pays whatever it checks (start, JSONL conversion, ids), so
 the tokenizing rate shows apart from it. Checks that --jobs N reports exactly what --jobs 1 does.
@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -26,44 +25,30 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gen_corpus  # noqa: E402  (the scale benchmarks' shared corpus)
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
-WORDS = (
-    "the of and to in is was for on that with as by at from it an be this which or are were not but his "
-    "had have they one all their been has its more when who will also into other there than some first "
-    "after two time new these them over such only most can may would about many then could between used"
-).split()
 
 
-def write_corpus(path: Path, rows: int, seed: int = 0) -> int:
-    """rows JSON lines {id, text, meta} of ~415 bytes; returns the file's size."""
-    rng = random.Random(seed)
-    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(68, 76))) for _ in range(4096)]
-    with open(path, "w", encoding="ascii") as f:
-        for start in range(0, rows, 100_000):
-            f.writelines(
-                f'{{"id": "doc-{i:09d}", "text": "row {i}: {texts[(i * 2654435761) % 4096]}", '
-                f'"meta": {{"source": "crawl", "score": {i % 10000 / 100:.2f}}}}}\n'
-                for i in range(start, min(start + 100_000, rows))
-            )
-    return path.stat().st_size
+def _children(pid: int) -> list[int]:
+    """pid's child processes, from each of its threads' children file (no scan of all of /proc)."""
+    out = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            out += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    except OSError:  # the process just ended
+        pass
+    return out
 
 
 def _tree(root: int) -> list[int]:
     """root and every process below it."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name in (...) may hold spaces
-            children.setdefault(ppid, []).append(int(entry))
     out, todo = [], [root]
     while todo:
         pid = todo.pop()
         out.append(pid)
-        todo += children.get(pid, [])
+        todo += _children(pid)
     return out
 
 
@@ -82,9 +67,10 @@ def _memory(pids: list[int]) -> tuple[int, int]:
     return rss, pss
 
 
-def run_validate(args: list[str], poll: float = 0.2) -> dict[str, Any]:
+def run_validate(args: list[str], poll: float = 0.5) -> dict[str, Any]:
     """The CLI's JSON report, its wall time and the process tree's peak memory."""
     cmd = [sys.executable, "-m", "batchinfer.cli", "validate", "--json", *args]
+    load = os.getloadavg()[0]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     peak_rss = peak_pss = 0
@@ -96,7 +82,9 @@ def run_validate(args: list[str], poll: float = 0.2) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     if proc.returncode not in (0, 1):
         raise SystemExit(f"validate failed ({proc.returncode}): {' '.join(cmd)}\n{err}")
-    return {"report": json.loads(out), "seconds": seconds, "peak_rss": peak_rss, "peak_pss": peak_pss}
+    # The machine may be shared: the 1-minute load before and after says whether others ran too.
+    loads = (load, os.getloadavg()[0])
+    return {"report": json.loads(out), "seconds": seconds, "peak_rss": peak_rss, "peak_pss": peak_pss, "load": loads}
 
 
 def default_model(root: Path) -> Path:
@@ -115,7 +103,7 @@ def default_model(root: Path) -> Path:
 def bench(rows: int, model: Path, root: Path, jobs: int, sample: int) -> list[dict[str, Any]]:
     """Every setting on one corpus of `rows` rows."""
     corpus = root / f"corpus-{rows}.jsonl"
-    size = write_corpus(corpus, rows)
+    size = gen_corpus.write(corpus, rows)
     common = [f"input.path={corpus}", "input.id_column=id", f"model.path={model}", f"output.dir={root}/runs"]
     settings: list[tuple[str, list[str], int]] = [
         ("--sample 1 (fixed part)", ["--jobs", "1", "--sample", "1"], 1),
@@ -137,6 +125,7 @@ def bench(rows: int, model: Path, root: Path, jobs: int, sample: int) -> list[di
                 "seconds": round(r["seconds"], 2),
                 "peak_rss_mb": round(r["peak_rss"] / 2**20),
                 "peak_pss_mb": round(r["peak_pss"] / 2**20),
+                "load": [round(x, 2) for x in r["load"]],
             }
         )
         print(json.dumps(results[-1]), flush=True)
@@ -157,7 +146,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         f"Measured {meta['date']} by `{meta['command']}` on {meta['cpu']} ({meta['cpus']} CPUs allowed, "
         f"{os.cpu_count()} online), Python {meta['python']}, model `{meta['model']}` (its tokenizer and chat "
-        "template, chat mode). Corpus: synthetic JSONL, ~415 bytes a row (id, ~350 characters of text, meta). "
+        "template, chat mode). Corpus: `benchmarks/gen_corpus.py`, ~415 bytes a row (id, ~300 characters of text, "
+        "nested meta). "
         "Each setting runs the real CLI once in a subprocess: `batchinfer validate --json SETTING "
         "input.path=CORPUS input.id_column=id model.path=MODEL`.",
         "",
@@ -165,12 +155,16 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "- fixed part: `--sample 1`, what every run pays whatever it checks; tokenize rows/s = rows checked "
         "/ (wall - fixed part).",
         "- speedup: wall of `--jobs 1` / wall of the setting.",
-        "- peak memory: the process tree (validate and its workers) polled every 0.2 s; RSS summed counts the "
+        "- peak memory: the process tree (validate and its workers) polled every 0.5 s; RSS summed counts the "
         "memory-mapped dataset once per process, PSS shares it out.",
         f"- `--jobs {meta['jobs']}` reported exactly what `--jobs 1` did (checked by the harness).",
         "",
-        "| rows | setting | rows checked | wall s | rows/s | tokenize rows/s | speedup | peak RSS MB | peak PSS MB |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "- load: the 1-minute load average before and after the setting ran (this run alone: about 1 for "
+        "`--jobs 1`, 2 for 2 processes; more means other work shared the CPUs).",
+        "",
+        "| rows | setting | rows checked | wall s | rows/s | tokenize rows/s | speedup | peak RSS MB | peak PSS MB "
+        "| load |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         rate = f"{r['rows_s']:,}" if "rows_s" in r else ""
@@ -178,7 +172,7 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         ratio = f"{r['ratio']:.2f}x" if "ratio" in r else ""
         lines.append(
             f"| {r['rows']:,} | {r['setting']} | {r['checked']:,} | {r['seconds']:.1f} | {rate} | {tok} | {ratio} "
-            f"| {r['peak_rss_mb']:,} | {r['peak_pss_mb']:,} |"
+            f"| {r['peak_rss_mb']:,} | {r['peak_pss_mb']:,} | {r['load'][0]:.2f} -> {r['load'][1]:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
