@@ -139,7 +139,7 @@ class ShardWorker:
             self._generate(shard, todo, progress)
         faults.point("before-done")
         done = dict(with_rates(progress), finished=time.time(), **self._reproducibility())
-        write_json(self.run.done_path(shard.index), done)
+        self.run.finish_shard(shard.index, done)
         return done
 
     def _reproducibility(self) -> dict[str, Any]:

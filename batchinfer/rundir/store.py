@@ -281,6 +281,10 @@ class RunDir:
         """Whether the shard's DONE.json exists."""
         return self.done_path(index).is_file()
 
+    def finish_shard(self, index: int, done: dict[str, Any]) -> None:
+        """Mark a shard finished: its DONE.json, written last."""
+        write_json(self.done_path(index), done)
+
     def parts(self, index: int) -> list[Path]:
         """Committed parts of a shard, in commit order."""
         d = self.shard_dir(index)
