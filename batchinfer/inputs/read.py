@@ -19,6 +19,15 @@ import pyarrow.compute as pc
 
 from batchinfer.errors import InputError
 from batchinfer.inputs.openai_batch import convert_requests, looks_like_openai_batch
+from batchinfer.inputs.reference import (
+    is_reference,
+    manifest_ids,
+    manifest_schema,
+    open_reference,
+    plan_reference,
+    reference_fingerprint,
+    write_manifest,
+)
 from batchinfer.inputs.textfiles import (
     COMPRESSION_SUFFIXES,
     count_lines,
@@ -152,19 +161,32 @@ def detect_format(files: list[Path], fmt: Optional[str]) -> str:
     return fmt
 
 
-def file_fingerprint(files: list[Path], previous: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """Content hash of every input file; reused when names, sizes and mtimes match the previous record."""
+def file_fingerprint(
+    files: list[Path], previous: Optional[dict[str, Any]] = None, fmt: Optional[str] = None
+) -> dict[str, Any]:
+    """The input's identity: for a Parquet or Arrow corpus read in place its footers and sizes (the
+    data is not read), else a content hash of every file; reused when names, sizes and mtimes match
+    the previous record. A record from before footers (no `method`) stays a content hash."""
     members = sorted(f for p in files for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
     stats = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in members]
     if previous and previous.get("files") == stats:
         return previous
+    size = sum(s[1] for s in stats)
+    manifest = plan_reference(files, fmt) if fmt and (previous is None or "method" in previous) else None
+    if manifest is not None:
+        return {
+            "files": stats,
+            "size": size,
+            "fingerprint": reference_fingerprint(manifest, files),
+            "method": "footers",
+        }
     h = hashlib.blake2b(digest_size=16)
     for f in members:
         h.update(f.name.encode())
         with open(f, "rb") as fh:
             while block := fh.read(1 << 20):
                 h.update(block)
-    return {"files": stats, "size": sum(s[1] for s in stats), "fingerprint": h.hexdigest()}
+    return {"files": stats, "size": size, "fingerprint": h.hexdigest()}
 
 
 def _load(files: list[Path], fmt: str, cache_dir: Path, shown: str) -> Any:
@@ -217,14 +239,33 @@ def convert_input(
     strict_ids: bool = True,
     local_cache: bool = False,
 ) -> int:
-    """Convert the input once into an Arrow dataset at dest; return its row count. With strict_ids=False
-    null or duplicate ids are left for the caller to report (`batchinfer validate`). local_cache puts
-    `datasets`' cache (and its file locks) in a node-local temporary folder instead of beside dest."""
+    """Make dest the input tasks read, once; return its row count. A Parquet or Arrow corpus is
+    referenced in place (dest holds a manifest of its files), other formats are converted into an
+    Arrow dataset. With strict_ids=False null or duplicate ids are left for the caller to report
+    (`batchinfer validate`). local_cache puts `datasets`' cache (and its file locks) in a node-local
+    temporary folder instead of beside dest."""
     shown = str(files[0]) if len(files) == 1 else f"{files[0].parent}/ ({len(files)} files)"
     if all(f.is_file() and f.stat().st_size == 0 for f in files):
         raise InputError(f"{shown}: no rows (the file is empty); there is nothing to run")
     tmp = dest.with_name(dest.name + ".tmp")
     remove_path(tmp, ignore_errors=True)
+    manifest = plan_reference(files, fmt)
+    if manifest is not None:
+        try:
+            _check_input(
+                shown,
+                manifest["rows"],
+                manifest_schema(manifest),
+                id_column,
+                columns,
+                lambda: manifest_ids(manifest, id_column or ""),
+                strict_ids,
+            )
+            write_manifest(dict(manifest, source=shown), tmp)
+            os.replace(tmp, dest)
+        finally:
+            remove_path(tmp, ignore_errors=True)
+        return manifest["rows"]
     if local_cache:
         cache = Path(tempfile.mkdtemp(prefix="batchinfer-convert-"))
     else:
@@ -247,17 +288,7 @@ def convert_input(
                 raise _read_error(files, fmt, shown, e) from None
             rows, schema = len(ds), ds.data.schema
             ids = lambda: ds.data.column(id_column).chunks  # noqa: E731
-        if rows == 0:
-            raise InputError(f"{shown}: no rows; there is nothing to run")
-        if id_column is not None:
-            if id_column not in schema.names:
-                raise InputError(
-                    f"{shown}: input.id_column={id_column!r} is not a column (columns: {', '.join(schema.names)})"
-                )
-            if strict_ids:
-                check_ids(shown, ids, id_column)
-        for col in columns or []:
-            column_type(schema, col, shown)
+        _check_input(shown, rows, schema, id_column, columns, ids, strict_ids)
         if ds is not None:
             ds.save_to_disk(str(tmp))
         os.replace(tmp, dest)
@@ -265,6 +296,29 @@ def convert_input(
     finally:
         remove_path(cache, ignore_errors=True)
         remove_path(tmp, ignore_errors=True)
+
+
+def _check_input(
+    shown: str,
+    rows: int,
+    schema: pa.Schema,
+    id_column: Optional[str],
+    columns: Optional[list[str]],
+    ids: IdChunks,
+    strict_ids: bool,
+) -> None:
+    """Rows present, the id column there (and its ids unique with strict_ids), input.columns there."""
+    if rows == 0:
+        raise InputError(f"{shown}: no rows; there is nothing to run")
+    if id_column is not None:
+        if id_column not in schema.names:
+            raise InputError(
+                f"{shown}: input.id_column={id_column!r} is not a column (columns: {', '.join(schema.names)})"
+            )
+        if strict_ids:
+            check_ids(shown, ids, id_column)
+    for col in columns or []:
+        column_type(schema, col, shown)
 
 
 def _jsonl_to_arrow(
@@ -709,7 +763,10 @@ def check_ids(path: Any, ids: Union[pa.ChunkedArray, IdChunks], column: str = "i
 
 
 def open_input(dest: Path) -> Any:
-    """Memory-map the converted input dataset."""
+    """DIR/input as a dataset: the corpus it refers to (each file checked unchanged when first read),
+    or the converted copy memory-mapped."""
+    if is_reference(dest):
+        return open_reference(dest)
     import datasets
 
     datasets.disable_progress_bars()

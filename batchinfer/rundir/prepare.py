@@ -35,6 +35,7 @@ from batchinfer.inputs.read import (
     detect_format,
     file_fingerprint,
     input_files,
+    is_reference,
     looks_like_hub_dataset,
     open_input,
     plan_shards,
@@ -56,7 +57,7 @@ def resolve_config(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     previous = None
     if c["output"]["dir"] and RunDir(c["output"]["dir"]).exists():
         previous = RunDir(c["output"]["dir"]).run["input"]
-    return c, file_fingerprint(files, previous)
+    return c, file_fingerprint(files, previous, c["input"]["format"])
 
 
 def resolve_input(cfg: DictConfig, input_required: bool = True) -> tuple[dict[str, Any], list[Path]]:
@@ -201,7 +202,7 @@ def _create(
     c = _with_paths(c, {key: str(run.path.absolute() / rec["path"]) for key, rec in files.items()})
     inp = c["input"]
     remove_path(run.input_dir, ignore_errors=True)  # a symlinked DIR/input: the link goes, never its target
-    log.info("converting %s (%s) into %s", inp["path"], inp["format"], run.input_dir)
+    log.info("reading %s (%s) into %s", inp["path"], inp["format"], run.input_dir)
     # `datasets` file-locks its cache: where flock fails (Lustre noflock, NFS without a lock
     # manager) its cache goes to a node-local temporary folder, removed after the conversion.
     local_cache = not flock_works(run.path)
@@ -218,6 +219,8 @@ def _create(
         local_cache=local_cache,
     )
     ds = open_input(run.input_dir)
+    if is_reference(run.input_dir):
+        log.info("%s refers to the %s files in place (not copied)", run.input_dir, inp["format"])
     check_fields(load_template(to_config(c).prompt), ds.column_names, inp["path"])
     arrow = ds.data.schema
     id_type = arrow.field(inp["id_column"]).type if inp["id_column"] else pa.int64()
