@@ -23,7 +23,14 @@ POINTS = (
     "after-progress",  # part and progress.json committed
     "in-generate",  # between engine steps
     "before-done",  # last part committed, DONE.json not yet written
+    "in-compact-write",  # half of a finished shard's compacted file is in its temporary file
+    "before-compact-rename",  # compacted temporary complete and fsynced, not yet published
+    "after-compact-rename",  # compacted file published, DONE.json not yet written (it is a leftover)
+    "after-compact-done",  # DONE.json names the compacted file, the parts not yet removed
+    "in-compact-cleanup",  # the first part removed, the others not yet
     "in-merge",  # merged output half written
+    "before-merge-rename",  # merged output complete and fsynced, not yet renamed into place
+    "in-merge-swap",  # a folder output (split files, hf) moved aside, the new one not yet in place
 )
 _hits: Counter[str] = Counter()
 _held = False

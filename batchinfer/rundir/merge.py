@@ -10,10 +10,12 @@ import socket
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -22,14 +24,16 @@ from batchinfer import faults
 from batchinfer.errors import RunDirError
 from batchinfer.inputs.read import Shard
 from batchinfer.rundir.locks import RunLock
-from batchinfer.rundir.schema import table_to_jsonl
+from batchinfer.rundir.schema import jsonl_columns, jsonl_to_table, table_to_jsonl
 from batchinfer.rundir.store import (
     OUTPUT_EXT,
     TMP_PREFIX,
     RunDir,
     fsync_dir,
     read_json,
+    read_table,
     refused_write,
+    sorted_jsonl,
     storage_error,
     write_json,
 )
@@ -49,22 +53,99 @@ def incomplete_shards(run: RunDir) -> list[int]:
     return [s.index for s in run.shards() if not run.is_done(s.index)]
 
 
-def shard_rows_in_order(run: RunDir, shard: Shard) -> pa.Table:
-    """A shard's committed rows sorted by row, checked to be exactly its range."""
-    table = run.read_shard(shard.index)
-    table = table.take(pc.sort_indices(table, sort_keys=[("row", "ascending")]))
-    rows = table.column("row").to_numpy()
-    if len(rows) != shard.rows or (
-        len(rows) and (rows[0] != shard.start or rows[-1] != shard.stop - 1 or (rows[1:] - rows[:-1] != 1).any())
-    ):
-        seen = Counter(rows.tolist())
-        dup = sorted(r for r, n in seen.items() if n > 1)[:5]
-        missing = sorted(set(range(shard.start, shard.stop)) - set(seen))[:5]
-        raise RunDirError(
-            f"shard {shard.index}: committed rows do not match rows {shard.start}..{shard.stop - 1} "
-            f"(duplicates {dup}, missing {missing}); the shard folder was changed by hand or by two writers"
-        )
-    return table
+# JSON lines of a compacted shard are copied to a JSONL output in blocks of about this size.
+READ_BLOCK_BYTES = 8 << 20
+
+
+@dataclass
+class Rows:
+    """Some rows of a shard in input order: a table of them or, when `lines` is set, the committed
+    JSON lines themselves with a table of only the columns stats read (row included)."""
+
+    table: pa.Table
+    lines: Optional[bytes] = None
+
+
+def stat_columns(run: RunDir) -> list[str]:
+    """The columns merge's stats read (and `row`, for the order check)."""
+    wanted = ("row", "prompt_tokens", "output_tokens", "error", "finish_reason")
+    return [c for c in wanted if c in run.schema.names]
+
+
+def shard_rows_in_order(run: RunDir, shard: Shard, done: Optional[dict[str, Any]] = None) -> Iterator[Rows]:
+    """A shard's committed rows in row order, streamed, checked as they come to be exactly its range.
+
+    A compacted shard is read a row group (or a block of lines) at a time; a shard still in parts
+    (run directories of earlier versions) is read whole and sorted."""
+    compacted = run.compacted(shard.index, done)
+    lines = run.output_format == "jsonl"
+    if compacted is None:
+        pieces = _sorted_parts(run, run.part_files(shard.index), lines)
+    elif compacted.suffix == ".jsonl":
+        pieces = _jsonl_blocks(run, compacted, lines)
+    else:
+        pieces = _row_groups(run, compacted)
+    expected = shard.start
+    for piece in pieces:
+        rows = piece.table.column("row").to_numpy()
+        n = len(rows)
+        if n and (rows[0] != expected or expected + n > shard.stop or (n > 1 and (np.diff(rows) != 1).any())):
+            _rows_mismatch(run, shard)
+        expected += n
+        yield piece
+    if expected != shard.stop:
+        _rows_mismatch(run, shard)
+
+
+def _rows_mismatch(run: RunDir, shard: Shard) -> None:
+    """Raise, naming some duplicate and missing rows of the shard (read whole: this is the error path)."""
+    rows = run.read_shard(shard.index, columns=["row"]).column("row").to_numpy()
+    seen = Counter(rows.tolist())
+    dup = sorted(r for r, n in seen.items() if n > 1)[:5]
+    missing = sorted(set(range(shard.start, shard.stop)) - set(seen))[:5]
+    raise RunDirError(
+        f"shard {shard.index}: committed rows do not match rows {shard.start}..{shard.stop - 1} "
+        f"(duplicates {dup}, missing {missing}); the shard folder was changed by hand or by two writers"
+    )
+
+
+def _sorted_parts(run: RunDir, parts: list[Path], lines: bool) -> Iterator[Rows]:
+    """A shard in parts, read whole and sorted by row (JSONL to JSONL: the lines as committed)."""
+    if lines and parts and all(p.suffix == ".jsonl" for p in parts):
+        text, table = sorted_jsonl([p.read_bytes() for p in parts], run.schema, stat_columns(run))
+        yield Rows(table, text)
+        return
+    tables = [read_table(p, run.schema) for p in parts]
+    table = pa.concat_tables(tables) if tables else run.schema.empty_table()
+    yield Rows(table.sort_by("row"))
+
+
+def _row_groups(run: RunDir, path: Path) -> Iterator[Rows]:
+    """A compacted Parquet file, one row group at a time."""
+    with pq.ParquetFile(path) as f:
+        for i in range(f.num_row_groups):
+            table = f.read_row_group(i)
+            yield Rows(table if table.schema.equals(run.schema) else table.cast(run.schema))
+
+
+def _jsonl_blocks(run: RunDir, path: Path, lines: bool) -> Iterator[Rows]:
+    """A compacted JSONL file in blocks of whole lines: the lines themselves for a JSONL output."""
+    columns = stat_columns(run)
+    with open(path, "rb") as f:
+        carry = b""
+        while True:
+            block = f.read(READ_BLOCK_BYTES)
+            data = carry + block
+            cut = data.rfind(b"\n") + 1 if block else len(data)
+            data, carry = data[:cut], data[cut:]
+            if data.strip():
+                yield (
+                    Rows(jsonl_columns(data, run.schema, columns), data)
+                    if lines
+                    else Rows(jsonl_to_table(data, run.schema))
+                )
+            if not block:
+                return
 
 
 def merge(run: RunDir) -> dict[str, Any]:
@@ -111,15 +192,19 @@ def _merge(run: RunDir) -> dict[str, Any]:
     try:
         writer = OutputWriter(run, tmp)
         for n, shard in enumerate(shards):
-            table = shard_rows_in_order(run, shard)
-            writer.write(table)
-            _accumulate(stats, table)
-            seconds.update(read_json(run.done_path(shard.index)).get("seconds", {}))
+            done = read_json(run.done_path(shard.index))
+            # under the run lock, DONE.json written: no writer is compacting this shard any more
+            run.remove_leftovers(shard.index, done)
+            for rows in shard_rows_in_order(run, shard):
+                writer.write(rows)
+                _accumulate(stats, rows.table)
+            seconds.update(done.get("seconds", {}))
             if n == len(shards) // 2:
                 faults.point("in-merge")
         files = writer.close()
         if run.output_format == "hf":
             files = _save_to_disk(tmp, files)
+        faults.point("before-merge-rename")
         _replace(tmp, out)
     except OSError as e:
         if refused_write(e) is None:
@@ -162,8 +247,12 @@ class OutputWriter:
         self._file: Any = None
         self._rows_in_file = 0
 
-    def write(self, table: pa.Table) -> None:
+    def write(self, rows: Rows) -> None:
         """Append rows, starting a new file whenever the current one is full."""
+        if rows.lines is not None and self.ext == "jsonl" and self.encode is table_to_jsonl:
+            self._write_lines(rows.lines, rows.table.num_rows)
+            return
+        table = rows.table if rows.lines is None else jsonl_to_table(rows.lines, self.run.schema)
         offset = 0
         while offset < table.num_rows:
             if self._file is None or (self.max_rows and self._rows_in_file >= self.max_rows):
@@ -176,6 +265,23 @@ class OutputWriter:
                 self._file.write(self.encode(chunk))
             self._rows_in_file += chunk.num_rows
             offset += chunk.num_rows
+
+    def _write_lines(self, data: bytes, n: int) -> None:
+        """Append JSON lines as they are, cut between lines where a file is full."""
+        ends = np.flatnonzero(np.frombuffer(data, np.uint8) == 10) + 1 if self.max_rows else None
+        offset = 0  # lines written of data
+        while offset < n:
+            if self._file is None or (self.max_rows and self._rows_in_file >= self.max_rows):
+                self._next_file()
+            if ends is None:
+                self._file.write(data)
+                taken = n
+            else:
+                taken = min(self.max_rows - self._rows_in_file, n - offset)
+                start = int(ends[offset - 1]) if offset else 0
+                self._file.write(data[start : int(ends[offset + taken - 1])])
+            self._rows_in_file += taken
+            offset += taken
 
     def close(self) -> list[Path]:
         """Flush and fsync every file (an empty run still gets one file); return them."""
@@ -237,6 +343,7 @@ def _replace(tmp: Path, out: Path) -> None:
         old = tmp.with_name(tmp.name[: -len(out.name)] + "old-" + out.name)
         remove_path(old)
         os.replace(out, old)
+        faults.point("in-merge-swap")
         os.replace(tmp, out)
         remove_path(old)
     else:
@@ -267,8 +374,18 @@ def openai_lines(run: RunDir) -> Callable[[pa.Table], bytes]:
 
 
 def _accumulate(stats: dict[str, Any], table: pa.Table) -> None:
+    """Add rows' counts to stats, column-wise (no Python object per row)."""
     stats["rows"] += table.num_rows
-    stats["prompt_tokens"] += int(pc.sum(table.column("prompt_tokens")).as_py() or 0)
-    stats["output_tokens"] += int(pc.sum(table.column("output_tokens")).as_py() or 0)
-    stats["errors"].update(e["kind"] for e in table.column("error").to_pylist() if e)
-    stats["finish_reasons"].update(r for r in table.column("finish_reason").to_pylist() if r)
+    for name in ("prompt_tokens", "output_tokens"):
+        if name in table.column_names:
+            stats[name] += int(pc.sum(table.column(name)).as_py() or 0)
+    if "error" in table.column_names:
+        _count(stats["errors"], pc.struct_field(table.column("error"), "kind"))
+    if "finish_reason" in table.column_names:
+        _count(stats["finish_reasons"], table.column("finish_reason"))
+
+
+def _count(counter: Counter[str], values: pa.ChunkedArray) -> None:
+    for item in pc.value_counts(values).to_pylist():
+        if item["values"]:  # nulls (no error, no finish reason) and empty strings are not counted
+            counter[item["values"]] += item["counts"]

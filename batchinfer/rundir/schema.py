@@ -102,6 +102,25 @@ def jsonl_to_table(data: bytes, schema: pa.Schema) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=schema)
 
 
+def jsonl_columns(data: bytes, schema: pa.Schema, columns: list[str]) -> pa.Table:
+    """Some columns of JSON lines written by table_to_jsonl, parsed by pyarrow's reader (no Python
+    object per row); lines it cannot read (NaN, a line over 2 GiB) go the exact way, jsonl_to_table."""
+    import pyarrow.json as pj
+
+    wanted = pa.schema([schema.field(c) for c in columns])
+    if not any(_needs_wire(f.type) for f in wanted):
+        try:
+            table = pj.read_json(
+                pa.py_buffer(data),
+                read_options=pj.ReadOptions(block_size=min(max(len(data), 1 << 20) + 1, 2**31 - 1)),
+                parse_options=pj.ParseOptions(explicit_schema=wanted, unexpected_field_behavior="ignore"),
+            )
+            return table.select(columns).cast(wanted)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            pass
+    return jsonl_to_table(data, schema).select(columns)
+
+
 # JSON has strings, numbers, bools, lists and objects: Arrow types without a JSON counterpart
 # travel as text (or a number) that pyarrow casts back exactly, in the forms pandas and
 # Python's fromisoformat read: dates and times ISO 8601, timestamps ISO 8601 with the column's

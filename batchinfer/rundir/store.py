@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import yaml
 
@@ -20,10 +21,16 @@ from batchinfer import faults
 from batchinfer.config.schema import Config, to_config
 from batchinfer.errors import RunDirError, StorageError
 from batchinfer.inputs.read import Shard
-from batchinfer.rundir.schema import jsonl_to_table, schema_from_text, table_to_jsonl
+from batchinfer.rundir.schema import jsonl_columns, jsonl_to_table, schema_from_text, table_to_jsonl
 from batchinfer.security import redact_config
 
 PART_RE = re.compile(r"^part-(\d{6})\.(parquet|jsonl)$")
+# A finished shard's parts compacted into one file sorted by row; DONE.json names it (the rule:
+# named -> it holds the shard and leftover parts are ignored; not named -> parts hold the shard and
+# a file of this name is a leftover of a killed compaction).
+COMPACTED_RE = re.compile(r"^rows\.(parquet|jsonl)$")
+# Row groups of a compacted Parquet file: merge streams them, so its memory is one group, not a shard.
+ROW_GROUP_ROWS = 65536
 TMP_PREFIX = ".tmp-"
 OUTPUT_EXT = {"jsonl": "jsonl", "openai": "jsonl", "parquet": "parquet", "hf": "parquet"}
 
@@ -102,16 +109,18 @@ def publish_new(folder: Path, name: Callable[[int], str], first: int, data: byte
     return folder / name(n)
 
 
-def create_once(path: Path, data: bytes) -> bool:
+def create_once(path: Path, data: bytes, fault_prefix: Optional[str] = None) -> bool:
     """Write data as path unless path exists; True if this call created it (first writer wins)."""
     tmp = temporary_name(path)
     try:
-        _write_temporary(tmp, data, None)
+        _write_temporary(tmp, data, fault_prefix)
         created = _link_new(tmp, path)
         os.unlink(tmp)
         fsync_dir(path.parent)
     except OSError as e:
         raise _write_failed(tmp, path, e) from None
+    if fault_prefix:
+        faults.point(f"after-{fault_prefix}-rename")
     return created
 
 
@@ -163,13 +172,26 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
-def table_bytes(table: pa.Table, fmt: str) -> bytes:
+def table_bytes(table: pa.Table, fmt: str, row_group_size: Optional[int] = None) -> bytes:
     """Encode a table as a Parquet or JSONL file's bytes."""
     if fmt == "jsonl":
         return table_to_jsonl(table)
     buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd")
+    pq.write_table(table, buf, compression="zstd", row_group_size=row_group_size)
     return buf.getvalue()
+
+
+def sorted_jsonl(chunks: list[bytes], schema: pa.Schema, columns: list[str]) -> tuple[bytes, pa.Table]:
+    """JSON lines of several files as one text sorted by row, the committed lines kept byte for
+    byte, and the given columns of those rows (in the same order)."""
+    lines = [line for data in chunks for line in data.split(b"\n") if line.strip()]
+    tables = [jsonl_columns(data, schema, columns) for data in chunks]
+    table = pa.concat_tables(tables) if tables else pa.schema([schema.field(c) for c in columns]).empty_table()
+    order = pc.sort_indices(table, sort_keys=[("row", "ascending")])
+    if len(lines) != table.num_rows:
+        raise RunDirError(f"{len(lines)} JSON lines parsed as {table.num_rows} rows")
+    text = b"".join(lines[i] + b"\n" for i in order.to_numpy())
+    return text, table.take(order)
 
 
 def read_table(path: Path, schema: pa.Schema, columns: Optional[list[str]] = None) -> pa.Table:
@@ -281,19 +303,73 @@ class RunDir:
         """Whether the shard's DONE.json exists."""
         return self.done_path(index).is_file()
 
-    def finish_shard(self, index: int, done: dict[str, Any]) -> None:
-        """Mark a shard finished: its DONE.json, written last."""
-        write_json(self.done_path(index), done)
+    @property
+    def compacted_name(self) -> str:
+        """The name of a finished shard's compacted file: rows.parquet, or rows.jsonl for JSONL parts."""
+        return f"rows.{self.part_format}"
 
-    def parts(self, index: int) -> list[Path]:
-        """Committed parts of a shard, in commit order."""
+    def done_record(self, index: int) -> Optional[dict[str, Any]]:
+        """The shard's DONE.json, or None while it is not finished."""
+        try:
+            return read_json(self.done_path(index))  # type: ignore[no-any-return]
+        except FileNotFoundError:
+            return None
+
+    def compacted(self, index: int, done: Optional[dict[str, Any]] = None) -> Optional[Path]:
+        """The shard's compacted file when its DONE.json names one (done: that record, if already read)."""
+        if done is None:
+            done = self.done_record(index)
+        name = (done or {}).get("compacted")
+        if not name:
+            return None
+        if not COMPACTED_RE.match(str(name)):  # DONE.json is data: never a path out of the folder
+            raise RunDirError(f"{self.done_path(index)}: 'compacted' is {name!r}, not rows.parquet or rows.jsonl")
+        return self.shard_dir(index) / name
+
+    def finish_shard(self, index: int, done: dict[str, Any]) -> None:
+        """Mark a shard finished (under its lock): compact its parts into one file sorted by row,
+        write DONE.json naming it (the commit point), then remove the parts. A kill at any step
+        leaves either parts + no DONE (a compacted file is a leftover) or DONE naming a whole file."""
+        if self.compacted(index) is not None:  # finished already: its rows live in the compacted file
+            self.clean_temporaries(index)
+            return
+        folder = self.shard_dir(index)
+        parts = self.part_files(index)
+        target = folder / self.compacted_name
+        target.unlink(missing_ok=True)  # a killed compaction's: no DONE.json names it
+        if not create_once(target, self._compacted_bytes(parts), "compact"):
+            raise RunDirError(f"{target}: written meanwhile by another writer; the shard lock was not held")
+        write_json(self.done_path(index), dict(done, compacted=target.name))
+        faults.point("after-compact-done")
+        for n, p in enumerate(parts):
+            p.unlink(missing_ok=True)
+            if n == 0:
+                faults.point("in-compact-cleanup")
+        fsync_dir(folder)
+
+    def _compacted_bytes(self, parts: list[Path]) -> bytes:
+        """The rows of parts as one file sorted by row, in the part format."""
+        if self.part_format == "jsonl":
+            return sorted_jsonl([p.read_bytes() for p in parts], self.schema, ["row"])[0]
+        tables = [read_table(p, self.schema) for p in parts]
+        table = pa.concat_tables(tables) if tables else self.schema.empty_table()
+        return table_bytes(table.sort_by("row"), "parquet", ROW_GROUP_ROWS)
+
+    def part_files(self, index: int) -> list[Path]:
+        """The part-NNNNNN files in the shard's folder, in commit order (whatever DONE.json says)."""
         d = self.shard_dir(index)
         if not d.is_dir():
             return []
         return sorted(p for p in d.iterdir() if PART_RE.match(p.name))
 
+    def parts(self, index: int, done: Optional[dict[str, Any]] = None) -> list[Path]:
+        """The files holding a shard's committed rows: its compacted file when DONE.json names one,
+        else its parts in commit order."""
+        compacted = self.compacted(index, done)
+        return [compacted] if compacted is not None else self.part_files(index)
+
     def read_shard(self, index: int, columns: Optional[list[str]] = None) -> pa.Table:
-        """All committed rows of a shard (commit order, not input order)."""
+        """All committed rows of a shard (commit order, or row order once compacted)."""
         tables = [read_table(p, self.schema, columns) for p in self.parts(index)]
         if not tables:
             schema = self.schema if columns is None else pa.schema([self.schema.field(c) for c in columns])
@@ -302,18 +378,34 @@ class RunDir:
 
     def write_part(self, index: int, table: pa.Table) -> Path:
         """Commit rows as the shard's next part: whole or absent."""
-        parts = self.parts(index)
+        parts = [p for p in self.parts(index) if PART_RE.match(p.name)]
         n = int(PART_RE.match(parts[-1].name).group(1)) + 1 if parts else 0  # type: ignore[union-attr]
         fmt = self.part_format
         return publish_new(self.shard_dir(index), lambda k: f"part-{k:06d}.{fmt}", n, table_bytes(table, fmt), "part")
 
     def clean_temporaries(self, index: int) -> int:
-        """Remove leftover temporaries of a killed writer; never follows a symlink."""
+        """Remove what a killed writer left (call under the shard lock): temporaries, and by the
+        compaction rule parts of a shard whose DONE.json names its compacted file, or a compacted
+        file that DONE.json does not name. Never follows a symlink."""
+        return self.remove_leftovers(index, temporaries=True)
+
+    def remove_leftovers(self, index: int, done: Optional[dict[str, Any]] = None, temporaries: bool = False) -> int:
+        """Remove leftovers of a killed compaction (and temporaries if asked); the count removed.
+
+        Safe only where no writer can be mid-compaction: under the shard lock, or in merge (under
+        the run lock) for a shard with DONE.json."""
         d = self.shard_dir(index)
+        if not d.is_dir():
+            return 0
+        compacted = self.compacted(index, done)
         removed = 0
-        if d.is_dir():
-            for p in d.iterdir():
-                if p.name.startswith(TMP_PREFIX) and p.is_file() and not p.is_symlink():
-                    p.unlink()
-                    removed += 1
+        for p in d.iterdir():
+            leftover = (
+                (temporaries and p.name.startswith(TMP_PREFIX))
+                or (compacted is not None and PART_RE.match(p.name) is not None)
+                or (compacted is None and COMPACTED_RE.match(p.name) is not None)
+            )
+            if leftover and p.is_file() and not p.is_symlink():
+                p.unlink(missing_ok=True)
+                removed += 1
         return removed
