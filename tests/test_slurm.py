@@ -13,7 +13,6 @@ from typing import Any, Optional
 
 import pytest
 from conftest import (
-    assert_engine_output_kept_apart,
     assert_exactly_once,
     model_overrides,
     project,
@@ -124,24 +123,6 @@ def status_json(run_dir: Path) -> dict[str, Any]:
 def task_running(job: str) -> bool:
     res = subprocess.run(["squeue", "-h", "-o", "%T", "-j", job], capture_output=True, text=True)
     return res.stdout.strip() == "RUNNING"
-
-
-def test_submit_three_shards_merged_exactly_once(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:
-    # Two array tasks, the first with two shards: fan-out and a task's shard list, two engine starts.
-    rows, run_dir, out = submit_corpus(
-        tmp_path, tiny_model_path, 90, 11, "sharding.num_shards=3", "cluster.shards_per_task=2", "sampling.max_tokens=6"
-    )
-    assert "submitted 3 shards" in out and "as 2 array tasks" in out and "batchinfer status" in out
-    wait_until_idle(run_dir)
-    assert_exactly_once(read_output(run_dir), rows)
-    st = status_json(run_dir)
-    assert st["totals"]["states"] == {"done": 3} and st["totals"]["rows_done"] == 90
-    array = first_submission(run_dir)["arrays"][0]
-    assert array["tasks"] == {"0": [0, 1], "1": [2]}
-    merge_log = next((run_dir / "logs").glob("submission-000/*_0_log.out"), None)
-    assert merge_log is not None
-    task_logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.*"))
-    assert_engine_output_kept_apart(run_dir, task_logs)  # in Slurm tasks too
 
 
 def test_usr2_preemption_and_external_requeue(
