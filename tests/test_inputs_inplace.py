@@ -18,6 +18,7 @@ from conftest import fake_model_dir
 from batchinfer.config.compose import compose
 from batchinfer.errors import InputError, RunDirError
 from batchinfer.inputs import reference
+from batchinfer.inputs.preview import peek
 from batchinfer.inputs.read import convert_input, file_fingerprint, input_files, is_saved_dataset, open_input
 from batchinfer.rundir.prepare import prepare
 
@@ -87,6 +88,11 @@ def test_parquet_corpus_is_referenced_not_copied(tmp_path: Path) -> None:
     assert ds.data.schema.field("meta").type.field("k").type == pa.int64()
     with pytest.raises(IndexError):
         ds.select([3000])
+    # `plan` counts the rows from the footers and reads its sample where the run will.
+    assert peek(input_files(str(tmp_path / "corpus" / "*.parquet")), "parquet", 5) == (
+        3000,
+        [row(i) for i in (0, 600, 1200, 1800, 2400)],
+    )
 
 
 def test_fingerprint_keeps_a_touch_and_sees_a_rewrite(tmp_path: Path) -> None:

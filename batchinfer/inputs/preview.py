@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from batchinfer.errors import InputError
 from batchinfer.inputs.openai_batch import request_row
+from batchinfer.inputs.reference import ReferencedInput, plan_reference
 from batchinfer.inputs.textfiles import json_object, open_text, text_lines
+
+PEEK_BATCH_BYTES = 1 << 20  # a sample needs a row or two of each row group it touches
 
 
 def spread(rows: int, k: int) -> list[int]:
@@ -79,11 +82,24 @@ def _json_array(path: Path) -> list[dict[str, Any]]:
     return data
 
 
+def _in_place(files: list[Path], fmt: str, k: int) -> Optional[tuple[int, list[dict[str, Any]]]]:
+    """A Parquet or Arrow corpus as `run` reads it: rows counted from the footers, the sample read from
+    the row groups that hold it (each decoded once, in small batches); None where `run` converts it."""
+    manifest = plan_reference(files, fmt)
+    if manifest is None:
+        return None
+    ds = ReferencedInput(files[0], manifest, batch_bytes=PEEK_BATCH_BYTES)
+    return len(ds), ds.select(spread(len(ds), k)).to_list()
+
+
 def peek(files: list[Path], fmt: str, k: int = 200) -> tuple[int, list[dict[str, Any]]]:
     """The input's row count and up to k rows spread over it, as dicts (nested fields as dicts)."""
     try:
         if fmt in ("jsonl", "openai"):
             return _line_files(files, fmt, k)
+        found = _in_place(files, fmt, k)
+        if found is not None:
+            return found
         table = _table(files, fmt)
         rows = table.count_rows() if hasattr(table, "count_rows") else table.num_rows
         return rows, table.take(spread(rows, k)).to_pylist()

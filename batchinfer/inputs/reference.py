@@ -261,11 +261,12 @@ class ReferencedInput:
     `datasets.Dataset`: `len`, `select(rows).to_list()`, `column_names`, `data.schema`,
     `data.column(name)`. Each file is checked against the manifest the first time it is opened."""
 
-    def __init__(self, dest: Path, manifest: dict[str, Any]):
+    def __init__(self, dest: Path, manifest: dict[str, Any], batch_bytes: int = BATCH_BYTES):
         import numpy as np
 
         self.dest = dest
         self.manifest = manifest
+        self.batch_bytes = batch_bytes
         self.format = manifest["format"]
         self.files = manifest["files"]
         self.schema = manifest_schema(manifest)
@@ -329,7 +330,7 @@ class ReferencedInput:
         cur = self._cursor
         if cur is None or cur.key != (f, g) or local[0] < cur.start:
             meta = source.metadata.row_group(g)
-            size = max(1024, min(meta.num_rows, meta.num_rows * BATCH_BYTES // max(1, meta.total_byte_size)))
+            size = max(1024, min(meta.num_rows, meta.num_rows * self.batch_bytes // max(1, meta.total_byte_size)))
             cur = self._cursor = _Cursor((f, g), source.iter_batches(batch_size=size, row_groups=[g]))
         out, i = [], 0
         while True:
