@@ -58,7 +58,7 @@ def output_row(run: RunDir, r: int) -> dict[str, Any]:
     }
 
 
-def committed(tmp_path: Path, name: str, fmt: str, shards: int = SHARDS, rows: int = ROWS) -> RunDir:
+def committed(tmp_path: Path, name: str, fmt: str, shards: int = SHARDS, rows: int = ROWS, *extra: str) -> RunDir:
     """A run directory whose every row is committed in parts, in a shuffled commit order (as a worker
     orders work by prompt length), with progress.json; no DONE.json yet."""
     corpus = tmp_path / "corpus.jsonl"
@@ -73,6 +73,7 @@ def committed(tmp_path: Path, name: str, fmt: str, shards: int = SHARDS, rows: i
                 f"output.dir={tmp_path / name}",
                 f"output.format={fmt}",
                 f"sharding.num_shards={shards}",
+                *extra,
             ]
         )
     )
