@@ -170,6 +170,11 @@ class ClusterConfig:
     shards_per_task: int = 1
     signal_lead_s: int = 120
     max_attempts: int = 3
+    # The merge job (no GPU): minutes, memory (None: the partition's default) and CPUs. Merge streams
+    # shard by shard, so its memory does not grow with the run; its time does (see benchmarks/results/merge.md).
+    merge_time: int = 60
+    merge_mem: Optional[str] = None
+    merge_cpus: int = 1
     setup: list[str] = field(default_factory=list)
     sbatch_extra: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
@@ -263,6 +268,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "cluster.shards_per_task": (lambda v: v >= 1, "an integer >= 1"),
     "cluster.signal_lead_s": (lambda v: v >= 0, "an integer number of seconds >= 0"),
     "cluster.max_attempts": (lambda v: v >= 1, "an integer >= 1"),
+    "cluster.merge_time": (lambda v: v >= 1, "an integer number of minutes >= 1"),
+    "cluster.merge_cpus": (lambda v: v >= 1, "an integer >= 1"),
 }
 
 

@@ -125,13 +125,16 @@ def array_parameters(cluster: ClusterConfig, n_tasks: int) -> dict[str, Any]:
 
 
 def merge_parameters(cluster: ClusterConfig, after: list[str]) -> dict[str, Any]:
-    """The merge job: no GPU, one CPU, after every array ends however it ends (afterany)."""
+    """The merge job: no GPU, cluster.merge_time/merge_mem/merge_cpus, after every array ends
+    however it ends (afterany)."""
     params: dict[str, Any] = {
-        "time": 60,
-        "cpus_per_task": 1,
+        "time": cluster.merge_time,
+        "cpus_per_task": cluster.merge_cpus,
         "setup": [*cluster.setup, *env_lines(cluster.env)],
         "dependency": "afterany:" + ":".join(after),
     }
+    if cluster.merge_mem is not None:
+        params["mem"] = cluster.merge_mem
     for key in ("partition", "account", "qos"):
         if getattr(cluster, key) is not None:
             params[key] = getattr(cluster, key)
