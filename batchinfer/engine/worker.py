@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -9,13 +10,24 @@ import signal
 import socket
 import sys
 import time
-from collections import Counter, deque
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any, Optional, Protocol
 
+import numpy as np
+import pyarrow.compute as pc
+
 from batchinfer import faults
 from batchinfer.config.schema import Config
+from batchinfer.engine.stream import (
+    ResultCache,
+    done_rows,
+    first_window_rows,
+    request_digest,
+    todo_slices,
+    window_rows,
+)
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.errors import BatchinferError, StorageError
 from batchinfer.inputs.read import Shard, get_path, open_input
@@ -131,12 +143,11 @@ class ShardWorker:
         if self.run.clean_temporaries(shard.index):
             log.info("shard %d: removed temporaries left by a killed writer", shard.index)
         self._progress = progress = self._progress_from_parts(shard)
-        done_rows = progress.pop("_rows")
-        todo = [r for r in range(shard.start, shard.stop) if r not in done_rows]
-        if done_rows:
-            log.info("shard %d: resuming, %d of %d rows already committed", shard.index, len(done_rows), shard.rows)
-        if todo:
-            self._generate(shard, todo, progress)
+        committed = progress.pop("_rows")
+        if len(committed):
+            log.info("shard %d: resuming, %d of %d rows already committed", shard.index, len(committed), shard.rows)
+        if len(committed) < shard.rows:
+            self._generate(shard, committed, progress)
         faults.point("before-done")
         done = dict(with_rates(progress), finished=time.time(), **self._reproducibility())
         self.run.finish_shard(shard.index, done)
@@ -158,8 +169,9 @@ class ShardWorker:
     def _progress_from_parts(self, shard: Shard) -> dict[str, Any]:
         """Counts rebuilt from committed parts (the truth), plus attempts and seconds carried over."""
         table = self.run.read_shard(shard.index, columns=["row", "prompt_tokens", "output_tokens", "error"])
-        rows = set(table.column("row").to_pylist())
-        errors = Counter(e["kind"] for e in table.column("error").to_pylist() if e)
+        rows = done_rows(table.column("row"))  # sorted, so resume needs no set of a shard's rows
+        kinds = pc.value_counts(pc.drop_null(pc.struct_field(table.column("error"), "kind"))).to_pylist()
+        errors = {k["values"]: k["counts"] for k in kinds}
         old: dict[str, Any] = {}
         if self.run.progress_path(shard.index).is_file():
             old = read_json(self.run.progress_path(shard.index))
@@ -168,14 +180,14 @@ class ShardWorker:
             "rows_total": shard.rows,
             "rows_done": len(rows),
             "parts": len(self.run.parts(shard.index)),
-            "prompt_tokens": int(sum(x or 0 for x in table.column("prompt_tokens").to_pylist())),
-            "output_tokens": int(sum(x or 0 for x in table.column("output_tokens").to_pylist())),
-            "errors": dict(errors),
+            "prompt_tokens": int(pc.sum(table.column("prompt_tokens")).as_py() or 0),
+            "output_tokens": int(pc.sum(table.column("output_tokens")).as_py() or 0),
+            "errors": errors,
             "attempts": old.get("attempts", 0) + 1,
             "failures": old.get("failures", 0),
             "failures_by_job": old.get("failures_by_job", {}),  # cluster.max_attempts counts per submission
             # rows in flight when the engine died, with how often; done rows drop out
-            "suspects": {r: n for r, n in old.get("suspects", {}).items() if int(r) not in rows},
+            "suspects": {r: n for r, n in old.get("suspects", {}).items() if not _contains(rows, int(r))},
             "seconds": old.get("seconds", {"startup": 0.0, "prepare": 0.0, "generate": 0.0, "commit": 0.0}),
             # prompt tokens sent to the engine and those it served from its prefix cache (None: not reported)
             "prefix_cache": old.get("prefix_cache"),
@@ -183,78 +195,79 @@ class ShardWorker:
             "_rows": rows,
         }
 
-    def _requests(
-        self, shard: Shard, todo: list[int], engine: EngineLike
-    ) -> tuple[dict[RequestKey, list[dict[str, Any]]], list[dict[str, Any]]]:
-        """Group rows by prompt tokens and sampling (identical requests once); bad rows become error rows."""
-        groups: dict[RequestKey, list[dict[str, Any]]] = {}
-        errors: list[dict[str, Any]] = []
-        rows = self.dataset.select(todo).to_list()
+    def _request(self, index: int, row: dict[str, Any], engine: EngineLike) -> tuple[dict[str, Any], Any]:
+        """A row's output base and its request key, or its error row (a bad row) in place of the key."""
+        base: dict[str, Any] = {"row": index, "id": row_id(self.cfg, row, index), **self._carried(row)}
         kwargs = self.cfg.prompt.chat_template_kwargs
-        for offset, (index, row) in enumerate(zip(todo, rows, strict=True)):
-            if self.stop.signum is not None:  # preparing a big shard takes a while: act on a stop now
-                raise Stopped(self.stop.signum)
-            base: dict[str, Any] = {"row": index, "id": row_id(self.cfg, row, index), **self._carried(row)}
-            try:
-                req = build_request(self.cfg, self.prompts, row, index, lambda p: engine.encode(p, kwargs))
-                sampling, own, prompt = req.sampling, req.own, req.prompt
-                ids = overlong_tokens(req.ids, self.cfg.prompt.overlong, engine.max_model_len, sampling["max_tokens"])
-                engine_params(engine, self.cfg, own)
-            except RowError as e:
-                errors.append(dict(error_row(index, base["id"], e.kind, f"row {index}: {e.message}"), **base))
-                continue
-            dedupe = sampling["temperature"] == 0 or sampling.get("seed") is not None
-            key = (tuple(ids), own, -1 if dedupe else offset)
-            groups.setdefault(key, []).append(base)
-            if faults.poisoned(prompt):
-                self._poison.add(key)
-        return groups, errors
+        try:
+            req = build_request(self.cfg, self.prompts, row, index, lambda p: engine.encode(p, kwargs))
+            sampling, own = req.sampling, req.own
+            ids = overlong_tokens(req.ids, self.cfg.prompt.overlong, engine.max_model_len, sampling["max_tokens"])
+            engine_params(engine, self.cfg, own)
+        except RowError as e:
+            return base, dict(error_row(index, base["id"], e.kind, f"row {index}: {e.message}"), **base)
+        dedupe = sampling["temperature"] == 0 or sampling.get("seed") is not None
+        key = (tuple(ids), own, -1 if dedupe else index)
+        if faults.poisoned(req.prompt):
+            self._poison.add(key)
+        return base, key
 
-    def _generate(self, shard: Shard, todo: list[int], progress: dict[str, Any]) -> None:
-        """Feed the engine ~2 x max_num_seqs requests at a time; commit between steps."""
+    def _rows(self, slices: Iterator[list[int]]) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(index, row) of the rows in these slices, reading one slice of the input at a time."""
+        for indices in slices:
+            yield from zip(indices, self.dataset.select(indices).to_list(), strict=True)
+
+    def _generate(self, shard: Shard, committed: Any, progress: dict[str, Any]) -> None:
+        """Stream the shard's remaining rows to the engine, ~2 x max_num_seqs requests in flight,
+        preparing the next window between engine steps; commit between steps."""
         out = self.cfg.output
         t0 = time.monotonic()
         engine = self.get_engine()
         self.device = getattr(engine, "device", None)
         self.dtype = getattr(engine, "dtype", self.cfg.model.dtype)
-        startup = time.monotonic() - t0
+        t_ready = time.monotonic()
+        startup = t_ready - t0
         progress["seconds"]["startup"] += startup
-        t_prepare = time.monotonic()
+        progress["seconds"].setdefault("prepare", 0.0)  # older records lack the key
         if self.bar is not None and startup > 1.0:
             self.bar.unpause()  # rows/s and ETA from generation, not from the engine's start-up
         if progress["prefix_cache"] is None and getattr(engine, "prefix_caching", False):
             progress["prefix_cache"] = {"queries": 0, "hits": 0}
         cache = progress["prefix_cache"]
         suspects: dict[str, int] = progress["suspects"]
-        crashed = [r for r in todo if suspects.get(str(r), 0) >= CRASHES_TO_ISOLATE]
-        if crashed:
-            todo = sorted(set(todo) - set(crashed))
-        groups, pending = self._requests(shard, todo, engine)
-        pending += self._crash_rows(crashed)
-        # Rows in flight at an engine death run one at a time first, so a row that kills the
-        # engine again is known exactly; then work_order: shared prefixes together, by length.
-        isolate = sorted(k for k, members in groups.items() if any(str(m["row"]) in suspects for m in members))
-        queue = deque(isolate + sorted(set(groups) - set(isolate), key=work_order))
-        n_isolate = len(isolate)
-        if isolate:
-            log.warning(
-                "shard %d: running %d rows in flight at the last engine death one at a time", shard.index, n_isolate
-            )
-        in_flight: dict[str, RequestKey] = {}
+        crashed = sorted(int(r) for r, n in suspects.items() if n >= CRASHES_TO_ISOLATE)
+        isolated = sorted(int(r) for r, n in suspects.items() if n < CRASHES_TO_ISOLATE)
+        skip = np.union1d(committed, np.asarray(crashed + isolated, dtype=np.int64))
         target = 2 * engine.max_num_seqs
-        last_commit = t_gen = time.monotonic()
-        # Rendering, tokenizing and grouping prompts holds the GPU too, and LLM.chat counts it
-        # inside its call (older records lack the key).
-        progress["seconds"]["prepare"] = progress["seconds"].get("prepare", 0.0) + t_gen - t_prepare
-        add_point(progress)  # generation starts: the gap since the last attempt's commit shows as 0 tok/s
-        seq = finished = 0
-        committing = False  # a failure while committing is the filesystem's, not the engine's
+        window = window_rows(engine.max_num_seqs)
+        # Rows in flight at an engine death run one at a time first (their own window, fed before
+        # any other), so a row that kills the engine again is known exactly; then the shard streams.
+        rows = itertools.chain(
+            self._rows(iter([isolated] if isolated else [])),
+            self._rows(todo_slices(shard.start, shard.stop, skip, max(engine.max_num_seqs, 1))),
+        )
+        sizes = ([len(isolated)] if isolated else []) + [first_window_rows(engine.max_num_seqs)]
+        feed = Feed(rows, lambda i, row: self._request(i, row, engine), self._result_row, sizes, window)
+        pending = self._crash_rows(crashed)
         if self.bar is not None and pending:
             self.bar.update(len(pending))
+        if isolated:
+            log.warning(
+                "shard %d: running %d rows in flight at the last engine death one at a time", shard.index, len(isolated)
+            )
+            pending += self._prepare(feed, len(isolated), progress)
+        n_isolate = len(feed.queue)
+        in_flight: dict[str, RequestKey] = {}
+        groups = feed.groups
+        last_commit = t_gen = time.monotonic()
+        add_point(progress)  # generation starts: the gap since the last attempt's commit shows as 0 tok/s
+        seq = finished = 0
+        first_request = True
+        committing = False  # a failure while committing is the filesystem's, not the engine's
         try:
-            while queue or in_flight:
-                while queue and len(in_flight) < (1 if n_isolate else target):
-                    key = queue.popleft()
+            while True:
+                while feed.queue and len(in_flight) < (1 if n_isolate else target):
+                    key = feed.queue.popleft()
                     rid = f"{shard.index}-{seq}"
                     seq += 1
                     ids, own, _ = key
@@ -269,21 +282,40 @@ class ShardWorker:
                         )
                         finished += len(members)
                         continue
+                    if first_request:
+                        first_request = False
+                        progress["first_request_seconds"] = round(time.monotonic() - t_ready, 3)
+                        log.info(
+                            "shard %d: first request %.2f s after the engine was ready",
+                            shard.index,
+                            progress["first_request_seconds"],
+                        )
                     in_flight[rid] = key
                     if key in self._poison:
                         faults.kill_engine()
-                for c in engine.step():
-                    members = groups.pop(in_flight.pop(c.request_id))
-                    n_isolate = max(0, n_isolate - 1)
-                    pending.extend(self._result_row(m, c) for m in members)
-                    finished += len(members)
-                    if cache is not None and c.cached_tokens is not None:
-                        cache["queries"] += c.prompt_tokens
-                        cache["hits"] += c.cached_tokens
-                    if self.bar is not None:
-                        self.bar.update(len(members))
-                faults.trace_finished(finished)
-                faults.point("in-generate")
+                if not feed.exhausted and (len(feed.queue) < window or not in_flight):
+                    t_prepare = time.monotonic()
+                    done_now = self._prepare(feed, engine.max_num_seqs, progress)
+                    t_gen += time.monotonic() - t_prepare  # prepare seconds are not generate seconds
+                    pending += done_now
+                    finished += len(done_now)
+                elif not in_flight and not feed.queue:
+                    break
+                if in_flight:
+                    for c in engine.step():
+                        key = in_flight.pop(c.request_id)
+                        members = groups.pop(key)
+                        n_isolate = max(0, n_isolate - 1)
+                        pending.extend(self._result_row(m, c) for m in members)
+                        finished += len(members)
+                        feed.finished(key, c)
+                        if cache is not None and c.cached_tokens is not None:
+                            cache["queries"] += c.prompt_tokens
+                            cache["hits"] += c.cached_tokens
+                        if self.bar is not None:
+                            self.bar.update(len(members))
+                    faults.trace_finished(finished)
+                    faults.point("in-generate")
                 if self.stop.signum is not None:
                     raise Stopped(self.stop.signum)
                 now = time.monotonic()
@@ -298,8 +330,8 @@ class ShardWorker:
             # Whatever stops us (signal, engine death), finished rows are committed first. A stop
             # signal may reach the engine too and kill it: that is a stop, not an error.
             try:
-                suspects = [] if committing else [m for k in in_flight.values() for m in groups[k]]
-                self._after_error(shard, e, pending, progress, suspects)
+                suspects_now = [] if committing else [m for k in in_flight.values() for m in groups[k]]
+                self._after_error(shard, e, pending, progress, suspects_now)
             finally:
                 # Only after the commit: aborting requests of a dead engine can raise. A live engine
                 # is cleared so that a reused one (local runs) does not return this attempt's requests.
@@ -310,8 +342,24 @@ class ShardWorker:
                         log.warning("shard %d: aborting requests in flight failed: %r", shard.index, abort_error)
             raise
         progress["seconds"]["generate"] += time.monotonic() - t_gen
+        if feed.cache.hits:
+            log.info("shard %d: %d rows took an identical finished request's result", shard.index, feed.cache.hits)
         if pending:
             self._commit(shard, pending, progress)
+
+    def _prepare(self, feed: Feed, n: int, progress: dict[str, Any]) -> list[dict[str, Any]]:
+        """Prepare up to n more rows (stopping at once on a stop signal); the rows already finished.
+        Its seconds count as prepare: the engine may be computing meanwhile, or waiting for it."""
+        t0 = time.monotonic()
+        done = feed.prepare(n, self._check_stop)
+        progress["seconds"]["prepare"] += time.monotonic() - t0
+        if self.bar is not None and done:
+            self.bar.update(len(done))
+        return done
+
+    def _check_stop(self) -> None:
+        if self.stop.signum is not None:  # preparing a window takes a while: act on a stop now
+            raise Stopped(self.stop.signum)
 
     def _after_error(
         self,
@@ -450,3 +498,78 @@ def work_order(key: RequestKey) -> tuple[Any, ...]:
     within such a group by length, so a batch's sequences finish close together."""
     ids = key[0]
     return (ids[:PREFIX_TOKENS], len(ids), key)
+
+
+class Feed:
+    """A shard's requests, prepared a slice of rows at a time. A duplicate joins its identical
+    request while that is not finished, or takes its result from the cache once it is; a window's
+    new requests join the queue in work_order once the window is read. Window sizes: `sizes` first
+    (the isolated rows, then a small first window), then `window` rows each."""
+
+    def __init__(
+        self,
+        rows: Iterator[tuple[int, dict[str, Any]]],
+        request: Callable[[int, dict[str, Any]], tuple[dict[str, Any], Any]],
+        result_row: Callable[[dict[str, Any], Completion], dict[str, Any]],
+        sizes: list[int],
+        window: int,
+    ):
+        self.rows = rows
+        self.request = request
+        self.result_row = result_row
+        self.sizes = deque(sizes)
+        self.window = window
+        self.groups: dict[RequestKey, list[dict[str, Any]]] = {}  # requests not finished, with their rows
+        self.queue: deque[RequestKey] = deque()  # prepared, in work order, not yet sent
+        self.cache = ResultCache()
+        self.exhausted = False
+        self._building: list[RequestKey] = []
+        self._read = 0  # rows read into the window being built
+        self._size = self.sizes.popleft() if self.sizes else window
+
+    def prepare(self, n: int, check_stop: Callable[[], None]) -> list[dict[str, Any]]:
+        """Read up to n more rows; the rows finished without the engine (error rows, cache hits)."""
+        out: list[dict[str, Any]] = []
+        taken = 0
+        for index, row in self.rows:
+            check_stop()
+            base, made = self.request(index, row)
+            if isinstance(made, dict):
+                out.append(made)
+            elif made in self.groups:
+                self.groups[made].append(base)
+            else:
+                hit = self.cache.get(request_digest(made[0], made[1])) if made[2] == -1 else None
+                if hit is not None:
+                    out.append(self.result_row(base, hit))
+                else:
+                    self.groups[made] = [base]
+                    self._building.append(made)
+            self._read += 1
+            if self._read >= self._size:
+                self._flush()
+            taken += 1
+            if taken >= n:
+                break
+        else:
+            self.exhausted = True
+            self._flush()
+        return out
+
+    def finished(self, key: RequestKey, result: Completion) -> None:
+        """Keep a finished request's result for identical requests still to come."""
+        if key[2] == -1:
+            self.cache.put(request_digest(key[0], key[1]), result, sum(len(t or "") for t in result.texts))
+
+    def _flush(self) -> None:
+        """The window being built joins the queue in work order; the next window starts."""
+        self.queue.extend(sorted(self._building, key=work_order))
+        self._building = []
+        self._read = 0
+        self._size = self.sizes.popleft() if self.sizes else self.window
+
+
+def _contains(sorted_rows: Any, row: int) -> bool:
+    """Whether a sorted array holds row."""
+    i = int(np.searchsorted(sorted_rows, row))
+    return i < len(sorted_rows) and int(sorted_rows[i]) == row

@@ -1,0 +1,93 @@
+"""A shard streamed to the engine: the rows still to do, read a slice at a time, and the results of
+finished requests kept (within a memory budget) for duplicates that come in later windows."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import numpy as np
+
+# A window is the rows prepared, grouped and put in work order together: WINDOW_SEQS x max_num_seqs
+# rows (4 engine queues' worth at ~2 x max_num_seqs in flight), at least WINDOW_MIN_ROWS. The first
+# window is one queue's worth (2 x max_num_seqs), so the first request waits only for that.
+WINDOW_SEQS = 8
+WINDOW_MIN_ROWS = 1024
+# Finished results kept for identical requests in later windows: an entry counts ENTRY_BYTES plus
+# its texts' characters (short outputs: ~32K entries; 4K-character outputs: ~6K).
+RESULT_CACHE_BYTES = 32 << 20
+ENTRY_BYTES = 1024
+
+
+def window_rows(max_num_seqs: int) -> int:
+    """Rows per window after the first."""
+    return max(WINDOW_SEQS * max_num_seqs, WINDOW_MIN_ROWS)
+
+
+def first_window_rows(max_num_seqs: int) -> int:
+    """Rows of the first window: what the engine takes in flight at once."""
+    return max(2 * max_num_seqs, 1)
+
+
+def done_rows(rows: Any) -> np.ndarray:
+    """Committed row indices (an Arrow column) as a sorted int64 array without repeats."""
+    return np.unique(np.asarray(rows, dtype=np.int64))
+
+
+def todo_slices(start: int, stop: int, skip: np.ndarray, size: int) -> Iterator[list[int]]:
+    """Row indices of [start, stop) that are not in skip (sorted), in input order, up to size at a
+    time: computed a slice at a time, so a 1M-row shard never holds a 1M-entry list."""
+    for a in range(start, stop, size):
+        b = min(a + size, stop)
+        lo, hi = np.searchsorted(skip, [a, b])
+        keep = np.ones(b - a, dtype=bool)
+        keep[skip[lo:hi] - a] = False
+        idx = np.flatnonzero(keep) + a
+        if len(idx):
+            yield idx.tolist()
+
+
+def request_digest(ids: Any, own: str) -> bytes:
+    """A request's identity in the result cache: prompt token ids and the row's own sampling."""
+    h = hashlib.blake2b(array("q", ids).tobytes(), digest_size=16)
+    h.update(own.encode())
+    return h.digest()
+
+
+class ResultCache:
+    """Least recently used finished results, by request digest, within a byte budget."""
+
+    def __init__(self, budget: Optional[int] = None):
+        self.budget = RESULT_CACHE_BYTES if budget is None else budget
+        self.size = 0
+        self.hits = 0
+        self._items: OrderedDict[bytes, tuple[Any, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, digest: bytes) -> Optional[Any]:
+        """The result of an identical finished request, if still kept."""
+        item = self._items.get(digest)
+        if item is None:
+            return None
+        self._items.move_to_end(digest)
+        self.hits += 1
+        return item[0]
+
+    def put(self, digest: bytes, result: Any, chars: int) -> None:
+        """Keep a finished result, dropping the least recently used past the budget."""
+        cost = ENTRY_BYTES + chars
+        if cost > self.budget:
+            return
+        old = self._items.pop(digest, None)
+        if old is not None:
+            self.size -= old[1]
+        self._items[digest] = (result, cost)
+        self.size += cost
+        while self.size > self.budget:
+            _, (_, dropped) = self._items.popitem(last=False)
+            self.size -= dropped

@@ -1,0 +1,151 @@
+"""A shard streams to the engine in windows (issue 16): the first request goes out before the shard
+is read, duplicates across windows are computed once, every row is written once, and a stop while
+a later window is prepared is acted on at once. Fake engine, no vLLM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import read_output, write_corpus
+from test_unit import FakeEngine, _keyed, fake_overrides
+
+from batchinfer.config.compose import compose
+from batchinfer.engine import stream
+from batchinfer.engine.worker import PREFIX_TOKENS, ShardWorker, StopFlag, Stopped, work_order
+from batchinfer.launch.local import run_shards
+from batchinfer.rundir.merge import merge
+from batchinfer.rundir.prepare import prepare
+from batchinfer.rundir.store import RunDir
+
+ROWS = 240
+WINDOW = 32  # windows of 32 rows (the first: 2 x max_num_seqs = 8), so a 240-row shard has several
+
+
+class CountingEngine(FakeEngine):
+    """A fake engine that records how many prompts were tokenized when each request was added."""
+
+    def __init__(self, per_step: int = 3):
+        super().__init__(per_step)
+        self.encoded = 0
+        self.encoded_at_add: list[int] = []
+
+    def encode(self, prompt: Any, chat_template_kwargs: Any = None) -> list[int]:
+        self.encoded += 1
+        return super().encode(prompt, chat_template_kwargs)
+
+    def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
+        self.encoded_at_add.append(self.encoded)
+        super().add(request_id, token_ids, params)
+
+
+@pytest.fixture(autouse=True)
+def small_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stream, "WINDOW_MIN_ROWS", WINDOW)
+    monkeypatch.setattr(stream, "WINDOW_SEQS", 1)
+
+
+def _run(tmp_path: Path, rows: list[dict[str, Any]], *extra: str) -> RunDir:
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return prepare(compose(fake_overrides(tmp_path, corpus, "input.id_column=id", *extra)))
+
+
+def _ids(eng: FakeEngine, text: str) -> list[int]:
+    return eng.encode([{"content": text}])
+
+
+def test_first_request_goes_out_before_the_shard_is_read_and_every_row_is_written_once(tmp_path: Path) -> None:
+    rows = write_corpus(tmp_path / "w.jsonl", ROWS)
+    run = _run(tmp_path, rows, "output.commit_every_rows=10")
+    eng = CountingEngine()
+    run_shards(run, [0], engine=_keyed(eng, run))
+    first = stream.first_window_rows(eng.max_num_seqs)
+    assert eng.encoded == ROWS  # each row tokenized once
+    assert eng.encoded_at_add[0] == first == 8  # the first window, not the shard, before the first request
+    # the engine is fed while later windows are read: requests went out at many points of the reading
+    assert len(set(eng.encoded_at_add)) >= ROWS // WINDOW
+    # each window is in work order (shared prefixes together, by length): the first window's requests
+    first_keys = [(tuple(ids), "", -1) for ids in eng.added[:first]]
+    assert len(set(first_keys)) == first and first_keys == sorted(first_keys, key=work_order)
+    assert first_keys != [(tuple(_ids(eng, r["text"])), "", -1) for r in rows[:first]]  # not input order
+    merge(run)
+    out = read_output(run.path)
+    assert [r["row"] for r in out] == list(range(ROWS))
+    assert [r["id"] for r in out] == [r["id"] for r in rows]
+    assert all(r["text"] == f"len{len(_ids(eng, x['text']))}" for r, x in zip(out, rows, strict=True))
+
+
+@pytest.mark.parametrize("cache_bytes, computed", [(None, 1), (0, 2)])
+def test_identical_prompts_in_different_windows_are_computed_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache_bytes: Any, computed: int
+) -> None:
+    """Rows 3 and 200 are windows apart: the second takes the first's result from the result
+    cache (with the cache off it is computed again: the cache is what finds it)."""
+    rows = write_corpus(tmp_path / "w.jsonl", ROWS)
+    rows[3]["text"] = rows[200]["text"] = "same prompt far apart"
+    rows[100]["text"] = rows[101]["text"] = "same prompt side by side"
+    monkeypatch.setattr(stream, "RESULT_CACHE_BYTES", stream.RESULT_CACHE_BYTES if cache_bytes is None else 0)
+    run = _run(tmp_path, rows)
+    eng = CountingEngine()
+    run_shards(run, [0], engine=_keyed(eng, run))
+    added = [tuple(ids) for ids in eng.added]
+    assert added.count(tuple(_ids(eng, "same prompt far apart"))) == computed
+    assert added.count(tuple(_ids(eng, "same prompt side by side"))) == 1  # one window: grouped
+    out = read_output(merge(run) and run.path)
+    assert [r["row"] for r in out] == list(range(ROWS))
+    assert out[3]["text"] == out[200]["text"] == "len21"
+    assert (out[3]["prompt_tokens"], out[200]["prompt_tokens"]) == (21, 21)
+
+
+def test_a_stop_while_a_later_window_is_prepared_stops_at_once_and_keeps_committed_rows(tmp_path: Path) -> None:
+    rows = write_corpus(tmp_path / "w.jsonl", ROWS)
+    run = _run(tmp_path, rows, "output.commit_every_rows=5")
+    stop = StopFlag()
+    eng = CountingEngine()
+    real_encode = eng.encode
+    at = 3 * WINDOW + 5  # in the fourth window, long after generation began
+
+    def encode(prompt: Any, kwargs: Any = None) -> list[int]:
+        if eng.encoded + 1 == at:
+            stop.signum = 12  # USR2 arrives while this window's prompts are tokenized
+        return real_encode(prompt, kwargs)
+
+    eng.encode = encode  # type: ignore[method-assign]
+    with pytest.raises(Stopped, match="SIGUSR2"):
+        ShardWorker(run, lambda: eng, stop).run_shard(run.shards()[0])
+    assert eng.encoded == at  # nothing tokenized after the signal
+    committed = run.read_shard(0).column("row").to_pylist()
+    assert len(committed) == len(set(committed)) > 0 and not run.is_done(0)
+    progress = json.loads(run.progress_path(0).read_text())
+    assert progress["rows_done"] == len(committed) and progress["first_request_seconds"] >= 0
+    # resume: only what is missing goes to the engine, and again before the shard is read
+    second = CountingEngine()
+    run_shards(run, [0], engine=_keyed(second, run))
+    assert second.encoded == ROWS - len(committed)
+    assert second.encoded_at_add[0] <= stream.first_window_rows(second.max_num_seqs)
+    out = read_output(merge(run) and run.path)
+    assert [r["row"] for r in out] == list(range(ROWS))
+
+
+def test_todo_slices_skip_committed_rows_a_slice_at_a_time() -> None:
+    done = stream.done_rows(np.array([7, 3, 3, 12, 4]))
+    assert done.tolist() == [3, 4, 7, 12]
+    slices = list(stream.todo_slices(2, 14, done, 4))
+    assert slices == [[2, 5], [6, 8, 9], [10, 11, 13]]
+    assert list(stream.todo_slices(3, 5, done, 4)) == []
+
+
+def test_result_cache_keeps_the_most_recent_results_within_its_budget() -> None:
+    cache = stream.ResultCache(budget=3 * stream.ENTRY_BYTES + 10)
+    keys = [stream.request_digest([i, i + 1], "") for i in range(4)]
+    for i, k in enumerate(keys[:3]):
+        cache.put(k, f"r{i}", 1)
+    assert cache.get(keys[0]) == "r0"  # used: now the most recent
+    cache.put(keys[3], "r3", 1)  # over budget: the least recently used (keys[1]) goes
+    assert [cache.get(k) for k in keys] == ["r0", None, "r2", "r3"]
+    assert stream.request_digest([1, 2], "") != stream.request_digest([1, 2], '{"seed": 1}')
+    assert len(cache) == 3 and PREFIX_TOKENS > 2
