@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -24,6 +25,7 @@ REFERENCED_FORMATS = ("parquet", "arrow", "hf_disk")
 # big row group holds one batch, not the whole group.
 BATCH_BYTES = 64 << 20
 ID_BATCH_ROWS = 1 << 18
+OPEN_FILES = 16
 
 
 def data_files(files: list[Path], fmt: str) -> list[Path]:
@@ -275,7 +277,7 @@ class ReferencedInput:
         self._starts = np.cumsum([0] + [n for _, _, n in counts])
         # Where each piece (row group, record batch) starts within its file.
         self._within = [int(sum(self.files[f]["pieces"][:g])) for f, g in self._pieces]
-        self._open: dict[int, Any] = {}
+        self._open: OrderedDict[int, Any] = OrderedDict()  # the last OPEN_FILES opened, most recent last
         self._cursor: Optional[_Cursor] = None
 
     @property
@@ -344,17 +346,21 @@ class ReferencedInput:
             cur.advance()
 
     def _checked(self, f: int) -> Any:
-        """File f opened (a ParquetFile, or its memory-mapped Arrow table) once it matches the manifest."""
-        if f not in self._open:
-            import pyarrow.parquet as pq
+        """File f opened (a ParquetFile, or its memory-mapped Arrow table), checked against the manifest
+        each time it is opened."""
+        if f in self._open:
+            self._open.move_to_end(f)
+            return self._open[f]
+        import pyarrow.parquet as pq
 
-            rec = self.files[f]
-            path = Path(rec["path"])
-            check_unchanged(rec, self.dest)
-            if self.format == "parquet":
-                self._open[f] = pq.ParquetFile(str(path))
-            else:
-                self._open[f] = _ipc_reader(pa.memory_map(str(path))).read_all()
+        rec = self.files[f]
+        check_unchanged(rec, self.dest)  # at every opening: one stat
+        path = str(rec["path"])
+        self._open[f] = (
+            pq.ParquetFile(path) if self.format == "parquet" else _ipc_reader(pa.memory_map(path)).read_all()
+        )
+        if len(self._open) > OPEN_FILES:  # thousands of files must not hold thousands of descriptors
+            self._open.popitem(last=False)
         return self._open[f]
 
 
