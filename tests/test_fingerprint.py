@@ -208,3 +208,13 @@ def test_template_file_edited_between_attempts(tmp_path: Path, tiny_model_path: 
         assert_own_output(r, "fox")
     monkeypatch.chdir(tmp_path)
     _refused(ov, r"prompt.template_file contents")
+
+
+def test_task_keys_are_fingerprinted_and_generation_runs_keep_theirs(tmp_path: Path) -> None:
+    plain = prepare(compose(_overrides(tmp_path)))
+    assert not [k for k in plain.run["fingerprint_keys"] if k.startswith("task.")]  # as before tasks existed
+    _refused(_overrides(tmp_path, "task=embed"), r"task.name \(None -> 'embed'\)")
+    embed = prepare(compose(_overrides(tmp_path, "task=embed", out="embed")))
+    keys = embed.run["fingerprint_keys"]
+    assert keys["task.name"] == "embed" and keys["prompt.overlong"] == "truncate_right" and keys["prompt.mode"] == "raw"
+    _refused(_overrides(tmp_path, "task=embed", "task.dimensions=128", out="embed"), r"task.dimensions \(None -> 128\)")

@@ -519,3 +519,19 @@ def test_merge_on_a_full_disk_leaves_no_partial_output(tmp_path: Path, monkeypat
     assert not run.output_path.exists() and not list(run.path.glob(".tmp-*"))
     monkeypatch.setattr(merge_module.OutputWriter, "write", real)
     assert merge(run)["rows"] == 12 and len(read_output(run.path)) == 12
+
+
+def test_task_presets_compose_and_task_keys_belong_to_their_task() -> None:
+    embed = compose(["task=embed"])
+    assert (embed.task.name, embed.prompt.mode, embed.prompt.overlong) == ("embed", "raw", "truncate_right")
+    assert compose(["task=classify", "prompt.overlong=error_row"]).prompt.overlong == "error_row"  # the user's wins
+    plain = compose([])
+    assert (plain.task.name, plain.prompt.mode, plain.prompt.overlong) == ("generate", "chat", "error_row")
+    score = compose(["task=score", "task.query=Q: {q}", "task.document={d} ${x}"])
+    assert (score.task.query, score.task.document) == ("Q: {q}", "{d} ${x}")  # taken literally, like templates
+    with pytest.raises(ConfigError, match=r"task=score needs two texts per row: task.query and task.document"):
+        compose(["task=score", "task.query={q}"])
+    with pytest.raises(ConfigError, match=r"task.min_prob is a setting of task=classify; this run has task=embed"):
+        compose(["task=embed", "task.min_prob=0.5"])
+    with pytest.raises(ConfigError, match=r"task.name='rank' is not one of: generate, embed, classify, score"):
+        compose(["task.name=rank"])

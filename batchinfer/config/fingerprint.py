@@ -132,6 +132,9 @@ def fingerprint_keys(
     for group in ("prompt", "sampling", "sharding"):
         for k, v in cfg[group].items():
             keys[f"{group}.{k}"] = v
+    task = cfg.get("task") or {"name": "generate"}
+    if task["name"] != "generate":  # generation runs keep the fingerprint (and output.dir) they had
+        keys.update({f"task.{k}": v for k, v in task.items()})
     paths = config_files(cfg)
     data = contents if contents is not None else read_config_files(cfg)
     records = {key: _file_record(path, data[key]) for key, path in paths.items()}

@@ -26,7 +26,7 @@ def conf_dir() -> Path:
 
 DEFAULT_ROWS_PER_SHARD = 10000
 # Values typed in a shell that Hydra's grammar would reject or interpolate ({ and ${).
-LITERAL_KEYS = ("prompt.template", "prompt.system")
+LITERAL_KEYS = ("prompt.template", "prompt.system", "task.query", "task.document")
 
 
 @dataclass
@@ -63,6 +63,23 @@ class PromptConfig:
     # Passed to the chat template, e.g. {enable_thinking: false} for Qwen3.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     labels: LabelsConfig = field(default_factory=LabelsConfig)
+
+
+@dataclass
+class TaskConfig:
+    """What the engine computes per row: text (generate) or, with a pooling model, a vector, a class or a score."""
+
+    name: str = "generate"
+    # embed: keep the first N dimensions (Matryoshka models only; vLLM refuses others).
+    dimensions: Optional[int] = None
+    # classify: `label` is null when the top probability is below this.
+    min_prob: Optional[float] = None
+    # score: the two texts of a row, str.format templates over its fields.
+    query: Optional[str] = None
+    document: Optional[str] = None
+
+
+POOLING_TASKS = ("embed", "classify", "score")
 
 
 @dataclass
@@ -190,6 +207,7 @@ class Config:
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
 
 
 def escape_interpolation(value: str) -> str:
@@ -233,6 +251,7 @@ CHOICES = {
     "prompt.overlong": ("error_row", "truncate_left", "truncate_right", "fail"),
     "output.format": ("jsonl", "parquet", "openai", "hf"),
     "output.lock": ("auto", "flock", "file"),
+    "task.name": ("generate", *POOLING_TASKS),
     "input.format": (None, "jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf_disk", "openai"),
 }
 
@@ -270,6 +289,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "cluster.max_attempts": (lambda v: v >= 1, "an integer >= 1"),
     "cluster.merge_time": (lambda v: v >= 1, "an integer number of minutes >= 1"),
     "cluster.merge_cpus": (lambda v: v >= 1, "an integer >= 1"),
+    "task.dimensions": (lambda v: v >= 1, "an integer >= 1"),
+    "task.min_prob": (lambda v: 0 <= v <= 1, "a probability in [0, 1]"),
 }
 
 
@@ -300,12 +321,26 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"prompt.labels.names sets the choice constraint; unset sampling.structured_outputs.{so[0]}")
     if labels and len(set(labels)) != len(labels):
         raise ConfigError(f"prompt.labels.names has duplicates: {list(labels)}")
+    _check_task(cfg.task)
     if cfg.sampling.seed_per_row and cfg.sampling.seed is None:
         raise ConfigError("sampling.seed_per_row=true needs sampling.seed (the base the row seeds derive from)")
     from batchinfer.security import check_config_secrets, private_mode
 
     private_mode(cfg.output.private)
     check_config_secrets(to_dict(cfg))
+
+
+def _check_task(task: DictConfig) -> None:
+    """Each task.* key belongs to one task; score needs both of its texts."""
+    owner = {"dimensions": "embed", "min_prob": "classify", "query": "score", "document": "score"}
+    for key, name in owner.items():
+        if task[key] is not None and task.name != name:
+            raise ConfigError(f"task.{key} is a setting of task={name}; this run has task={task.name}")
+    if task.name == "score" and (task.query is None or task.document is None):
+        raise ConfigError(
+            "task=score needs two texts per row: task.query and task.document, templates over the row's "
+            "fields, e.g. task.query={question} task.document={passage}"
+        )
 
 
 def to_dict(cfg: DictConfig) -> dict[str, Any]:
