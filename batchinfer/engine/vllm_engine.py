@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from batchinfer.config.schema import Config, to_config
+from batchinfer.config.schema import POOLING_TASKS, Config, to_config
 from batchinfer.requests.prompts import Prompt
 from batchinfer.versions import installed_versions
 
@@ -30,17 +30,20 @@ class Completion:
     reasoning: Optional[list[Optional[str]]] = None  # per sample, when model.reasoning_parser is set
     logprob: Optional[float] = None  # first sample's cumulative logprob, when logprobs were asked for
     cached_tokens: Optional[int] = None  # prompt tokens served from the prefix cache (None: not reported)
+    pooled: Any = None  # a pooling request's float32 vector (numpy): embedding, class probabilities, score
 
 
 def model_key(cfg: Config) -> dict[str, Any]:
     """What an engine is built from; a run may reuse an engine only if this matches."""
-    return {"model": asdict(cfg.model), "quantization": asdict(cfg.quantization)}
+    return {"model": asdict(cfg.model), "quantization": asdict(cfg.quantization), "runner": llm_kwargs(cfg)["runner"]}
 
 
 def llm_kwargs(cfg: Config) -> dict[str, Any]:
-    """vllm.LLM arguments from the model and quantization configs."""
+    """vllm.LLM arguments from the model, quantization and task configs."""
     m, q = cfg.model, cfg.quantization
     kw: dict[str, Any] = {
+        # a pooling model (encoder, classifier) runs embed/classify/score instead of generate
+        "runner": "pooling" if cfg.task.name in POOLING_TASKS else "generate",
         "model": m.path,
         "revision": m.revision,
         "dtype": m.dtype,
@@ -156,6 +159,9 @@ class Engine:
             raise
         self._params: dict[str, Any] = {}
         self._live: set[str] = set()  # request ids added and not finished
+        self.task = cfg.task.name
+        # what the pooling model can do (embed, classify, score, token_embed, ...); empty for generation
+        self.pooling_tasks: tuple[str, ...] = tuple(self.llm.supported_tasks) if self.task in POOLING_TASKS else ()
         self._reasoner = self._reasoning_parser(cfg.model.reasoning_parser)
 
     def _reasoning_parser(self, name: Optional[str]) -> Any:
@@ -226,6 +232,25 @@ class Engine:
             self._params[key] = params
         return self._params[key]
 
+    def pooling_params(self, task: str, dimensions: Optional[int] = None) -> Any:
+        """PoolingParams for one pooling task (cached); a task the model cannot run raises ValueError."""
+        key = f"pool:{task}:{dimensions}"
+        if key not in self._params:
+            if task not in self.pooling_tasks:
+                raise ValueError(
+                    f"the model runs {', '.join(self.pooling_tasks) or 'no pooling task'}, not {task} "
+                    f"(a classifier runs classify and score, an embedding model embed and score)"
+                )
+            from vllm import PoolingParams
+
+            try:
+                params = PoolingParams(task=task, dimensions=dimensions)
+                params.verify(self.engine.vllm_config.model_config)
+            except Exception as e:  # e.g. dimensions on a model without Matryoshka support
+                raise ValueError(str(e)) from None
+            self._params[key] = params
+        return self._params[key]
+
     def encode(self, prompt: Prompt, chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
         """Token ids exactly as vLLM would make them: chat template rendered, then tokenized."""
         if isinstance(prompt, str):
@@ -248,6 +273,9 @@ class Engine:
             if not out.finished:
                 continue
             self._live.discard(out.request_id)
+            if self.pooling_tasks:
+                done.append(_pooled(out))
+                continue
             samples = out.outputs
             split = [self.split_reasoning(s.text) for s in samples]
             done.append(
@@ -284,3 +312,17 @@ class Engine:
             self.engine.engine_core.shutdown()
         except Exception as e:  # shutting down a dead engine may fail; nothing left to save
             log.debug("engine shutdown: %s", e)
+
+
+def _pooled(out: Any) -> Completion:
+    """A finished pooling request: its vector as float32 numpy (a score is a vector of one)."""
+    data = out.outputs.data
+    return Completion(
+        request_id=out.request_id,
+        texts=[],
+        finish_reason=None,
+        prompt_tokens=len(out.prompt_token_ids or []),
+        output_tokens=0,
+        cached_tokens=getattr(out, "num_cached_tokens", None),
+        pooled=data.float().cpu().numpy().reshape(-1),
+    )
