@@ -2,7 +2,7 @@
 cycle and never run up the layers, and every login-node module imports without vllm or torch.
 
 Layers, bottom to top (a module imports at module level only its own package or lower ones):
-base modules (errors, security, faults, logs, versions) < models < config < inputs < requests
+base modules (errors, security, faults, logs, versions, mounts) < models < config < inputs < requests
 < rundir < engine < launch < insight < cli. Only engine/vllm_engine.py imports vllm, inside
 functions. The checkers are plain functions, also run on a small synthetic package to show
 that they report what they look for."""
@@ -31,6 +31,7 @@ LAYERS = {
     "faults": 0,
     "logs": 0,
     "versions": 0,
+    "mounts": 0,
     "models": 1,
     "config": 2,
     "inputs": 3,

@@ -7,32 +7,21 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from pathlib import Path
 from typing import Optional
+
+from batchinfer.mounts import read_mounts
 
 PROC = Path("/proc/self")
 
 
-def _unescape(field: str) -> str:
-    # mountinfo writes space, tab, newline and backslash in paths as octal escapes (\040 ...).
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
 def _mounts(proc: Path) -> list[tuple[str, Path, str, set[str]]]:
-    """cgroup mounts of mountinfo: (root inside the hierarchy, mount point, fstype, super options)."""
-    try:
-        lines = (proc / "mountinfo").read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        left, sep, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if not sep or len(fields) < 5 or len(tail) < 3 or tail[0] not in ("cgroup", "cgroup2"):
-            continue
-        out.append((_unescape(fields[3]), Path(_unescape(fields[4])), tail[0], set(tail[2].split(","))))
-    return out
+    """cgroup mounts of mountinfo: (root inside the hierarchy, mount point, fstype, options)."""
+    return [
+        (m.root, Path(m.point), m.fstype, set(m.options))
+        for m in read_mounts(proc / "mountinfo")
+        if m.fstype in ("cgroup", "cgroup2")
+    ]
 
 
 def _memberships(proc: Path) -> list[tuple[set[str], str]]:

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.errors import RunDirError
+from batchinfer.mounts import mount_of, read_mounts
 from batchinfer.rundir.store import fsync_dir, refused_write, storage_error
 
 LOCK_MODES = ("auto", "flock", "file")
@@ -153,31 +154,15 @@ def flock_works(folder: Path) -> bool:
 
 def node_local_flock(path: Path) -> Optional[str]:
     """Why flock on path's filesystem locks only within one node, or None (from mountinfo)."""
-    try:
-        lines = Path(MOUNTINFO).read_text().splitlines()
-    except OSError:
+    m = mount_of(path, read_mounts(Path(MOUNTINFO)))
+    if m is None:
         return None
-    target = str(path.resolve())
-    best: Optional[tuple[str, str, set[str]]] = None
-    for line in lines:
-        pre, sep, post = line.partition(" - ")
-        fields, tail = pre.split(), post.split()
-        if not sep or len(fields) < 6 or len(tail) < 1:
-            continue
-        mount = fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
-        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
-        if inside and (best is None or len(mount) >= len(best[0])):  # later lines overmount earlier
-            options = set(fields[5].split(",")) | set((tail[2] if len(tail) > 2 else "").split(","))
-            best = (mount, tail[0], options)
-    if best is None:
-        return None
-    mount, fstype, options = best
-    if fstype == "lustre" and "localflock" in options:
-        return f"{mount} is Lustre mounted localflock"
-    if fstype in ("nfs", "nfs4"):
+    if m.fstype == "lustre" and "localflock" in m.options:
+        return f"{m.point} is Lustre mounted localflock"
+    if m.fstype in ("nfs", "nfs4"):
         for opt in ("local_lock=flock", "local_lock=all", "nolock"):
-            if opt in options:
-                return f"{mount} is NFS mounted {opt}"
+            if opt in m.options:
+                return f"{m.point} is NFS mounted {opt}"
     return None
 
 
