@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,10 +129,15 @@ def assert_own_output(out: dict, prompt_text: str) -> None:
     assert unit * n == out["text"] and unit.strip() and prompt_text.endswith(unit.strip()), (out, prompt_text)
 
 
-def run_cli(args: list[str], env: dict | None = None, timeout: float = 600, **kw: Any) -> subprocess.CompletedProcess:
-    """Run the batchinfer CLI in its own process group (its id is the result's `pid`)."""
+def run_cli(
+    args: list[str], env: dict | None = None, timeout: float = 600, spy: Path | None = None, **kw: Any
+) -> subprocess.CompletedProcess:
+    """Run the batchinfer CLI in its own process group (its id is the result's `pid`); with spy,
+    the rows it commits are logged there (COMMIT_SPY)."""
     full_env = dict(os.environ, **(env or {}))
     cmd = [sys.executable, "-m", "batchinfer.cli", *args]
+    if spy is not None:
+        cmd = [sys.executable, "-c", COMMIT_SPY, str(spy), *args]
     opts = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True)
     with subprocess.Popen(cmd, **opts, **kw) as proc:
         try:
@@ -216,37 +223,89 @@ def workload(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path, en
 
 
 def resume_and_check(workload: dict[str, Any], out: Path, engine: Any) -> None:
-    """Finish the run in-process and compare with the uninterrupted run, row for row; the parts
-    committed before are byte-identical after it and only the rows in none of them were redone."""
+    """Finish the run in-process and compare with the uninterrupted run, row for row; the rows
+    committed before are unchanged after it and only the rows in none of them were redone."""
     from batchinfer.config.compose import compose
     from batchinfer.launch.local import run_local
 
-    before = committed_parts(out)
-    run = run_local(compose([*workload["base"], f"output.dir={out}"]), engine=engine)
+    before = committed_rows(out)
+    with recorded_commits() as redone:
+        run = run_local(compose([*workload["base"], f"output.dir={out}"]), engine=engine)
     rows = read_output(run.path)
     assert_exactly_once(rows, workload["rows"])
     assert project(rows) == project(workload["clean"])
-    assert_only_missing_rows_redone(out, before, len(workload["rows"]))
+    assert_only_missing_rows_redone(out, before, redone, len(workload["rows"]))
 
 
-def committed_parts(out: Path) -> dict[Path, bytes]:
-    """Every committed part of a run directory and its bytes."""
-    from batchinfer.rundir.store import RunDir
-
-    run = RunDir(out)
-    return {p: p.read_bytes() for s in run.shards() for p in run.parts(s.index)} if run.exists() else {}
-
-
-def assert_only_missing_rows_redone(out: Path, before: dict[Path, bytes], total: int) -> None:
-    """Parts committed before a resume are unchanged, and the parts it wrote hold exactly the rest."""
+def committed_rows(out: Path) -> dict[int, Any]:
+    """Every committed row of a run directory: its JSON line's bytes (JSONL parts) or its record,
+    from the parts or, once a shard is finished, the compacted file DONE.json names."""
     from batchinfer.rundir.store import RunDir, read_table
 
     run = RunDir(out)
-    assert {p: p.read_bytes() for p in before} == before
-    rows_before = [r for p in before for r in read_table(p, run.schema).column("row").to_pylist()]
-    new = [p for p in committed_parts(out) if p not in before]
-    redone = [r for p in new for r in read_table(p, run.schema).column("row").to_pylist()]
-    assert sorted(redone) == sorted(set(range(total)) - set(rows_before))  # each missing row once
+    if not run.exists():
+        return {}
+    rows: dict[int, Any] = {}
+    for shard in run.shards():
+        for p in run.parts(shard.index):
+            if p.suffix == ".jsonl":
+                found = [(json.loads(line)["row"], line) for line in p.read_bytes().splitlines() if line.strip()]
+            else:
+                found = [(r["row"], r) for r in read_table(p, run.schema).to_pylist()]
+            for row, value in found:
+                assert row not in rows, f"row {row} committed twice ({p})"
+                rows[row] = value
+    return rows
+
+
+@contextlib.contextmanager
+def recorded_commits() -> Iterator[list[int]]:
+    """The rows this process commits meanwhile (RunDir.write_part spied on), in commit order."""
+    from batchinfer.rundir.store import RunDir
+
+    real = RunDir.write_part
+    rows: list[int] = []
+
+    def spy(self: Any, index: int, table: Any) -> Any:
+        path = real(self, index, table)
+        rows.extend(table.column("row").to_pylist())
+        return path
+
+    RunDir.write_part = spy  # type: ignore[method-assign]
+    try:
+        yield rows
+    finally:
+        RunDir.write_part = real  # type: ignore[method-assign]
+
+
+# `batchinfer` in a subprocess with RunDir.write_part spied on: each committed part's rows are
+# appended to argv[1] as a JSON line (what a resume redid, even after compaction removed its parts).
+COMMIT_SPY = """
+import json, sys
+from batchinfer.rundir.store import RunDir
+real = RunDir.write_part
+def spy(self, index, table):
+    path = real(self, index, table)
+    with open(sys.argv[1], "a") as f:
+        f.write(json.dumps(table.column("row").to_pylist()) + "\\n")
+    return path
+RunDir.write_part = spy
+from batchinfer.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def spied_rows(log: Path) -> list[int]:
+    """Rows a COMMIT_SPY subprocess committed."""
+    return [r for line in log.read_text().splitlines() for r in json.loads(line)] if log.exists() else []
+
+
+def assert_only_missing_rows_redone(out: Path, before: dict[int, Any], redone: list[int], total: int) -> None:
+    """Rows committed before a resume are unchanged (JSON lines byte for byte) and the resume
+    committed exactly the rest, each once."""
+    after = committed_rows(out)
+    assert {r: after.get(r) for r in before} == before
+    assert sorted(redone) == sorted(set(range(total)) - set(before))  # each missing row once
 
 
 def assert_engine_output_kept_apart(out: Path, stderr: str) -> None:

@@ -14,10 +14,11 @@ import pytest
 from conftest import (
     assert_exactly_once,
     assert_only_missing_rows_redone,
-    committed_parts,
+    committed_rows,
     model_overrides,
     project,
     read_output,
+    recorded_commits,
     write_corpus,
 )
 from test_openai_batch import request, run_batch
@@ -169,18 +170,19 @@ def test_eio_after_a_part_is_published_never_commits_its_rows_twice(
         run_local(compose([*clean["base"], f"output.dir={out}"]), engine=engine)
     monkeypatch.undo()
     run = RunDir(out)
-    before = committed_parts(out)
-    assert len(before) == 3  # the fault landed right after the third part was published
+    before = committed_rows(out)
+    assert len(run.parts(0)) == 3  # the fault landed right after the third part was published
     assert len(part_rows(run)) == len(set(part_rows(run))) == 3 * 16  # each row in one part only
     progress = json.loads(run.progress_path(0).read_text())
     assert progress["failures"] == 1 and "Input/output error" in progress["last_error"]
     assert progress["suspects"] == {}  # the filesystem failed, not the engine: no row is suspect
 
-    run = run_local(compose([*clean["base"], f"output.dir={out}"]), engine=engine)
+    with recorded_commits() as redone:
+        run = run_local(compose([*clean["base"], f"output.dir={out}"]), engine=engine)
     rows = read_output(run.path)
     assert_exactly_once(rows, clean["rows"])
     assert project(rows) == project(clean["out"])
-    assert_only_missing_rows_redone(out, before, ROWS)
+    assert_only_missing_rows_redone(out, before, redone, ROWS)
 
 
 @pytest.mark.engine

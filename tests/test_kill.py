@@ -15,14 +15,15 @@ from conftest import (
     assert_engine_output_kept_apart,
     assert_exactly_once,
     assert_only_missing_rows_redone,
-    committed_parts,
     committed_parts_are_whole,
+    committed_rows,
     group_alive,
     kill_group,
     project,
     read_output,
     resume_and_check,
     run_cli,
+    spied_rows,
 )
 
 from batchinfer.config.compose import compose
@@ -46,15 +47,16 @@ def test_sigkill_group_after_first_part_then_cli_resume(workload: dict[str, Any]
     assert group_alive(proc.pid) == []  # no engine process outlives the kill
     committed = committed_parts_are_whole(out)
     assert 0 < committed < ROWS
-    before = committed_parts(out)
-    res = run_cli(["run", *workload["base"], f"output.dir={out}"])
+    before = committed_rows(out)
+    spy = workload["dir"] / "killed-commits.jsonl"
+    res = run_cli(["run", *workload["base"], f"output.dir={out}"], spy=spy)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resuming" in res.stderr
     assert_engine_output_kept_apart(out, res.stderr)
     rows = read_output(out)
     assert_exactly_once(rows, workload["rows"])
     assert project(rows) == project(workload["clean"])
-    assert_only_missing_rows_redone(out, before, ROWS)
+    assert_only_missing_rows_redone(out, before, spied_rows(spy), ROWS)
 
 
 @pytest.mark.parametrize(

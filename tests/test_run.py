@@ -8,15 +8,25 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
-from conftest import assert_exactly_once, assert_own_output, project, read_output, write_corpus
+from conftest import (
+    assert_exactly_once,
+    assert_only_missing_rows_redone,
+    assert_own_output,
+    committed_rows,
+    project,
+    read_output,
+    recorded_commits,
+    write_corpus,
+)
 from conftest import run_overrides as overrides
 
 from batchinfer.config.compose import compose
 from batchinfer.errors import ConfigError
 from batchinfer.launch.local import run_local
 from batchinfer.rundir.merge import merge
-from batchinfer.rundir.store import read_json, read_table
+from batchinfer.rundir.store import read_json
 
 pytestmark = pytest.mark.engine
 
@@ -55,11 +65,12 @@ def test_rerun_of_finished_dir_does_no_work(tmp_path: Path, tiny_model_path: Pat
     write_corpus(corpus, 20)
     ov = overrides(tiny_model_path, corpus, tmp_path / "run")
     run = run_local(compose(ov), engine=engine)
-    before = {p: p.stat().st_mtime_ns for p in run.path.rglob("part-*")}
+    before = {p: p.stat().st_mtime_ns for p in run.path.glob("shards/*/*")}
+    assert {p.name for p in before} == {"rows.parquet", "DONE.json", "progress.json", "lock"}  # compacted
     capsys.readouterr()
     run_local(compose(ov), engine=None)  # would have to start an engine if it did any work
     assert "is already complete: 20 rows" in capsys.readouterr().out
-    assert {p: p.stat().st_mtime_ns for p in run.path.rglob("part-*")} == before
+    assert {p: p.stat().st_mtime_ns for p in run.path.glob("shards/*/*")} == before
 
 
 def test_partial_dir_finishes_only_what_is_missing(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
@@ -68,18 +79,19 @@ def test_partial_dir_finishes_only_what_is_missing(tmp_path: Path, tiny_model_pa
     ov = overrides(tiny_model_path, corpus, tmp_path / "run", "sharding.num_shards=3", "model.max_num_seqs=16")
     run = run_local(compose(ov), engine=engine)
     clean = read_output(run.path)
-    # Make shard 1 partial: drop its DONE marker and all but its first part; drop shard 2 entirely.
+    # Make shard 1 partial: its first 10 rows back as its only part, no DONE; drop shard 2 entirely.
+    compacted = pq.read_table(run.shard_dir(1) / "rows.parquet")
+    part0 = run.shard_dir(1) / "part-000000.parquet"
+    pq.write_table(compacted.slice(0, 10), part0)
+    (run.shard_dir(1) / "rows.parquet").unlink()
     run.done_path(1).unlink()
-    for p in run.parts(1)[1:]:
-        p.unlink()
-    kept = set(run.read_shard(1).column("row").to_pylist())
+    kept = committed_rows(run.path)
     shutil.rmtree(run.shard_dir(2))
     run.output_path.unlink()
-    mtime_part0 = run.parts(1)[0].stat().st_mtime_ns
-    run_local(compose(ov), engine=engine)
-    assert run.parts(1)[0].stat().st_mtime_ns == mtime_part0
-    redone = [r for p in run.parts(1)[1:] for r in read_table(p, run.schema).column("row").to_pylist()]
-    assert sorted(redone) == sorted(set(range(30, 60)) - kept)
+    with recorded_commits() as redone:
+        run_local(compose(ov), engine=engine)
+    assert sorted(kept) == list(range(40))  # shard 0 whole, shard 1's first 10 rows
+    assert_only_missing_rows_redone(run.path, kept, redone, 90)
     out = read_output(run.path)
     assert_exactly_once(out, rows)
     assert project(out) == project(clean)

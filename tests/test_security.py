@@ -212,7 +212,7 @@ def test_run_dir_modes_follow_umask_or_output_private(
     )
     assert res.returncode == 0, res.stderr
     modes = modes_under(tmp_path / "run")
-    for must in ("run.yaml", "plan.json", "input", "shards/00000/part-000000.jsonl", "stats.json", "output.parquet"):
+    for must in ("run.yaml", "plan.json", "input", "shards/00000/rows.jsonl", "stats.json", "output.parquet"):
         assert must in modes or must.replace("jsonl", "parquet") in modes, sorted(modes)
     wrong = {p: oct(m) for p, m in modes.items() if m != (dir_mode if (tmp_path / "run" / p).is_dir() else file_mode)}
     assert not wrong, wrong

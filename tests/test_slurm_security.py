@@ -119,6 +119,6 @@ def test_hostile_paths_ids_and_templates_go_through_untouched(
     # umask 027 honoured: nothing is more open than it allows; the files people read are exactly 0640.
     found = modes(out)
     assert not {str(p): oct(m) for p, m in found.items() if m & 0o027}
-    for p in [out / "run.yaml", out / "output.parquet", *out.glob("shards/*/part-*"), *out.rglob("*_log.*")]:
+    for p in [out / "run.yaml", out / "output.parquet", *out.glob("shards/*/rows.*"), *out.rglob("*_log.*")]:
         assert found[p] == 0o640, (p, oct(found[p]))
     assert found[out] == 0o750 and found[out / "logs"] == 0o750

@@ -138,10 +138,12 @@ class ShardWorker:
                 raise
 
     def _finish(self, shard: Shard) -> dict[str, Any]:
-        if self.run.is_done(shard.index):
-            return read_json(self.run.done_path(shard.index))
+        # Under the shard lock: what a killed writer left (temporaries, parts a finished shard's
+        # compacted file replaces, a compacted file no DONE.json names) goes, finished or not.
         if self.run.clean_temporaries(shard.index):
             log.info("shard %d: removed temporaries left by a killed writer", shard.index)
+        if self.run.is_done(shard.index):
+            return read_json(self.run.done_path(shard.index))
         self._progress = progress = self._progress_from_parts(shard)
         committed = progress.pop("_rows")
         if len(committed):
