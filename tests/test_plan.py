@@ -36,6 +36,47 @@ LLAMA_70B = {
 }
 LLAMA_8B = dict(LLAMA_70B, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_hidden_layers=32)
 SMOLLM2_PARAMS = 134_515_008  # the tensors' elements in its model.safetensors (embeddings tied)
+MINILM_PARAMS = 22_713_216  # all-MiniLM-L6-v2's float32 tensors (its int64 position_ids buffer is no parameter)
+BERT_MINILM = {  # all-MiniLM-L6-v2's config.json
+    "architectures": ["BertModel"],
+    "model_type": "bert",
+    "hidden_size": 384,
+    "intermediate_size": 1536,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 6,
+    "vocab_size": 30522,
+    "max_position_embeddings": 512,
+    "type_vocab_size": 2,
+    "position_embedding_type": "absolute",
+}
+# BAAI/bge-m3 (XLM-RoBERTa large): 567,754,752 parameters in its checkpoint.
+BGE_M3 = dict(
+    BERT_MINILM,
+    architectures=["XLMRobertaModel"],
+    model_type="xlm-roberta",
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_attention_heads=16,
+    num_hidden_layers=24,
+    vocab_size=250002,
+    max_position_embeddings=8194,
+    type_vocab_size=1,
+)
+# Qwen/Qwen3-Embedding-0.6B: a decoder (causal attention, last-token pooling) with a KV cache.
+QWEN3_EMBEDDING = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_hidden_layers": 28,
+    "vocab_size": 151669,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+}
 CONVERSATIONS = [
     [{"role": "user", "content": "hello"}],
     [{"role": "system", "content": "You label abstracts."}, {"role": "user", "content": "Physics or biology?"}],
@@ -72,6 +113,14 @@ code = main(sys.argv[2:])
 heavy = sorted(m for m in ("vllm", "torch", "transformers") if m in sys.modules)
 print("COUNT", n, "CODE", code, "HEAVY", heavy)
 """
+
+
+@pytest.fixture(scope="module")
+def minilm() -> Path:
+    """The real all-MiniLM-L6-v2 sentence-transformers folder (prepared once from its wheel)."""
+    from batchinfer.models.locations import prepare_minilm
+
+    return prepare_minilm()
 
 
 @pytest.fixture(scope="module")
@@ -317,3 +366,75 @@ def test_peek_counts_and_samples_without_converting(tmp_path: Path, fmt: str) ->
     else:
         assert [s["text"] for s in sample] == ["row 0", "row 2", "row 4"]
     assert spread(5, 10) == [0, 1, 2, 3, 4] and spread(10, 4) == [0, 2, 5, 7]
+
+
+def test_bert_style_parameter_counts_and_no_kv_cache(tmp_path: Path) -> None:
+    minilm = sizing.read_model(write_model(tmp_path, BERT_MINILM, "minilm"))
+    assert minilm.params == MINILM_PARAMS and minilm.encoder_only and minilm.architecture == "BertModel"
+    # embeddings (30522 + 512 + 2) x 384 + LayerNorm, 6 x (4 h^2 + 2 h x 1536 + 9 h + 1536), pooler h^2 + h
+    assert minilm.params == 30_522 * 384 + 512 * 384 + 2 * 384 + 768 + 6 * 1_774_464 + 384 * 384 + 384
+    cross = dict(BERT_MINILM, architectures=["BertForSequenceClassification"], id2label={"0": "LABEL_0"})
+    assert sizing.config_params(cross) == MINILM_PARAMS + 384 + 1  # cross-encoder/ms-marco-MiniLM-L-6-v2
+    bge = sizing.read_model(write_model(tmp_path, BGE_M3, "bge"))
+    assert bge.params == 567_754_752 and bge.encoder_only
+    qwen = sizing.read_model(write_model(tmp_path, QWEN3_EMBEDDING, "qwen3-embedding"))
+    assert qwen.params == 595_776_512 and not qwen.encoder_only
+    bidirectional = sizing.read_model(write_model(tmp_path, dict(LLAMA_8B, is_causal=False), "bidi"))
+    assert bidirectional.encoder_only and bidirectional.params == sizing.config_params(LLAMA_8B)  # Llama-style
+    assert not sizing.read_model(write_model(tmp_path, LLAMA_8B, "8b")).encoder_only
+    # an encoder's batch is bounded by activations: (4 h + 2 intermediate) x bytes per token
+    assert sizing.activation_bytes_per_token(minilm, 4) == (4 * 384 + 2 * 1536) * 4 == 18_432
+    assert sizing.token_bytes(bge, 2) == (4 * 1024 + 2 * 4096) * 2
+    assert sizing.token_bytes(qwen, 2) == sizing.kv_bytes_per_token(qwen, 2) == 2 * 28 * 8 * 128 * 2
+
+    report = plan_json(f"model.path={tmp_path / 'bge'}", "task=embed", "model.dtype=float16", "--gpu", "l40s")
+    m = report["model"]
+    assert m["kv_cache"] is False and m["kv_bytes_per_token"] == 0 and m["kv_bytes_per_sequence"] == 0
+    assert m["activation_bytes_per_token"] == 24_576 and m["weight_bytes"] == 2 * 567_754_752
+    (gpu,) = report["gpus"]
+    assert gpu["kv_tokens"] == 0 and gpu["kv_cache_bytes_per_gpu"] == 0
+    assert gpu["activation_bytes_per_gpu"] == int(48e9 * 0.9) - 2 * 567_754_752
+    assert gpu["batch_tokens_fit"] == gpu["activation_bytes_per_gpu"] // 24_576
+    assert gpu["max_num_batched_tokens"] == 8192 and gpu["recommended_tp"] == 1
+
+    res = run_cli(["plan", f"model.path={tmp_path / 'qwen3-embedding'}", "task=embed"])
+    assert res.returncode == 0, res.stderr
+    out = " ".join(res.stdout.split())
+    assert "kv 2 (K, V) x 28 layers x 8 KV heads x head_dim 128 x 2 bytes" in out and "encoder-only" not in out
+    assert "112.0 KiB per token" in out and "GB for the KV cache" in out
+
+
+def test_plan_of_the_real_minilm_for_embed(minilm: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    config = json.loads((minilm / "config.json").read_text())
+    model = sizing.read_model(minilm)
+    # the checkpoint's float32 tensors (90.9 MB on disk) agree with the count from config.json
+    assert model.params_source == "safetensors headers" and model.params == MINILM_PARAMS
+    assert sizing.config_params(config) == MINILM_PARAMS and model.stored_bytes == 4 * MINILM_PARAMS + 8 * 512
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 40, min_words=3, max_words=60)
+    rows[7]["text"] = " ".join(["archive"] * 400)  # over the 256-token window: cut by truncate_right
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ov = ["model=all-minilm-l6-v2", f"model.path={minilm}", "task=embed", f"input.path={corpus}"]
+    report = plan_json(*ov)
+    m, pt, (gpu,) = report["model"], report["prompt_tokens"], report["gpus"]
+    assert m["weight_bytes_per_param"] == 4 and m["weight_bytes"] == 4 * MINILM_PARAMS  # the preset's float32
+    assert m["kv_cache"] is False and m["activation_bytes_per_token"] == 18_432 and m["architecture"] == "BertModel"
+    # counted as vLLM gets them from transformers: [CLS] text [SEP], no padding to tokenizer.json's 128
+    ref = AutoTokenizer.from_pretrained(minilm)
+    counts = [len(ref(r["text"])["input_ids"]) for r in rows]
+    assert pt["estimated_total"] == sum(counts) and pt["max"] == max(counts) == 402
+    assert pt["at_or_over_max_model_len"] == 1 and pt["output_upper_bound"] == 0 and pt["task"] == "embed"
+    assert gpu["batch_tokens_fit"] == (72 * 10**9 - 4 * MINILM_PARAMS) // 18_432 and gpu["kv_tokens"] == 0
+    assert gpu["max_num_batched_tokens"] == 16384 and gpu["warnings"] == []
+    res = run_cli(["plan", *ov])
+    assert res.returncode == 0, res.stderr
+    out = " ".join(res.stdout.split())
+    assert "22.7M parameters (safetensors headers), encoder-only (BertModel)" in out
+    assert "weights 4 bytes per parameter (quantization none) = 0.09 GB" in out
+    assert "kv none: vLLM runs an encoder-only model" in out and "KV heads" not in out
+    assert "act (4 x hidden 384 + 2 x intermediate 1,536) x 4 bytes = 18.0 KiB per token" in out
+    assert f"= {gpu['batch_tokens_fit']:,} tokens per batch" in out and "memory does not limit the batch" in out
+    assert "nothing generated (task=embed: one embedding per row)" in out
+    assert "1 sampled prompts exceed max_model_len=256" in out

@@ -1,4 +1,5 @@
-"""`batchinfer plan`: rows, shards, prompt tokens from a sample, weights and KV cache per GPU. No engine."""
+"""`batchinfer plan`: rows, shards, prompt tokens from a sample, weights and KV cache per GPU (an
+encoder-only pooling model: the tokens per batch its activations fit). No engine."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, Config, to_config
+from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, POOLING_TASKS, Config, to_config
 from batchinfer.errors import ConfigError
 from batchinfer.models import sizing
 from batchinfer.models.maxlen import max_model_len
@@ -42,37 +43,60 @@ def input_section(c: Config, files: list[Path], sample_rows: int) -> tuple[dict[
     return section, sample
 
 
-def prompt_section(c: Config, folder: Path, rows: int, sample: list[dict[str, Any]], max_len: int) -> dict[str, Any]:
-    """Prompt tokens of the sampled rows, counted as vLLM would, and the totals they suggest."""
+def _counts(c: Config, builder: Any, tok: Any, sample: list[dict[str, Any]]) -> tuple[list[int], list[str]]:
+    """Prompt tokens of each sampled row as the worker builds it (before any cut), and the row errors."""
     from jinja2.exceptions import TemplateError
 
-    from batchinfer.models.tokens import LoginTokenizer
     from batchinfer.requests.build import build_request
-    from batchinfer.requests.prompts import PromptBuilder, RowError, check_fields
+    from batchinfer.requests.pooling import pooling_request, special_tokens
+    from batchinfer.requests.prompts import RowError
 
-    builder = PromptBuilder(c.prompt)
-    columns = sorted({k for row in sample for k in row})
-    check_fields(builder.template, columns, c.input.path)
-    tok = LoginTokenizer.from_model_dir(folder)
-    if c.prompt.mode == "chat" and tok.chat_template is None:
-        raise ConfigError(f"model.path {c.model.path}: the model has no chat template; use prompt.mode=raw")
     kwargs = c.prompt.chat_template_kwargs
+    pooling = c.task.name in POOLING_TASKS
+    encode = lambda text: tok.encode(text)  # noqa: E731 (a raw text, special tokens added as vLLM does)
+    around = special_tokens(encode) if pooling else ([], [])
     counts: list[int] = []
     errors: list[str] = []
     for i, row in enumerate(sample):
         try:
-            counts.append(len(build_request(c, builder, row, i, lambda p: tok.encode(p, kwargs)).ids))
+            if pooling:  # no limit: the count before prompt.overlong cuts it
+                counts.append(len(pooling_request(c, builder, row, i, encode, 2**62, around)[1]))
+            else:
+                counts.append(len(build_request(c, builder, row, i, lambda p: tok.encode(p, kwargs)).ids))
         except (RowError, TemplateError) as e:
             errors.append(str(e))  # an error row in a run, not a failed plan
+    return counts, errors
+
+
+def prompt_section(c: Config, folder: Path, rows: int, sample: list[dict[str, Any]], max_len: int) -> dict[str, Any]:
+    """Prompt tokens of the sampled rows, counted as vLLM would, and the totals they suggest."""
+    from batchinfer.models.tokens import LoginTokenizer
+    from batchinfer.requests.prompts import PromptBuilder, check_fields
+
+    builder = PromptBuilder(c.prompt)
+    columns = sorted({k for row in sample for k in row})
+    pooling = c.task.name in POOLING_TASKS
+    templates = [c.task.query or "", c.task.document or ""] if c.task.name == "score" else [builder.template]
+    for template in templates:
+        check_fields(template, columns, c.input.path)
+    tok = LoginTokenizer.from_model_dir(folder)
+    # A BERT tokenizer.json pads and cuts to 128 tokens; vLLM (through transformers) does neither.
+    tok.tokenizer.no_padding()
+    tok.tokenizer.no_truncation()
+    if c.prompt.mode == "chat" and tok.chat_template is None:
+        raise ConfigError(f"model.path {c.model.path}: the model has no chat template; use prompt.mode=raw")
+    counts, errors = _counts(c, builder, tok, sample)
     sampling = c.sampling
     out = {
         "mode": c.prompt.mode,
+        "task": c.task.name,
         "sampled_rows": len(sample),
         "tokenized_rows": len(counts),
         "row_errors": len(errors),
         "first_row_error": errors[0] if errors else None,
-        "output_upper_bound": rows * sampling.max_tokens * sampling.n,
-        "max_tokens": sampling.max_tokens,
+        # a pooling model generates nothing: one vector, class or score per row
+        "output_upper_bound": 0 if pooling else rows * sampling.max_tokens * sampling.n,
+        "max_tokens": 0 if pooling else sampling.max_tokens,
         "n": sampling.n,
     }
     if counts:
@@ -81,19 +105,23 @@ def prompt_section(c: Config, folder: Path, rows: int, sample: list[dict[str, An
         from batchinfer.insight.validate import percentile
 
         mean = sum(counts) / len(counts)
+        # vLLM rejects a generation prompt of max_model_len tokens (room for one output token is
+        # needed); a pooling input may fill the window.
+        over = sum(1 for n in counts if (n > max_len if pooling else n >= max_len))
         out |= {
             "mean": round(mean, 1),
             "p50": percentile(Counter(counts), 0.5),
             "p95": percentile(Counter(counts), 0.95),
             "max": max(counts),
             "estimated_total": round(mean * rows),
-            "at_or_over_max_model_len": sum(1 for n in counts if n >= max_len),
+            "at_or_over_max_model_len": over,
         }
     return out
 
 
 def model_section(c: Config, folder: Path) -> tuple[sizing.ModelSize, dict[str, Any]]:
-    """Parameters, weight bytes and KV bytes per token of the configured model and quantization."""
+    """Parameters, weight bytes and KV bytes per token of the configured model and quantization (an
+    encoder-only model: no KV cache, activation bytes per token instead)."""
     m, q = c.model, c.quantization
     model = sizing.read_model(folder)
     max_len, _ = max_model_len(m.max_model_len, folder)
@@ -101,25 +129,36 @@ def model_section(c: Config, folder: Path) -> tuple[sizing.ModelSize, dict[str, 
     if model.quant_method:
         method = model.quant_method  # the checkpoint's own; vLLM reads it from config.json
     wbytes = sizing.weight_bytes(model, q.method, m.dtype)
-    kv_bytes = sizing.kv_dtype_bytes(q.kv_cache_dtype, m.dtype)
-    per_token = sizing.kv_bytes_per_token(model, kv_bytes)
+    if model.encoder_only:  # the activations' dtype is the model's; kv_cache_dtype does not apply
+        elem = sizing.kv_dtype_bytes("auto", m.dtype)
+        per_token, act = 0, sizing.activation_bytes_per_token(model, elem)
+    else:
+        elem = sizing.kv_dtype_bytes(q.kv_cache_dtype, m.dtype)
+        per_token, act = sizing.kv_bytes_per_token(model, elem), None
     return model, {
         "path": m.path,
         "folder": str(folder),
+        "architecture": model.architecture,
+        "task": c.task.name,
         "params": model.params,
         "params_source": model.params_source,
         "layers": model.layers,
         "kv_heads": model.kv_heads,
         "head_dim": model.head_dim,
+        "hidden_size": model.hidden,
+        "intermediate_size": model.intermediate,
         "quantization": method,
         "checkpoint_quantized": model.quant_method is not None,
         "weight_bytes_per_param": sizing.weight_bytes_per_param(model, q.method, m.dtype),
         "weight_bytes": wbytes,
+        "kv_cache": not model.encoder_only,
         "kv_cache_dtype": q.kv_cache_dtype,
-        "kv_bytes_per_element": kv_bytes,
+        "kv_bytes_per_element": elem,
         "kv_bytes_per_token": per_token,
+        "activation_bytes_per_token": act,
         "max_model_len": max_len,
         "kv_bytes_per_sequence": per_token * max_len,
+        "max_num_batched_tokens": m.max_num_batched_tokens,
     }
 
 
@@ -133,6 +172,8 @@ def gpu_rows(
     for gpu in gpus:
         adv = sizing.advice(model, ms["weight_bytes"], ms["kv_bytes_per_element"], gpu, util, tp, ms["max_model_len"])
         f = adv["fit"]
+        kv = ms["kv_cache"]
+        batch = ms["max_num_batched_tokens"] or sizing.default_batch_tokens(gpu)
         out.append(
             {
                 "gpu": gpu,
@@ -141,8 +182,12 @@ def gpu_rows(
                 "tensor_parallel_size": tp,
                 "usable_bytes": f.usable,
                 "weight_bytes_per_gpu": f.weights,
-                "kv_cache_bytes_per_gpu": f.kv_free,
-                "kv_tokens": f.kv_tokens,
+                "kv_cache_bytes_per_gpu": f.kv_free if kv else 0,
+                "kv_tokens": f.kv_tokens if kv else 0,
+                # encoder-only: the memory after the weights holds one batch's activations
+                "activation_bytes_per_gpu": None if kv else f.kv_free,
+                "batch_tokens_fit": None if kv else f.kv_tokens,
+                "max_num_batched_tokens": batch,
                 "max_seqs_at_max_model_len": round(f.max_seqs, 2),
                 "seqs_at_corpus_length": round(f.kv_tokens / seq_len, 1) if seq_len else None,
                 "recommended_tp": adv["recommended_tp"],
@@ -188,5 +233,6 @@ def estimate(cfg: DictConfig, gpu: str = sizing.DEFAULT_GPU, sample_rows: int = 
         report["notes"].append("input.path is not set: sizing only")
     pt = report["prompt_tokens"]
     seq_len = round(pt["mean"] + pt["max_tokens"]) if pt and "mean" in pt else None
+    seq_len = max(1, min(seq_len, ms["max_model_len"])) if seq_len and c.task.name in POOLING_TASKS else seq_len
     report["gpus"] = gpu_rows(c, model, ms, gpus, seq_len)
     return report

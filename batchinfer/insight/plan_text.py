@@ -22,6 +22,9 @@ def _n(count: int, word: str) -> str:
     return f"{count:,} {word}{'' if count == 1 else 's'}"
 
 
+POOLED = {"embed": "embedding", "classify": "label", "score": "score"}
+
+
 def _params(n: int) -> str:
     return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M"
 
@@ -48,73 +51,110 @@ def format_plan(report: dict[str, Any]) -> str:
             f"p50 {pt['p50']:,}, p95 {pt['p95']:,}, max {pt['max']:,} tokens{errs}"
         )
         if pt["at_or_over_max_model_len"]:
+            verb = "exceed" if pt.get("task", "generate") != "generate" else "reach"
             lines.append(
-                f"         {pt['at_or_over_max_model_len']} sampled prompts reach max_model_len={ms['max_model_len']:,} "
+                f"         {pt['at_or_over_max_model_len']} sampled prompts {verb} max_model_len={ms['max_model_len']:,} "
                 "(prompt.overlong decides what happens to them)"
             )
-        lines.append(
-            f"tokens   prompt ~{pt['estimated_total']:,} (mean x rows); output <= {pt['output_upper_bound']:,} "
-            f"(rows x max_tokens {pt['max_tokens']} x n {pt['n']})"
-        )
+        if pt.get("task", "generate") != "generate":
+            lines.append(
+                f"tokens   input ~{pt['estimated_total']:,} (mean x rows); nothing generated (task={pt['task']}: "
+                f"one {POOLED[pt['task']]} per row)"
+            )
+        else:
+            lines.append(
+                f"tokens   prompt ~{pt['estimated_total']:,} (mean x rows); output <= {pt['output_upper_bound']:,} "
+                f"(rows x max_tokens {pt['max_tokens']} x n {pt['n']})"
+            )
     quant = ms["quantization"] or "none"
     per_param = ms["weight_bytes_per_param"]
-    lines.append(f"model    {ms['path']}: {_params(ms['params'])} parameters ({ms['params_source']})")
+    kv = ms.get("kv_cache", True)
+    kind = "" if kv else f", encoder-only ({ms['architecture']})"
+    lines.append(f"model    {ms['path']}: {_params(ms['params'])} parameters ({ms['params_source']}){kind}")
     lines.append(
         f"weights  {per_param:g} byte{'' if per_param == 1 else 's'} per parameter (quantization {quant}) = "
         f"{ms['weight_bytes'] / GB:,.2f} GB"
     )
-    lines.append(
-        f"kv       2 (K, V) x {ms['layers']} layers x {ms['kv_heads']} KV heads x head_dim {ms['head_dim']} x "
-        f"{ms['kv_bytes_per_element']} bytes (kv_cache_dtype {ms['kv_cache_dtype']})"
-    )
-    lines.append(
-        f"         = {_bin(ms['kv_bytes_per_token'])} per token, {_bin(ms['kv_bytes_per_sequence'])} per sequence of "
-        f"max_model_len={ms['max_model_len']:,}"
-    )
+    if kv:
+        lines.append(
+            f"kv       2 (K, V) x {ms['layers']} layers x {ms['kv_heads']} KV heads x head_dim {ms['head_dim']} x "
+            f"{ms['kv_bytes_per_element']} bytes (kv_cache_dtype {ms['kv_cache_dtype']})"
+        )
+        lines.append(
+            f"         = {_bin(ms['kv_bytes_per_token'])} per token, {_bin(ms['kv_bytes_per_sequence'])} per sequence "
+            f"of max_model_len={ms['max_model_len']:,}"
+        )
+    else:
+        act = ms["activation_bytes_per_token"]
+        lines.append(
+            "kv       none: vLLM runs an encoder-only model (bidirectional attention over the whole text in one "
+            "step) without a KV cache"
+        )
+        lines.append(
+            f"act      (4 x hidden {ms['hidden_size']:,} + 2 x intermediate {ms['intermediate_size']:,}) x "
+            f"{ms['kv_bytes_per_element']} bytes = {_bin(act)} per token in a batch (a layer's live tensors; layers "
+            f"run one after another), {_bin(act * ms['max_model_len'])} per sequence of "
+            f"max_model_len={ms['max_model_len']:,}"
+        )
     rows = report["gpus"]
     if len(rows) == 1:
         g = rows[0]
         corpus = ""
         if g["seqs_at_corpus_length"] is not None:
-            corpus = f", {sizing.seqs(g['seqs_at_corpus_length'])} of this corpus's mean length (prompt + max_tokens)"
+            length = "prompt + max_tokens" if ms.get("task", "generate") == "generate" else "input tokens"
+            corpus = f", {sizing.seqs(g['seqs_at_corpus_length'])} of this corpus's mean length ({length})"
         lines.append(
             f"gpu      {g['gpu']}, tensor_parallel_size={g['tensor_parallel_size']}, "
             f"gpu_memory_utilization={g['gpu_memory_utilization']}"
         )
-        lines.append(
-            f"         {g['usable_bytes'] / GB:,.1f} GB usable per GPU - {g['weight_bytes_per_gpu'] / GB:,.2f} GB "
-            f"weights = {g['kv_cache_bytes_per_gpu'] / GB:,.2f} GB for the KV cache"
-        )
-        lines.append(
-            f"         = {g['kv_tokens']:,} tokens = {sizing.seqs(g['max_seqs_at_max_model_len'])} sequences of "
-            f"max_model_len at once{corpus}"
-        )
+        if kv:
+            lines.append(
+                f"         {g['usable_bytes'] / GB:,.1f} GB usable per GPU - {g['weight_bytes_per_gpu'] / GB:,.2f} GB "
+                f"weights = {g['kv_cache_bytes_per_gpu'] / GB:,.2f} GB for the KV cache"
+            )
+            lines.append(
+                f"         = {g['kv_tokens']:,} tokens = {sizing.seqs(g['max_seqs_at_max_model_len'])} sequences of "
+                f"max_model_len at once{corpus}"
+            )
+        else:
+            lines.append(
+                f"         {g['usable_bytes'] / GB:,.1f} GB usable per GPU - {g['weight_bytes_per_gpu'] / GB:,.2f} GB "
+                f"weights = {g['activation_bytes_per_gpu'] / GB:,.2f} GB for activations"
+            )
+            lines.append(
+                f"         = {g['batch_tokens_fit']:,} tokens per batch = {sizing.seqs(g['max_seqs_at_max_model_len'])} "
+                f"sequences of max_model_len{corpus}"
+            )
+            lines.append(_batch_note(g))
         lines.append(f"layout   {g['layout']}")
     else:
         tp = rows[0]["tensor_parallel_size"]
         util = rows[0]["gpu_memory_utilization"]
         lines.append(f"gpus     tensor_parallel_size={tp}, gpu_memory_utilization={util}:")
         lines.append(
-            f"  {'gpu':<11} {'usable/GPU':>10} {'weights/GPU':>11} {'KV/GPU':>9} {'KV tokens':>11} "
+            f"  {'gpu':<11} {'usable/GPU':>10} {'weights/GPU':>11} {'KV/GPU' if kv else 'act/GPU':>9} "
+            f"{'KV tokens' if kv else 'batch tok':>11} "
             f"{'seqs@max_len':>12} {'fit TP':>6}"
         )
         for g in rows:
             fit_tp = str(g["recommended_tp"]) if g["recommended_tp"] else "-"
             lines.append(
                 f"  {g['gpu']:<11} {g['usable_bytes'] / GB:>7,.1f} GB {g['weight_bytes_per_gpu'] / GB:>8,.1f} GB "
-                f"{g['kv_cache_bytes_per_gpu'] / GB:>6,.1f} GB {g['kv_tokens']:>11,} "
+                f"{(g['kv_cache_bytes_per_gpu'] if kv else g['activation_bytes_per_gpu']) / GB:>6,.1f} GB "
+                f"{g['kv_tokens'] if kv else g['batch_tokens_fit']:>11,} "
                 f"{sizing.seqs(g['max_seqs_at_max_model_len']):>12} {fit_tp:>6}"
             )
+        holds = "KV cache holds" if kv else "memory after the weights holds the activations of"
         lines.append(
-            f"  fit TP: smallest of {', '.join(map(str, sizing.TP_SIZES))} whose KV cache holds "
+            f"  fit TP: smallest of {', '.join(map(str, sizing.TP_SIZES))} whose {holds} "
             f"{sizing.MIN_SEQS}+ sequences of max_model_len; 1 means one model copy per GPU"
         )
-    full = [g for g in rows if g["kv_cache_bytes_per_gpu"] == 0]
+    full = [g for g in rows if (g["kv_cache_bytes_per_gpu"] if kv else g["activation_bytes_per_gpu"]) == 0]
     if len(rows) > 1 and full:  # one line for all the cards the configured layout does not fit
         tp = rows[0]["tensor_parallel_size"]
         lines.append(
-            f"warning  at tensor_parallel_size={tp} the weights leave no room for a KV cache on "
-            f"{', '.join(g['gpu'] for g in full)}: see fit TP"
+            f"warning  at tensor_parallel_size={tp} the weights leave no room for {'a KV cache' if kv else 'activations'} "
+            f"on {', '.join(g['gpu'] for g in full)}: see fit TP"
         )
     for g in rows:
         for w in [] if len(rows) > 1 and g in full else g["warnings"]:
@@ -122,6 +162,20 @@ def format_plan(report: dict[str, Any]) -> str:
     for note in report["notes"]:
         lines.append(f"note     {note}")
     return "\n".join(_wrap(line) for line in lines)
+
+
+def _batch_note(g: dict[str, Any]) -> str:
+    """What bounds an encoder's batch: vLLM's max_num_batched_tokens, or the memory when it is smaller."""
+    batch = g["max_num_batched_tokens"]
+    if g["batch_tokens_fit"] >= batch:
+        return (
+            f"         vLLM schedules up to max_num_batched_tokens={batch:,} per step: memory does not limit the "
+            "batch, compute does"
+        )
+    return (
+        f"         fewer than max_num_batched_tokens={batch:,}: set model.max_num_batched_tokens="
+        f"{g['batch_tokens_fit']:,} or lower"
+    )
 
 
 def _wrap(line: str, width: int = 110) -> str:

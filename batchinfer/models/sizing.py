@@ -41,6 +41,17 @@ METHOD_BYTES = {"fp8": 1, "fbgemm_fp8": 1, "ptpc_fp8": 1, "awq": 0.5, "awq_marli
 METHOD_BYTES |= {"gptq_marlin": 0.5, "bitsandbytes": 0.5, "mxfp4": 0.5, "modelopt_fp4": 0.5}
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4}
 SAFETENSORS_BYTES |= {"I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E8M0": 1, "U32": 4}
+# Integer tensors of an unquantized checkpoint are buffers (BERT's position_ids), not parameters.
+INTEGER_DTYPES = {"I64", "I32", "I16", "I8", "U8", "U32", "BOOL"}
+# BERT-style encoders (vLLM's bert, roberta, bert_with_rope, modernbert model files): bidirectional
+# attention over the whole input in one step, so vLLM gives them no KV cache (EncoderOnlyAttentionSpec
+# needs 0 bytes). Decoder-based embedders (Qwen3-Embedding, e5-mistral) keep theirs.
+ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "modernbert", "nomic_bert", "new", "distilbert", "electra"}
+ENCODER_TYPES |= {"mpnet", "deberta", "deberta-v2", "camembert"}
+ENCODER_ARCHS = ("Bert", "Roberta", "XLMRoberta", "ModernBert", "NomicBert", "Gte", "BgeM3", "DistilBert")
+ENCODER_ARCHS += ("Electra", "MPNet", "Deberta", "Camembert")
+# vLLM's default max_num_batched_tokens for LLM(): 16,384 on cards of 70 GB+ (not A100), else 8,192.
+DEFAULT_BATCH_TOKENS_LARGE, DEFAULT_BATCH_TOKENS = 16384, 8192
 
 
 @dataclass
@@ -58,6 +69,10 @@ class ModelSize:
     quant_bits: Optional[float] = None
     stored_bytes: Optional[int] = None  # tensor bytes in the local safetensors files
     kv_latent: Optional[int] = None  # MLA (DeepSeek): one compressed KV vector per layer
+    encoder_only: bool = False  # no KV cache in vLLM: memory after the weights goes to activations
+    hidden: int = 0
+    intermediate: int = 0
+    architecture: Optional[str] = None
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -65,9 +80,44 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
 
 
-def config_params(cfg: dict[str, Any]) -> int:
-    """Parameters of a Llama-style decoder from config.json: embeddings, attention, MLP (or experts), norms, lm_head."""
+def is_bert_family(cfg: dict[str, Any]) -> bool:
+    """A BERT-style encoder (BERT, RoBERTa, XLM-R, MiniLM, ModernBERT, ...) by model_type or architecture."""
     c = text_config(cfg)
+    archs = c.get("architectures") or []
+    return c.get("model_type") in ENCODER_TYPES or any(str(a).startswith(ENCODER_ARCHS) for a in archs)
+
+
+def is_encoder_only(cfg: dict[str, Any]) -> bool:
+    """Bidirectional attention, so vLLM keeps no KV cache: a BERT-style encoder, or a decoder made
+    bidirectional (is_causal false, use_bidirectional_attention true), as vLLM's attn_type decides."""
+    c = text_config(cfg)
+    return is_bert_family(c) or c.get("is_causal") is False or c.get("use_bidirectional_attention") is True
+
+
+def bert_params(cfg: dict[str, Any]) -> int:
+    """Parameters of a BERT-style encoder: embeddings (word, absolute position, token type, LayerNorm),
+    layers of 4 h^2 + 2 h x intermediate + biases and LayerNorms (9 h + intermediate), and the head:
+    BERT's pooler (h^2 + h) with a classifier (h x labels + labels), RoBERTa's dense + out_proj."""
+    c = text_config(cfg)
+    h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    absolute = c.get("position_embedding_type", "absolute") == "absolute" and "rotary_emb_base" not in c
+    positions = c.get("max_position_embeddings", 0) if absolute else 0
+    embed = (c["vocab_size"] + positions + (c.get("type_vocab_size") or 0)) * h + 2 * h
+    layer = 4 * h * h + 2 * h * inter + 9 * h + inter
+    arch = str((c.get("architectures") or [""])[0])
+    head = h * h + h  # BertModel's pooler, also in RoBERTa/XLM-R Model checkpoints
+    if arch.endswith("ForSequenceClassification"):
+        labels = len(c.get("id2label") or {}) or c.get("num_labels") or 2
+        head += h * labels + labels  # pooler + classifier; RoBERTa: dense + out_proj, the same count
+    return embed + layers * layer + head
+
+
+def config_params(cfg: dict[str, Any]) -> int:
+    """Parameters from config.json: a BERT-style encoder's (bert_params), else a Llama-style decoder's:
+    embeddings, attention, MLP (or experts), norms, lm_head."""
+    c = text_config(cfg)
+    if is_bert_family(c):
+        return bert_params(c)
     hidden, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
     heads = c["num_attention_heads"]
     kv_heads = c.get("num_key_value_heads") or heads
@@ -116,7 +166,7 @@ def safetensors_header(path: Path) -> dict[str, Any]:
 
 
 def local_weights(folder: Path) -> Optional[tuple[int, int]]:
-    """(elements, bytes) of the local safetensors tensors, or None when the files are not all here."""
+    """(floating-point elements, bytes) of the local safetensors tensors, or None when the files are not all here."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -131,7 +181,7 @@ def local_weights(folder: Path) -> Optional[tuple[int, int]]:
             if name == "__metadata__":
                 continue
             n = math.prod(t["shape"])
-            elements += n
+            elements += 0 if t["dtype"] in INTEGER_DTYPES else n
             stored += n * SAFETENSORS_BYTES.get(t["dtype"], 2)
     return elements, stored
 
@@ -176,6 +226,10 @@ def read_model(folder: Path) -> ModelSize:
         bits,
         stored,
         latent,
+        is_encoder_only(c),
+        c["hidden_size"],
+        c.get("intermediate_size") or 4 * c["hidden_size"],
+        str((c.get("architectures") or [c.get("model_type", "?")])[0]),
     )
 
 
@@ -214,6 +268,28 @@ def kv_bytes_per_token(model: ModelSize, kv_bytes: int, tp: int = 1) -> int:
     return 2 * model.layers * heads_per_gpu * model.head_dim * kv_bytes
 
 
+def activation_bytes_per_token(model: ModelSize, act_bytes: int) -> int:
+    """An encoder's activation memory per token in a batch: (4 x hidden + 2 x intermediate) x bytes.
+
+    The tensors alive at once inside one layer, rounded up: the residual stream and the fused QKV
+    projection (4 h), the MLP's up-projection and its activation (2 x intermediate). Inference frees a
+    layer's activations before the next layer runs, so the count does not grow with the layers; vLLM's
+    attention kernels never hold a seq x seq score matrix."""
+    return (4 * model.hidden + 2 * model.intermediate) * act_bytes
+
+
+def token_bytes(model: ModelSize, elem_bytes: int, tp: int = 1) -> int:
+    """Memory per token that bounds a batch: KV cache for decoders, activations for encoder-only models."""
+    if model.encoder_only:
+        return activation_bytes_per_token(model, elem_bytes)
+    return kv_bytes_per_token(model, elem_bytes, tp)
+
+
+def default_batch_tokens(gpu: str) -> int:
+    """vLLM's max_num_batched_tokens for LLM() on this card when model.max_num_batched_tokens is unset."""
+    return DEFAULT_BATCH_TOKENS_LARGE if GPUS[gpu] >= 70 and not gpu.startswith("A100") else DEFAULT_BATCH_TOKENS
+
+
 @dataclass
 class Fit:
     """One layout on one GPU type: memory per GPU and what the KV cache holds."""
@@ -223,18 +299,19 @@ class Fit:
     tp: int
     usable: int  # bytes per GPU under gpu_memory_utilization
     weights: int  # bytes per GPU
-    kv_free: int  # bytes per GPU left for the KV cache
-    kv_tokens: int
-    max_seqs: float  # sequences of max_model_len the KV cache holds at once
+    kv_free: int  # bytes per GPU left for the KV cache (an encoder-only model: for activations)
+    kv_tokens: int  # tokens the KV cache holds (an encoder-only model: tokens per batch that fit)
+    max_seqs: float  # sequences of max_model_len the KV cache holds at once (encoder: in one batch)
 
 
 def fit(model: ModelSize, wbytes: int, kv_bytes: int, gpu: str, util: float, tp: int, max_len: int) -> Fit:
-    """Weights split over tp GPUs; what remains of gpu_memory_utilization holds the KV cache."""
+    """Weights split over tp GPUs; what remains of gpu_memory_utilization holds the KV cache (an
+    encoder-only model's activations: kv_bytes is then the activation dtype's bytes)."""
     gb = GPUS[gpu]
     usable = int(gb * GB * util)
     per_gpu = math.ceil(wbytes / tp)
     free = max(0, usable - per_gpu)
-    tokens = free // kv_bytes_per_token(model, kv_bytes, tp)
+    tokens = free // token_bytes(model, kv_bytes, tp)
     return Fit(gpu, gb, tp, usable, per_gpu, free, tokens, tokens / max_len)
 
 
@@ -277,24 +354,28 @@ def advice(
     """Layout advice and warnings for the configured tensor parallel size on one GPU type."""
     now = fit(model, wbytes, kv_bytes, gpu, util, tp, max_len)
     best = smallest_fit(model, wbytes, kv_bytes, gpu, util, max_len)
+    # An encoder-only model has no KV cache: what the memory after the weights holds is one batch's activations.
+    room = "activations" if model.encoder_only else "a KV cache"
     warnings = []
     if now.kv_free == 0:
         warnings.append(
-            f"the weights ({now.weights / GB:.1f} GB per GPU at tensor_parallel_size={tp}) leave no room for a KV "
-            f"cache in {now.usable / GB:.1f} GB ({gpu} x gpu_memory_utilization {util})"
+            f"the weights ({now.weights / GB:.1f} GB per GPU at tensor_parallel_size={tp}) leave no room for "
+            f"{room} in {now.usable / GB:.1f} GB ({gpu} x gpu_memory_utilization {util})"
         )
     elif now.max_seqs < WARN_SEQS:
         levers = [f"a lower model.max_model_len (now {max_len:,})"]
-        if kv_bytes > 1:
+        if kv_bytes > 1 and not model.encoder_only:
             levers.append("an FP8 KV cache (quantization=kv-fp8, or quantization.kv_cache_dtype=fp8)")
         if 2 * tp <= TP_SIZES[-1] and valid_tp(model, 2 * tp):
             levers.append(
                 f"tensor parallel {2 * tp} (model.tensor_parallel_size={2 * tp} cluster.gpus_per_task={2 * tp})"
             )
+        what = "a batch's activations fit" if model.encoder_only else "the KV cache holds"
         warnings.append(
-            f"the KV cache holds only {seqs(now.max_seqs)} sequences of max_model_len={max_len:,} at once: few "
+            f"{what} only {seqs(now.max_seqs)} sequences of max_model_len={max_len:,} at once: few "
             f"sequences in flight, low throughput. Levers: {', '.join(levers)}"
         )
+    holds = "activations of" if model.encoder_only else "room for"
     if best is None:
         text = (
             f"no tensor parallel size up to {TP_SIZES[-1]} holds the weights plus {MIN_SEQS} sequences of "
@@ -302,8 +383,8 @@ def advice(
         )
     elif best.tp == 1:
         text = (
-            f"fits one GPU with room for {seqs(best.max_seqs)} sequences of {max_len:,} tokens: run one model copy per GPU "
-            f"(model.tensor_parallel_size=1, cluster.gpus_per_task=1, more array tasks) rather than tensor "
+            f"fits one GPU with {holds} {seqs(best.max_seqs)} sequences of {max_len:,} tokens: run one model copy per "
+            f"GPU (model.tensor_parallel_size=1, cluster.gpus_per_task=1, more array tasks) rather than tensor "
             f"parallelism ({THROUGHPUT_NOTE})"
         )
     else:
