@@ -38,16 +38,21 @@ def done_rows(rows: Any) -> np.ndarray:
 
 
 def todo_slices(start: int, stop: int, skip: np.ndarray, size: int) -> Iterator[list[int]]:
-    """Row indices of [start, stop) that are not in skip (sorted), in input order, up to size at a
-    time: computed a slice at a time, so a 1M-row shard never holds a 1M-entry list."""
+    """Row indices of [start, stop) that are not in skip (sorted), in input order, about size at a
+    time: computed a slice at a time, so a 1M-row shard never holds a 1M-entry list, and gathered
+    across mostly committed ranges, so a resumed shard is not read a few rows per call."""
+    gathered: list[int] = []
     for a in range(start, stop, size):
         b = min(a + size, stop)
         lo, hi = np.searchsorted(skip, [a, b])
         keep = np.ones(b - a, dtype=bool)
         keep[skip[lo:hi] - a] = False
-        idx = np.flatnonzero(keep) + a
-        if len(idx):
-            yield idx.tolist()
+        gathered += (np.flatnonzero(keep) + a).tolist()
+        if len(gathered) >= size:
+            yield gathered
+            gathered = []
+    if gathered:
+        yield gathered
 
 
 def request_digest(ids: Any, own: str) -> bytes:
