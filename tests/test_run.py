@@ -85,8 +85,8 @@ def test_partial_dir_finishes_only_what_is_missing(tmp_path: Path, tiny_model_pa
     pq.write_table(compacted.slice(0, 10), part0)
     (run.shard_dir(1) / "rows.parquet").unlink()
     run.done_path(1).unlink()
-    kept = committed_rows(run.path)
     shutil.rmtree(run.shard_dir(2))
+    kept = committed_rows(run.path)
     run.output_path.unlink()
     with recorded_commits() as redone:
         run_local(compose(ov), engine=engine)
