@@ -119,6 +119,13 @@ def test_embed_run_each_row_its_vector_and_loads_with_datasets(tmp_path: Path, m
         "progress.json",
         "rows.parquet",
     ]
+    status = run_cli(["status", str(run.path)])
+    assert status.returncode == 0 and "rows/s" in status.stdout.splitlines()[1], status.stderr
+    assert "120 of 120 rows; shards: 2 done (" in status.stdout and "output tokens" not in status.stdout
+    report = run_cli(["report", str(run.path), "--gpu-hour-price", "2"])
+    assert report.returncode == 0, report.stderr
+    text = (run.path / "report" / "report.md").read_text()
+    assert "| rows/s |" in text and " per 1M rows" in text and (run.path / "report" / "lengths.png").exists()
     error = compose([*ov, f"output.dir={tmp_path / 'strict'}", "prompt.overlong=error_row"])
     out = pq.read_table(run_local(error, engine=embed_engine).output_path).to_pylist()
     assert out[3]["error"]["kind"] == "overlong" and out[3]["embedding"] is None

@@ -96,7 +96,7 @@ def time_split_chart(shards: list[dict[str, Any]], path: Path) -> bool:
 def token_lengths(run: RunDir) -> tuple[pa.Table, str]:
     """prompt_tokens and output_tokens of every committed row, and where they were read from: the
     merged output when it is Parquet or JSONL, else the shards' parts."""
-    columns = ["prompt_tokens", "output_tokens"]
+    columns = [c for c in ("prompt_tokens", "output_tokens") if c in run.schema.names]  # pooling: no output
     files = sorted(run.output_path.glob("output-*")) if run.output_path.is_dir() else [run.output_path]
     if run.output_format in ("parquet", "jsonl") and all(f.is_file() for f in files):
         return pa.concat_tables([read_table(f, run.schema, columns) for f in files]), "merged output"
@@ -112,12 +112,12 @@ def _bins(values: list[int]) -> Any:
 
 def lengths_chart(lengths: pa.Table, source: str, path: Path) -> bool:
     """Histograms of prompt and output tokens per row; False when no row has them."""
-    values = {c: pc.drop_null(lengths.column(c)).to_pylist() for c in ("prompt_tokens", "output_tokens")}
+    values = {c: pc.drop_null(lengths.column(c)).to_pylist() for c in lengths.column_names}
     if not any(values.values()):
         return False
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
-    for ax, (col, vals) in zip(axes, values.items(), strict=True):
+    fig, axes = plt.subplots(1, len(values), figsize=(4 * len(values), 3.5), squeeze=False)
+    for ax, (col, vals) in zip(axes[0], values.items(), strict=True):
         ax.hist(vals, bins=_bins(vals), color="#1e88e5")
         ax.set(xlabel=col.replace("_", " ") + " per row", ylabel="rows")
     fig.suptitle(f"Token lengths ({len(lengths):,} rows, from the {source})")

@@ -71,6 +71,8 @@ def cost(
             usd=usd,
             usd_per_1k_output_tokens=1000 * usd / out_tok if out_tok else None,
             usd_per_1k_total_tokens=1000 * usd / all_tok if all_tok else None,
+            # what embedding and classification runs compare: they generate no tokens
+            usd_per_1m_rows=1e6 * usd / tot["rows_done"] if tot.get("rows_done") else None,
         )
     if watts is not None:
         if watts <= 0:
@@ -95,7 +97,8 @@ def cost_lines(c: dict[str, Any]) -> list[str]:
         )
         lines.append(
             f"- ${_money(c['usd_per_1k_output_tokens'])} per 1K output tokens, "
-            f"${_money(c['usd_per_1k_total_tokens'])} per 1K total (prompt + output) tokens"
+            f"${_money(c['usd_per_1k_total_tokens'])} per 1K total (prompt + output) tokens, "
+            f"${_money(c.get('usd_per_1m_rows'))} per 1M rows"
         )
     else:
         lines.append("- cost: pass --gpu-hour-price USD or --gpu PRESET")

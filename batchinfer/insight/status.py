@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from batchinfer.config.schema import POOLING_TASKS
 from batchinfer.launch.jobs import shard_tasks
 from batchinfer.rundir.stats import with_rates
 from batchinfer.rundir.store import RunDir
@@ -193,6 +194,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "rows_done": done,
         "output_tokens": tokens,
         "output_tokens_per_s": round(tokens / gen, 1) if gen else None,
+        "rows_per_s": round(done / gen, 1) if gen else None,
         "running_tasks": running,
         "running_output_tokens_per_s": round(tokens_s, 1) if running else None,
         "running_rows_per_s": round(rows_s, 3) if running else None,
@@ -219,11 +221,14 @@ def format_status(
 ) -> str:
     """A plain table for people and Slurm logs; note says Slurm did not answer, unrecorded lists
     jobs found only by the name of a submission that was cut short."""
-    head = f"{'shard':>5}  {'state':<8} {'rows':>15}  {'tok/s':>8}  {'job':<14} {'attempts':>8}  note"
+    pooled = run.config.task.name in POOLING_TASKS  # nothing generated: rows/s is the rate
+    rate = "rows/s" if pooled else "tok/s"
+    head = f"{'shard':>5}  {'state':<8} {'rows':>15}  {rate:>8}  {'job':<14} {'attempts':>8}  note"
     lines = [f"{run.path}", head]
     for r in records:
         rows = f"{r['rows_done']} of {r['rows']}"
-        tps = f"{r['output_tokens_per_s']:.1f}" if r["output_tokens_per_s"] else "-"
+        value = r["rows_per_s"] if pooled else r["output_tokens_per_s"]
+        tps = f"{value:.1f}" if value else "-"
         note_text = "; ".join(x for x in (failures_note(r), r.get("error")) if x)
         lines.append(
             f"{r['shard']:>5}  {r['state']:<8} {rows:>15}  {tps:>8}  {r['job'] or '-':<14} {r['attempts']:>8}  {note_text[:100]}"
@@ -231,11 +236,13 @@ def format_status(
     states = ", ".join(f"{n} {s}" for s, n in sorted(totals["states"].items()))
     tps, now, eta = totals["output_tokens_per_s"], totals["running_output_tokens_per_s"], totals["eta_seconds"]
     tasks = totals["running_tasks"]
+    if pooled:
+        tps, now = totals["rows_per_s"], totals["running_rows_per_s"]
     lines.append(
-        f"total: {totals['rows_done']} of {totals['rows']} rows; shards: {states}; "
-        f"output tokens: {totals['output_tokens']}"
-        + (f" ({tps} tok/s per task while generating)" if tps else "")
-        + (f"; now {now} tok/s over {tasks} running task{'s' * (tasks != 1)}" if now else "")
+        f"total: {totals['rows_done']} of {totals['rows']} rows; shards: {states}"
+        + ("" if pooled else f"; output tokens: {totals['output_tokens']}")
+        + (f" ({tps} {rate} per task while {'computing' if pooled else 'generating'})" if tps else "")
+        + (f"; now {now} {rate} over {tasks} running task{'s' * (tasks != 1)}" if now else "")
         + (f"; ETA {eta // 3600} h {eta % 3600 // 60} min {eta % 60} s" if eta is not None else "")
     )
     if run.output_path.exists():

@@ -21,6 +21,7 @@ def with_rates(progress: dict[str, Any]) -> dict[str, Any]:
         progress,
         output_tokens_per_s=round(output / gen, 2) if gen else None,
         total_tokens_per_s=round((prompt + output) / gen, 2) if gen else None,
+        rows_per_s=round(progress.get("rows_done", 0) / gen, 2) if gen else None,
         prefix_cache_hit_rate=round(cache["hits"] / cache["queries"], 4) if cache.get("queries") else None,
     )
 
@@ -59,6 +60,7 @@ def shard_stats(run: RunDir) -> list[dict[str, Any]]:
                 "seconds": {p: seconds.get(p, 0.0) for p in PHASES},
                 "output_tokens_per_s": rec["output_tokens_per_s"],
                 "total_tokens_per_s": rec["total_tokens_per_s"],
+                "rows_per_s": rec["rows_per_s"],
                 "prefix_cache": rec.get("prefix_cache"),
                 "prefix_cache_hit_rate": rec["prefix_cache_hit_rate"],
                 "errors": rec.get("errors", {}),
@@ -111,6 +113,7 @@ HEADER = (
     "prepare s",
     "generate s",
     "commit s",
+    "rows/s",
     "output tok/s",
     "total tok/s",
     "prefix cache hits",
@@ -127,6 +130,7 @@ def table_row(label: str, r: dict[str, Any], rows: str) -> list[str]:
         f"{r['prompt_tokens']:,}",
         f"{r['output_tokens']:,}",
         *(f"{sec[p]:,.1f}" for p in PHASES),
+        _num(r.get("rows_per_s")),
         _num(r["output_tokens_per_s"]),
         _num(r["total_tokens_per_s"]),
         _pct(r["prefix_cache_hit_rate"]),
