@@ -438,3 +438,18 @@ def test_plan_of_the_real_minilm_for_embed(minilm: Path, tmp_path: Path) -> None
     assert f"= {gpu['batch_tokens_fit']:,} tokens per batch" in out and "memory does not limit the batch" in out
     assert "nothing generated (task=embed: one embedding per row)" in out
     assert "1 sampled prompts exceed max_model_len=256" in out
+
+
+def test_plan_of_score_counts_both_texts_and_names_their_key(minilm: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    pairs = [("what is a fox", "A fox is an animal."), ("capital of France", "Paris is in France, on the Seine.")]
+    corpus = tmp_path / "pairs.jsonl"
+    corpus.write_text("".join(json.dumps({"id": i, "q": q, "d": d}) + "\n" for i, (q, d) in enumerate(pairs)))
+    ov = ["model=all-minilm-l6-v2", f"model.path={minilm}", "task=score", f"input.path={corpus}"]
+    pt = plan_json(*ov, "task.query={q}", "task.document={d}")["prompt_tokens"]
+    ref = AutoTokenizer.from_pretrained(minilm)
+    # a bi-encoder embeds each text apart, each with [CLS] ... [SEP]
+    assert pt["estimated_total"] == sum(len(ref(q)["input_ids"]) + len(ref(d)["input_ids"]) for q, d in pairs)
+    res = run_cli(["plan", *ov, "task.query={q}", "task.document={passage}"])
+    assert res.returncode == 2 and "task.document uses {passage} but" in res.stderr

@@ -76,9 +76,14 @@ def prompt_section(c: Config, folder: Path, rows: int, sample: list[dict[str, An
     builder = PromptBuilder(c.prompt)
     columns = sorted({k for row in sample for k in row})
     pooling = c.task.name in POOLING_TASKS
-    templates = [c.task.query or "", c.task.document or ""] if c.task.name == "score" else [builder.template]
-    for template in templates:
-        check_fields(template, columns, c.input.path)
+    templates = {"prompt.template": builder.template}
+    if c.task.name == "score":  # the two texts of a row come from task.query and task.document
+        templates = {"task.query": c.task.query or "", "task.document": c.task.document or ""}
+    for key, template in templates.items():
+        try:
+            check_fields(template, columns, c.input.path)
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("prompt.template", key, 1)) from None
     tok = LoginTokenizer.from_model_dir(folder)
     # A BERT tokenizer.json pads and cuts to 128 tokens; vLLM (through transformers) does neither.
     tok.tokenizer.no_padding()
