@@ -292,3 +292,41 @@ def test_embed_kill_then_resume_keeps_committed_vectors(
     clean = plain_embed(embed_engine, [r["text"] for r in rows])
     cosine = (got * clean).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(clean, axis=1)
     assert cosine.min() >= 0.9999, cosine.min()  # floats depend on batching, the vectors do not
+
+
+def test_openai_embeddings_batch_file_answers_in_the_openai_format(
+    tmp_path: Path, minilm: Path, embed_engine: Any
+) -> None:
+    lines = [
+        {"custom_id": "a", "url": "/v1/embeddings", "body": {"model": "m", "input": "A fox is an animal."}},
+        {"custom_id": "b", "url": "/v1/embeddings", "body": {"model": "m", "input": ["Paris is in France."]}},
+        {"custom_id": "c", "url": "/v1/embeddings", "body": {"model": "m", "input": ["one", "two"]}},
+        {"custom_id": "d", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}]}},
+    ]
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    ov = minilm_overrides(minilm, f"input.path={batch}", f"output.dir={tmp_path / 'run'}")
+    run = run_local(compose(ov), engine=embed_engine)
+    assert run.output_path.name == "output.jsonl"
+    out = {o["custom_id"]: o for o in map(json.loads, run.output_path.read_text().splitlines())}
+    texts = ["A fox is an animal.", "Paris is in France."]
+    for key, text, want in zip("ab", texts, plain_embed(embed_engine, texts), strict=True):
+        body = out[key]["response"]["body"]
+        assert body["object"] == "list" and body["data"][0]["object"] == "embedding" and out[key]["error"] is None
+        np.testing.assert_allclose(np.array(body["data"][0]["embedding"], dtype=np.float32), want, atol=1e-5)
+        assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] == len(embed_engine.encode(text))
+    assert out["c"]["response"] is None and "body.input must be one string" in out["c"]["error"]["message"]
+    assert out["d"]["error"]["code"] == "unsupported"
+    assert (
+        "a /v1/chat/completions request runs with task=generate, and this run has task=embed"
+        in out["d"]["error"]["message"]
+    )
+
+
+def test_openai_embeddings_line_in_a_generation_run_is_an_error_row() -> None:
+    from batchinfer.inputs.openai_batch import RAW_PROMPT, task_mismatch
+
+    row = {"url": "/v1/embeddings", RAW_PROMPT: "x"}
+    assert "runs with task=embed, and this run has task=generate" in (task_mismatch(row, "generate") or "")
+    assert task_mismatch(row, "embed") is None and task_mismatch({"text": "x"}, "embed") is None
+    assert task_mismatch({"url": "/v1/completions", RAW_PROMPT: "x"}, "generate") is None

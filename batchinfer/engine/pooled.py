@@ -11,6 +11,7 @@ import numpy as np
 from batchinfer.config.schema import POOLING_TASKS, Config
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.errors import InputError
+from batchinfer.inputs.openai_batch import task_mismatch
 from batchinfer.models.pooling import class_labels
 from batchinfer.models.tokens import model_dir
 from batchinfer.requests.pooling import pooling_request, special_tokens
@@ -35,6 +36,9 @@ class PoolingRows:
         if self._around is None:
             self._around = special_tokens(engine.encode)
         # vLLM's rule: a model that embeds scores as a bi-encoder, a classifier as a cross-encoder
+        why = task_mismatch(row, self.task.name)
+        if why:
+            return dict(error_row(index, base["id"], "unsupported", f"row {index}: {why}"), **base)
         cross = self.task.name == "score" and "embed" not in engine.pooling_tasks
         try:
             _, ids, extras = pooling_request(

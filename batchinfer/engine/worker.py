@@ -31,6 +31,7 @@ from batchinfer.engine.stream import (
 )
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.errors import BatchinferError, StorageError
+from batchinfer.inputs.openai_batch import task_mismatch
 from batchinfer.inputs.read import Shard, get_path, open_input
 from batchinfer.requests.build import build_request, overlong_tokens, row_id, sampling_for
 from batchinfer.requests.prompts import Prompt, PromptBuilder, RowError
@@ -207,6 +208,9 @@ class ShardWorker:
         base: dict[str, Any] = {"row": index, "id": row_id(self.cfg, row, index), **self._carried(row)}
         if self.pooling is not None:
             return base, self.pooling.request(index, base, row, engine)
+        why = task_mismatch(row, "generate")
+        if why:
+            return base, dict(error_row(index, base["id"], "unsupported", f"row {index}: {why}"), **base)
         kwargs = self.cfg.prompt.chat_template_kwargs
         try:
             req = build_request(self.cfg, self.prompts, row, index, lambda p: engine.encode(p, kwargs))

@@ -14,6 +14,7 @@ from batchinfer.errors import InputError
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
+EMBEDDINGS_URL = "/v1/embeddings"  # runs with task=embed; the other urls with task=generate
 RAW_PROMPT = "_raw_prompt"  # column of /v1/completions prompts (raw mode for that row)
 ROW_SAMPLING = "_sampling"  # column of per-row SamplingParams overrides, as JSON
 # Body fields that are SamplingParams (OpenAI name -> vLLM name).
@@ -54,11 +55,19 @@ def request_row(obj: Any, where: str) -> dict[str, Any]:
         raise InputError(f"{where}: an OpenAI batch request needs a string custom_id and a body object")
     body = obj["body"]
     url = obj.get("url") or (CHAT_URL if "messages" in body else COMPLETIONS_URL)
-    if url not in (CHAT_URL, COMPLETIONS_URL):
-        raise InputError(f"{where}: url {url!r} is not supported (only {CHAT_URL} and {COMPLETIONS_URL})")
+    if url not in (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL):
+        raise InputError(
+            f"{where}: url {url!r} is not supported (only {CHAT_URL}, {COMPLETIONS_URL} and {EMBEDDINGS_URL})"
+        )
     messages = None
     prompt = None
-    if url == CHAT_URL:
+    if url == EMBEDDINGS_URL:
+        text = body.get("input")
+        if isinstance(text, list) and len(text) == 1:
+            text = text[0]
+        # Not one string (several inputs, token ids): the row becomes an error row, the run goes on.
+        prompt = text if isinstance(text, str) else None
+    elif url == CHAT_URL:
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages
@@ -79,6 +88,19 @@ def request_row(obj: Any, where: str) -> dict[str, Any]:
         RAW_PROMPT: prompt,
         ROW_SAMPLING: json.dumps(sampling, sort_keys=True) if sampling else None,
     }
+
+
+def task_mismatch(row: dict[str, Any], task: str) -> Optional[str]:
+    """Why an OpenAI request cannot run in this task (an error row, not a failed run), or None."""
+    url = row.get("url")
+    if url is None:  # not an OpenAI batch input
+        return None
+    if (url == EMBEDDINGS_URL) != (task == "embed"):
+        runs = "task=embed" if url == EMBEDDINGS_URL else "task=generate"
+        return f"a {url} request runs with {runs}, and this run has task={task}: submit those lines as their own run"
+    if url == EMBEDDINGS_URL and row.get(RAW_PROMPT) is None:
+        return "body.input must be one string (several inputs or token ids: one request line each)"
+    return None
 
 
 def convert_requests(files: list[Path], out: Path, open_text: Any) -> None:
@@ -107,6 +129,23 @@ def response_line(row: dict[str, Any], url: str, model: str, tag: str, created: 
             "custom_id": row["id"],
             "response": None,
             "error": {"code": row["error"]["kind"], "message": row["error"]["message"]},
+        }
+    if url == EMBEDDINGS_URL:
+        tokens = row["prompt_tokens"]
+        return {
+            "id": f"batch_req_{req}",
+            "custom_id": row["id"],
+            "response": {
+                "status_code": 200,
+                "request_id": req,
+                "body": {
+                    "object": "list",
+                    "data": [{"object": "embedding", "index": 0, "embedding": list(row["embedding"])}],
+                    "model": model,
+                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                },
+            },
+            "error": None,
         }
     texts = row.get("samples") or [row["text"]]
     if url == CHAT_URL:
