@@ -4,6 +4,8 @@ Units: GPU memory is the vendor's label in decimal GB (10^9 bytes), as are weigh
 KV per token is given in KiB and per sequence also in GiB (2^30), the units vLLM's logs use. The
 labels understate the cards a little (an "80 GB" H100 reports 81,559 MiB = 85.5e9 bytes), which
 leaves some of the room vLLM's activations and CUDA graphs take out of gpu_memory_utilization.
+Encoder-only pooling models (BERT-style embedders and classifiers) have no KV cache in vLLM: for
+them the memory after the weights bounds the tokens of one batch, at activation_bytes_per_token.
 """
 
 from __future__ import annotations
