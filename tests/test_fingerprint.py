@@ -214,7 +214,11 @@ def test_task_keys_are_fingerprinted_and_generation_runs_keep_theirs(tmp_path: P
     plain = prepare(compose(_overrides(tmp_path)))
     assert not [k for k in plain.run["fingerprint_keys"] if k.startswith("task.")]  # as before tasks existed
     _refused(_overrides(tmp_path, "task=embed"), r"task.name \(None -> 'embed'\)")
-    embed = prepare(compose(_overrides(tmp_path, "task=embed", out="embed")))
+    ov = _overrides(tmp_path, "task=embed", out="embed")
+    (fake_model_dir(tmp_path) / "config.json").write_text('{"hidden_size": 384}')  # sizes the embedding column
+    embed = prepare(compose(ov))
+    assert embed.schema.field("embedding").type.list_size == 384
     keys = embed.run["fingerprint_keys"]
     assert keys["task.name"] == "embed" and keys["prompt.overlong"] == "truncate_right" and keys["prompt.mode"] == "raw"
-    _refused(_overrides(tmp_path, "task=embed", "task.dimensions=128", out="embed"), r"task.dimensions \(None -> 128\)")
+    ov = _overrides(tmp_path, "task=embed", "task.dimensions=128", out="embed")
+    _refused(ov, r"task.dimensions \(None -> 128\)")

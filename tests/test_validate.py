@@ -62,7 +62,9 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
 
 
 def part_bytes(run_dir: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.glob("shards/*/part-*"))}
+    """Committed rows' files: parts, and the compacted rows.* of finished shards."""
+    files = sorted([*run_dir.glob("shards/*/part-*"), *run_dir.glob("shards/*/rows.*")])
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in files}
 
 
 def converted(tmp_path: Path, name: str, data: bytes) -> list[dict]:
