@@ -32,3 +32,11 @@ def test_prepare_model_names_the_models_it_ships(tmp_path: Path) -> None:
     res = run_cli(["prepare-model", "model=llama-3.1-8b-instruct"], env={"BATCHINFER_HOME": str(tmp_path)})
     assert res.returncode == 2 and "smollm2-135m, all-minilm-l6-v2" in res.stderr
     assert "huggingface-cli download" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_login_tokenizer_counts_a_sentence_transformers_text_unpadded(tmp_path: Path) -> None:
+    from batchinfer.models.locations import prepare_minilm
+    from batchinfer.models.tokens import LoginTokenizer
+
+    tok = LoginTokenizer.from_model_dir(prepare_minilm())  # its tokenizer.json pads to 128
+    assert tok.tokenizer.encode("A fox is an animal.").ids == [101, 1037, 4419, 2003, 2019, 4111, 1012, 102]

@@ -117,7 +117,12 @@ class LoginTokenizer:
             )
         cfg_file = folder / "tokenizer_config.json"
         config = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
-        return cls(Tokenizer.from_file(str(tok_file)), config, find_chat_template(folder, config))
+        tok = Tokenizer.from_file(str(tok_file))
+        # A tokenizer.json may carry fixed padding and truncation (sentence-transformers folders pad
+        # to 128): counts must be of the text itself, as vLLM's tokenizer gives them.
+        tok.no_padding()
+        tok.no_truncation()
+        return cls(tok, config, find_chat_template(folder, config))
 
     def render(self, messages: list[dict[str, Any]], chat_template_kwargs: Optional[dict[str, Any]] = None) -> str:
         """The chat template rendered to text with the generation prompt, as apply_chat_template(tokenize=False)."""
