@@ -98,13 +98,24 @@ def test_pooling_params_refuse_what_the_model_cannot_do(embed_engine: Any) -> No
         embed_engine.pooling_params("embed", dimensions=128)
 
 
-def test_embed_run_each_row_its_vector_and_loads_with_datasets(tmp_path: Path, minilm: Path, embed_engine: Any) -> None:
+def test_embed_run_each_row_its_vector_and_loads_with_datasets(
+    tmp_path: Path, minilm: Path, embed_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import datasets
 
     corpus = tmp_path / "c.jsonl"
     rows = embed_corpus(corpus, 120, seed=41)
+    sent: list[tuple[int, ...]] = []
+    real_add = embed_engine.add
+    monkeypatch.setattr(
+        embed_engine, "add", lambda rid, ids, params: (sent.append(tuple(ids)), real_add(rid, ids, params))
+    )
     ov = minilm_overrides(minilm, f"input.path={corpus}", "input.id_column=id", f"output.dir={tmp_path / 'run'}")
     run = run_local(compose([*ov, "sharding.num_shards=2", "output.commit_every_rows=16"]), engine=embed_engine)
+    monkeypatch.undo()
+    # identical texts computed once (per shard: two shards of 60 rows, repeats 5 rows apart)
+    per_shard = [len({r["text"] for r in rows[i : i + 60]}) for i in (0, 60)]
+    assert len(sent) == sum(per_shard) < 120
     ds = datasets.Dataset.from_parquet(str(run.output_path))
     assert ds.column_names == ["row", "id", "embedding", "prompt_tokens", "error"]
     vectors = ds.with_format("numpy")["embedding"][:]  # datasets 5: a Column, its slice an array
