@@ -232,3 +232,18 @@ def test_a_record_from_before_footers_keeps_its_content_hash(tmp_path: Path) -> 
     content = file_fingerprint(paths, {"files": [], "fingerprint": "x"}, "parquet")
     assert "method" not in content and content["fingerprint"] != file_fingerprint(paths, None, "parquet")["fingerprint"]
     assert file_fingerprint(paths, content, "parquet") is content
+
+
+def test_prepare_reads_each_footer_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # fingerprinting and referencing the corpus share one reading of its footers
+    paths = write_parquet(tmp_path / "corpus")
+    read: list[Path] = []
+    real = reference.parquet_footer
+    monkeypatch.setattr(reference, "parquet_footer", lambda p: (read.append(p), real(p))[1])
+    reference._PLANS.clear()
+    run = prepared(tmp_path, str(tmp_path / "corpus" / "*.parquet"))
+    assert sorted(read) == sorted(paths) and len(open_input(run.input_dir)) == FILES * PER_FILE
+    pq.write_table(pa.Table.from_pylist([row(i) for i in range(5)]), paths[0])  # rewritten: read again
+    read.clear()
+    file_fingerprint(paths, None, "parquet")
+    assert sorted(read) == sorted(paths)

@@ -35,13 +35,13 @@ class PoolingRows:
         """The row's request key (identical texts share one: pooling is deterministic), or its error row."""
         if self._around is None:
             self._around = special_tokens(engine.encode)
-        # vLLM's rule: a model that embeds scores as a bi-encoder, a classifier as a cross-encoder
         why = task_mismatch(row, self.task.name)
         if why:
             return dict(error_row(index, base["id"], "unsupported", f"row {index}: {why}"), **base)
+        # vLLM's rule: a model that embeds scores as a bi-encoder, a classifier as a cross-encoder
         cross = self.task.name == "score" and "embed" not in engine.pooling_tasks
         try:
-            _, ids, extras = pooling_request(
+            ids, extras = pooling_request(
                 self.cfg,
                 self.prompts,
                 row,
@@ -54,8 +54,6 @@ class PoolingRows:
             self.params(engine, extras)
         except RowError as e:
             return dict(error_row(index, base["id"], e.kind, f"row {index}: {e.message}"), **base)
-        except InputError:
-            raise
         except ValueError as e:  # a pair that cannot be cut to fit
             return dict(error_row(index, base["id"], "overlong", f"row {index}: {e}"), **base)
         return (tuple(ids), extras, -1)

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from batchinfer import faults
-from batchinfer.config.schema import POOLING_TASKS, Config
+from batchinfer.config.schema import Config
 from batchinfer.engine.pooled import pooling_rows
 from batchinfer.engine.stream import (
     ResultCache,
@@ -285,7 +285,7 @@ class ShardWorker:
                     seq += 1
                     ids, own, _ = key
                     try:
-                        engine.add(rid, list(ids), engine_params(engine, self.cfg, own))
+                        engine.add(rid, list(ids), self._params(engine, own))
                     except (RowError, ValueError) as e:  # vLLM refused this request alone: an error row
                         kind, why = (e.kind, e.message) if isinstance(e, RowError) else ("rejected", str(e))
                         members = groups.pop(key)
@@ -461,6 +461,10 @@ class ShardWorker:
             record["last_error"] = error
         write_json(self.run.progress_path(shard.index), record)
 
+    def _params(self, engine: EngineLike, own: str) -> Any:
+        """A request's engine params: PoolingParams for a pooling task, else its SamplingParams."""
+        return self.pooling.params(engine, own) if self.pooling is not None else engine_params(engine, self.cfg, own)
+
     def _result_row(self, base: dict[str, Any], c: Completion) -> dict[str, Any]:
         """An output row from a finished request."""
         if self.pooling is not None:
@@ -486,10 +490,7 @@ class ShardWorker:
 
 
 def engine_params(engine: EngineLike, cfg: Config, own: str) -> Any:
-    """The engine's SamplingParams for a row (PoolingParams for a pooling task); values vLLM refuses
-    (top_p 0, max_tokens 0) raise RowError."""
-    if cfg.task.name in POOLING_TASKS:
-        return engine.pooling_params(cfg.task.name, cfg.task.dimensions, own)  # type: ignore[attr-defined]
+    """The engine's SamplingParams for a row; values vLLM refuses (top_p 0, max_tokens 0) raise RowError."""
     try:
         return engine.sampling_params(sampling_for(cfg, own))
     except (ValueError, TypeError) as e:

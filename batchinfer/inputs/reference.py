@@ -4,6 +4,7 @@ size, mtime and footer digest; reads map input rows to (file, row group) and ref
 from __future__ import annotations
 
 import base64
+import copy
 import hashlib
 import json
 import logging
@@ -133,9 +134,19 @@ def plan_reference(files: list[Path], fmt: str) -> Optional[dict[str, Any]]:
     if fmt not in REFERENCED_FORMATS:
         return None
     try:
-        return _plan(files, fmt)
+        # prepare fingerprints the input, then converts it: the footers are read once, for files
+        # whose names, sizes and mtimes are still those of the first reading
+        key = (fmt, tuple((str(f), *_stat(f)) for f in data_files(files, fmt)))
+        if key not in _PLANS:
+            _PLANS.clear()  # one corpus per process is what is asked for
+            _PLANS[key] = _plan(files, fmt)
+        plan = _PLANS[key]
+        return copy.deepcopy(plan) if plan is not None else None
     except (pa.ArrowException, OSError, ValueError, KeyError):
         return None  # not what its suffix says, unreadable: converting reports why, in the reader's words
+
+
+_PLANS: dict[tuple[Any, ...], Optional[dict[str, Any]]] = {}
 
 
 def _plan(files: list[Path], fmt: str) -> Optional[dict[str, Any]]:

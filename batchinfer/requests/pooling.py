@@ -9,7 +9,6 @@ from typing import Any
 
 from batchinfer.config.schema import Config
 from batchinfer.errors import InputError
-from batchinfer.requests.build import row_id
 from batchinfer.requests.prompts import PromptBuilder, RowError
 
 Encode = Callable[[str], list[int]]
@@ -53,16 +52,15 @@ def pooling_request(
     limit: int,
     around: tuple[list[int], list[int]],
     encode_pair: EncodePair | None = None,
-) -> tuple[Any, list[int], str]:
-    """(id, token ids, engine extras as JSON) of a row; a bad row raises RowError.
+) -> tuple[list[int], str]:
+    """(token ids, engine extras as JSON) of a row; a bad row raises RowError.
 
     score sends a cross-encoder the pair as one input (extras: where the document starts); a
     bi-encoder gets both texts' ids one after the other (extras: where the second starts) and the
     engine compares their embeddings."""
-    id_ = row_id(cfg, row, index)
     task, policy = cfg.task, cfg.prompt.overlong
     if task.name != "score":
-        return id_, fit(encode(builder.build(row)), limit, policy, around), ""  # type: ignore[arg-type]
+        return fit(encode(builder.build(row)), limit, policy, around), ""  # type: ignore[arg-type]
     query, document = builder.fill(task.query or "", row), builder.fill(task.document or "", row)
     if encode_pair is not None:
         ids, boundary = encode_pair(query, document, None)
@@ -70,6 +68,6 @@ def pooling_request(
             if policy in ("fail", "error_row"):
                 fit(ids, limit, policy, around)  # raises, naming the policy
             ids, boundary = encode_pair(query, document, limit)
-        return id_, ids, json.dumps({"boundary": boundary})
+        return ids, json.dumps({"boundary": boundary})
     q, d = (fit(encode(t), limit, policy, around) for t in (query, document))
-    return id_, q + d, json.dumps({"pair": len(q)})
+    return q + d, json.dumps({"pair": len(q)})

@@ -31,9 +31,9 @@ from batchinfer.rundir.store import (
     RunDir,
     fsync_dir,
     read_json,
-    read_table,
     refused_write,
     sorted_jsonl,
+    sorted_parts,
     storage_error,
     write_json,
 )
@@ -115,9 +115,7 @@ def _sorted_parts(run: RunDir, parts: list[Path], lines: bool) -> Iterator[Rows]
         text, table = sorted_jsonl([p.read_bytes() for p in parts], run.schema, stat_columns(run))
         yield Rows(table, text)
         return
-    tables = [read_table(p, run.schema) for p in parts]
-    table = pa.concat_tables(tables) if tables else run.schema.empty_table()
-    yield Rows(table.sort_by("row"))
+    yield Rows(sorted_parts(parts, run.schema))
 
 
 def _row_groups(run: RunDir, path: Path) -> Iterator[Rows]:

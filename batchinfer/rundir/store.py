@@ -194,6 +194,12 @@ def sorted_jsonl(chunks: list[bytes], schema: pa.Schema, columns: list[str]) -> 
     return text, table.take(order)
 
 
+def sorted_parts(parts: list[Path], schema: pa.Schema) -> pa.Table:
+    """The rows of several parts as one table sorted by row (the whole shard in memory)."""
+    tables = [read_table(p, schema) for p in parts]
+    return (pa.concat_tables(tables) if tables else schema.empty_table()).sort_by("row")
+
+
 def read_table(path: Path, schema: pa.Schema, columns: Optional[list[str]] = None) -> pa.Table:
     """Read one part or output file back in the run's schema."""
     if path.suffix == ".jsonl":
@@ -351,9 +357,7 @@ class RunDir:
         """The rows of parts as one file sorted by row, in the part format."""
         if self.part_format == "jsonl":
             return sorted_jsonl([p.read_bytes() for p in parts], self.schema, ["row"])[0]
-        tables = [read_table(p, self.schema) for p in parts]
-        table = pa.concat_tables(tables) if tables else self.schema.empty_table()
-        return table_bytes(table.sort_by("row"), "parquet", ROW_GROUP_ROWS)
+        return table_bytes(sorted_parts(parts, self.schema), "parquet", ROW_GROUP_ROWS)
 
     def part_files(self, index: int) -> list[Path]:
         """The part-NNNNNN files in the shard's folder, in commit order (whatever DONE.json says)."""
@@ -378,7 +382,7 @@ class RunDir:
 
     def write_part(self, index: int, table: pa.Table) -> Path:
         """Commit rows as the shard's next part: whole or absent."""
-        parts = [p for p in self.parts(index) if PART_RE.match(p.name)]
+        parts = self.part_files(index)
         n = int(PART_RE.match(parts[-1].name).group(1)) + 1 if parts else 0  # type: ignore[union-attr]
         fmt = self.part_format
         return publish_new(self.shard_dir(index), lambda k: f"part-{k:06d}.{fmt}", n, table_bytes(table, fmt), "part")
