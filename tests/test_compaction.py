@@ -97,13 +97,13 @@ def finish_all(run: RunDir) -> None:
 
 
 def resume(run: RunDir) -> None:
-    """What a resumed worker does per shard: under the lock, a finished shard is left as it is; the
-    others lose a killed writer's leftovers and are finished from their committed parts."""
+    """What a resumed worker does per shard (ShardWorker._finish): under the lock, a killed writer's
+    leftovers go; a finished shard is then left as it is, the others are finished from their parts."""
     for shard in run.shards():
         with ShardLock(run.shard_dir(shard.index), log=lambda m: None):
+            run.clean_temporaries(shard.index)
             if run.is_done(shard.index):
                 continue
-            run.clean_temporaries(shard.index)
             rows = run.read_shard(shard.index, columns=["row"]).column("row").to_pylist()
             assert sorted(rows) == list(range(shard.start, shard.stop))  # every row once: nothing to redo
             run.finish_shard(shard.index, DONE)
@@ -191,8 +191,8 @@ def test_a_kill_at_every_step_of_compaction(
     assert [s["done"] for s in shard_stats(run)] == [done is not None, False]
 
     resume(run)
-    if done is not None:  # finished: the resumed worker left it as it was; merge removes the parts
-        assert listing(run, 0) == files
+    if done is not None:  # finished: the resumed worker removed only the parts DONE.json replaced
+        assert listing(run, 0) == ["DONE.json", "lock", "progress.json", name]
     assert merged_bytes(run) == reference["output"]
     stats, ref_stats = read_json(run.stats_json), read_json(reference["run"].stats_json)
     assert {k: v for k, v in stats.items() if k != "merge_seconds"} == {
@@ -277,3 +277,18 @@ def test_a_compacted_shard_with_a_row_out_of_sequence_is_refused(tmp_path: Path,
     with pytest.raises(RunDirError, match=r"shard 1: committed rows do not match rows 12\.\.23 \(duplicates \[13\]"):
         merge(run)
     assert not run.output_path.exists()
+
+
+def test_the_worker_removes_parts_a_finished_shard_left_without_an_engine(tmp_path: Path, fmt: str) -> None:
+    from batchinfer.engine.worker import ShardWorker, StopFlag
+
+    run = committed(tmp_path, "run", fmt)
+    parts = {p.name: p.read_bytes() for p in run.parts(0)}
+    run.finish_shard(0, DONE)
+    compacted = run.compacted(0).read_bytes()  # type: ignore[union-attr]
+    for name, data in parts.items():  # as a kill during the parts' removal leaves them
+        (run.shard_dir(0) / name).write_bytes(data)
+    worker = ShardWorker(run, lambda: pytest.fail("a finished shard needs no engine"), StopFlag())
+    assert worker.run_shard(run.shards()[0]) == dict(DONE, compacted=f"rows.{fmt}")
+    assert sorted(os.listdir(run.shard_dir(0))) == ["DONE.json", "lock", "progress.json", f"rows.{fmt}"]
+    assert run.compacted(0).read_bytes() == compacted  # type: ignore[union-attr]
