@@ -60,7 +60,7 @@ def _counts(c: Config, builder: Any, tok: Any, sample: list[dict[str, Any]]) -> 
     for i, row in enumerate(sample):
         try:
             if pooling:  # no limit: the count before prompt.overlong cuts it
-                counts.append(len(pooling_request(c, builder, row, i, encode, 2**62, around)[1]))
+                counts.append(len(pooling_request(c, builder, row, i, encode, 2**62, around)[0]))
             else:
                 counts.append(len(build_request(c, builder, row, i, lambda p: tok.encode(p, kwargs)).ids))
         except (RowError, TemplateError) as e:
@@ -84,10 +84,7 @@ def prompt_section(c: Config, folder: Path, rows: int, sample: list[dict[str, An
             check_fields(template, columns, c.input.path)
         except ConfigError as e:
             raise ConfigError(str(e).replace("prompt.template", key, 1)) from None
-    tok = LoginTokenizer.from_model_dir(folder)
-    # A BERT tokenizer.json pads and cuts to 128 tokens; vLLM (through transformers) does neither.
-    tok.tokenizer.no_padding()
-    tok.tokenizer.no_truncation()
+    tok = LoginTokenizer.from_model_dir(folder)  # unpadded and uncut, as vLLM (through transformers) counts
     if c.prompt.mode == "chat" and tok.chat_template is None:
         raise ConfigError(f"model.path {c.model.path}: the model has no chat template; use prompt.mode=raw")
     counts, errors = _counts(c, builder, tok, sample)
