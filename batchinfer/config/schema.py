@@ -185,6 +185,9 @@ class ClusterConfig:
     constraint: Optional[str] = None
     array_parallelism: int = 64
     shards_per_task: int = 1
+    # Engines (worker processes) per array task, each on its own GPUs (or cores): an int, or
+    # "auto" = the task's GPUs / (tensor x pipeline parallel size). See config/engines.py.
+    engines_per_task: Any = 1
     signal_lead_s: int = 120
     max_attempts: int = 3
     # The merge job (no GPU): minutes, memory (None: the partition's default) and CPUs. Merge streams
@@ -322,6 +325,9 @@ def validate(cfg: DictConfig) -> None:
     if labels and len(set(labels)) != len(labels):
         raise ConfigError(f"prompt.labels.names has duplicates: {list(labels)}")
     _check_task(cfg.task)
+    from batchinfer.config.engines import check_engines_value
+
+    check_engines_value(cfg.cluster.engines_per_task)
     if cfg.sampling.seed_per_row and cfg.sampling.seed is None:
         raise ConfigError("sampling.seed_per_row=true needs sampling.seed (the base the row seeds derive from)")
     from batchinfer.security import check_config_secrets, private_mode

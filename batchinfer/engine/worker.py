@@ -119,6 +119,8 @@ class ShardWorker:
         self._poison: set[RequestKey] = set()  # fault injection only
         self._progress: Optional[dict[str, Any]] = None  # the current shard's progress record
         self.failures: Optional[int] = None  # this shard's failures in this submission, once counted
+        # {"index", "of", "devices"} when the task runs several engines (cluster.engines_per_task)
+        self.engine: Optional[dict[str, Any]] = None
 
     @property
     def dataset(self) -> Any:
@@ -169,6 +171,7 @@ class ShardWorker:
             "host": socket.gethostname(),
             "device": self.device,
             "versions": _versions(),
+            **({"engine": self.engine} if self.engine else {}),
         }
 
     def _progress_from_parts(self, shard: Shard) -> dict[str, Any]:
@@ -396,18 +399,11 @@ class ShardWorker:
             self._write_progress(shard, progress, error=repr(e))
 
     def _count_failure(self, shard: Shard, error: BaseException) -> None:
-        """Count a failed attempt in progress.json, under the shard lock: in all, and for this Slurm
-        job (cluster.max_attempts is a budget per submission; a requeued task keeps its job id)."""
+        """Count a failed attempt of this shard (see count_failure), under the shard lock held."""
         progress = self._progress
         if progress is None or progress.get("shard") != shard.index:  # failed before reading its parts
-            path = self.run.progress_path(shard.index)
-            progress = read_json(path) if path.is_file() else {"shard": shard.index, "rows_done": 0}
-        progress["failures"] = progress.get("failures", 0) + 1
-        by_job = progress.setdefault("failures_by_job", {})
-        key = budget_key()
-        by_job[key] = by_job.get(key, 0) + 1
-        self.failures = by_job[key]
-        self._write_progress(shard, progress, error=f"{type(error).__name__}: {error}")
+            progress = None
+        self.failures = count_failure(self.run, shard.index, f"{type(error).__name__}: {error}", progress, self.engine)
 
     def _carried(self, row: dict[str, Any]) -> dict[str, Any]:
         """The input columns carried into the output (input.columns), if any."""
@@ -456,10 +452,7 @@ class ShardWorker:
         faults.hold(lambda: self.stop.signum is not None)
 
     def _write_progress(self, shard: Shard, progress: dict[str, Any], error: Optional[str] = None) -> None:
-        record = dict(with_rates(progress), updated=time.time(), holder=holder_info())
-        if error:
-            record["last_error"] = error
-        write_json(self.run.progress_path(shard.index), record)
+        write_progress(self.run, shard.index, progress, error, self.engine)
 
     def _params(self, engine: EngineLike, own: str) -> Any:
         """A request's engine params: PoolingParams for a pooling task, else its SamplingParams."""
@@ -487,6 +480,39 @@ class ShardWorker:
             if labels.confidence and row["label"] is not None and c.logprob is not None:
                 row["label_confidence"] = math.exp(c.logprob)
         return row
+
+
+def write_progress(
+    run: RunDir, index: int, progress: dict[str, Any], error: Optional[str], engine: Optional[dict[str, Any]]
+) -> None:
+    """progress.json of a shard: counts, rates, who writes it (and which engine of the task), last error."""
+    record = dict(with_rates(progress), updated=time.time(), holder=holder_info())
+    if engine:
+        record["engine"] = engine
+    if error:
+        record["last_error"] = error
+    write_json(run.progress_path(index), record)
+
+
+def count_failure(
+    run: RunDir,
+    index: int,
+    error: str,
+    progress: Optional[dict[str, Any]] = None,
+    engine: Optional[dict[str, Any]] = None,
+) -> int:
+    """Count a failed attempt of a shard in progress.json, in all and for this Slurm job
+    (cluster.max_attempts is a budget per submission; a requeued task keeps its job id); the
+    caller holds the shard lock. Returns the failures in this budget."""
+    if progress is None:
+        path = run.progress_path(index)
+        progress = read_json(path) if path.is_file() else {"shard": index, "rows_done": 0}
+    progress["failures"] = progress.get("failures", 0) + 1
+    by_job = progress.setdefault("failures_by_job", {})
+    key = budget_key()
+    by_job[key] = by_job.get(key, 0) + 1
+    write_progress(run, index, progress, error, engine)
+    return by_job[key]
 
 
 def engine_params(engine: EngineLike, cfg: Config, own: str) -> Any:

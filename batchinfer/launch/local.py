@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from omegaconf import DictConfig
 
@@ -24,6 +25,9 @@ from batchinfer.launch import slurm
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.store import RunDir, read_json, refused_write, storage_error
+
+if TYPE_CHECKING:
+    from batchinfer.launch.member import Member
 
 log = logging.getLogger("batchinfer")
 
@@ -85,33 +89,57 @@ class EngineHolder:
 
 
 def run_shards(run: RunDir, indices: list[int], engine: Any = None) -> None:
-    """Finish the given shards in this process with one engine; stop signals commit first."""
+    """Finish the given shards in this process with one engine, or with cluster.engines_per_task
+    engine processes; stop signals commit first."""
     shards = [s for s in run.shards() if s.index in set(indices) and not run.is_done(s.index)]
     if not shards:
         return
-    with (
-        security.private_umask(run.config.output.private),
-        EngineOutput(run.logs_dir, enabled=engine is None) as output,
-    ):
-        _run_shards(run, shards, engine, output)
+    n = 1 if engine is not None else task_engines(run.config, len(shards))
+    with security.private_umask(run.config.output.private):
+        if n > 1:
+            from batchinfer.launch.engines import run_engines
+
+            run_engines(run, shards, n)
+            return
+        with EngineOutput(run.logs_dir, enabled=engine is None) as output:
+            _run_shards(run, shards, engine, output)
 
 
-def _run_shards(run: RunDir, shards: list[Shard], engine: Any, output: EngineOutput) -> None:
+def task_engines(cfg: Config, n_shards: int) -> int:
+    """Engines this task starts: cluster.engines_per_task for the GPUs it has, at most one per shard."""
+    from batchinfer.config.engines import engines_per_task, task_gpus
+
+    return min(engines_per_task(cfg, len(task_gpus(cfg))), n_shards)
+
+
+def _run_shards(
+    run: RunDir, shards: Iterable[Shard], engine: Any, output: EngineOutput, member: Optional[Member] = None
+) -> None:
+    """Run shards on one engine. Alone, this process decides what a failure or stop means for the
+    task (requeue or not); as a `member` engine of a task, it raises and the task decides."""
     from batchinfer.engine.worker import CRASHES_TO_ISOLATE, ShardWorker, StopFlag, Stopped
 
     stop = StopFlag()
     saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)}
     holder = EngineHolder(run.config, stop, engine, run.path)
-    committed = sum(_rows_done(run, s.index) for s in shards)
-    bar = progress_bar(sum(s.rows for s in shards), committed, desc=run.path.name, file=output.bar_file())
-    current = shards[0]
+    known = isinstance(shards, list)  # a member learns its shards one at a time
+    total = sum(s.rows for s in shards) if known else 0
+    committed = sum(_rows_done(run, s.index) for s in shards) if known else 0
+    desc = run.path.name if member is None else f"{run.path.name} engine {member.index}"
+    bar = progress_bar(total, committed, desc=desc, file=output.bar_file())
+    current: Optional[Shard] = None
     worker = ShardWorker(run, holder, stop, bar)
+    worker.engine = member.record if member is not None else None
     try:
         stop.install()
         for current in shards:
+            if not known:
+                bar.total += current.rows
+                bar.update(_rows_done(run, current.index))
             worker.run_shard(current)
     except Stopped as e:
-        _stopped(e.signum)
+        if member is None:
+            _stopped(e.signum)
         raise
     except BatchinferError:
         raise  # the input or config is wrong: another attempt would fail the same way
@@ -119,27 +147,21 @@ def _run_shards(run: RunDir, shards: list[Shard], engine: Any, output: EngineOut
         if isinstance(e, OSError) and refused_write(e) is not None:
             raise storage_error(Path(e.filename or run.path), e) from None
         if stop.signum is not None:  # the signal reached the engine too: a stop, not a failure
-            _stopped(stop.signum)
+            if member is None:
+                _stopped(stop.signum)
             raise Stopped(stop.signum) from e
+        if member is not None:
+            member.failed(current, worker.failures)
+            raise
+        index = current.index if current is not None else -1
         if slurm.this_job():
             # The worker counted the failure under the shard lock, against this submission's budget.
-            failures = worker.failures
-            limit = run.config.cluster.max_attempts
-            if failures is None:
-                log.error("shard %d failed outside its shard lock (%s): not requeueing", current.index, e)
-            elif failures < limit:
-                log.error("shard %d failed (%s), attempt %d of %d: requeueing", current.index, e, failures, limit)
+            if requeue_after_failure(run, index, worker.failures, e):
                 slurm.requeue_self()
-            else:
-                log.error(
-                    "shard %d failed %d times in this submission (cluster.max_attempts): giving up",
-                    current.index,
-                    failures,
-                )
             raise
-        log.exception("shard %d failed", current.index)
+        log.exception("shard %d failed", index)
         raise EngineFailure(
-            f"shard {current.index} failed: {type(e).__name__}: {e} (traceback above). Committed rows are "
+            f"shard {index} failed: {type(e).__name__}: {e} (traceback above). Committed rows are "
             f"safe: run the same command again to finish. Rows that were in flight run one at a time "
             f"first, and a row in flight at {CRASHES_TO_ISOLATE} engine deaths becomes an error row"
         ) from None
@@ -148,6 +170,19 @@ def _run_shards(run: RunDir, shards: list[Shard], engine: Any, output: EngineOut
         holder.close(owned=engine is None)
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+def requeue_after_failure(run: RunDir, index: int, failures: Optional[int], error: Any, who: str = "") -> bool:
+    """Whether a failed shard earns the task another attempt (cluster.max_attempts per submission)."""
+    limit = run.config.cluster.max_attempts
+    if failures is None:
+        log.error("%sshard %d failed outside its shard lock (%s): not requeueing", who, index, error)
+        return False
+    if failures < limit:
+        log.error("%sshard %d failed (%s), attempt %d of %d: requeueing", who, index, error, failures, limit)
+        return True
+    log.error("%sshard %d failed %d times in this submission (cluster.max_attempts): giving up", who, index, failures)
+    return False
 
 
 def _stopped(signum: int) -> None:
