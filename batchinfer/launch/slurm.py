@@ -70,8 +70,12 @@ def split_tasks(tasks: list[Any], limit: int) -> list[list[Any]]:
     return [tasks[i : i + limit] for i in range(0, len(tasks), limit)] or [[]]
 
 
-def check_gpus(cfg: Config) -> None:
-    """gpus_per_task must cover tensor x pipeline parallelism (0: a CPU partition)."""
+def check_gpus(cfg: Config) -> int:
+    """gpus_per_task must cover tensor x pipeline parallelism (0: a CPU partition) times
+    cluster.engines_per_task; on a CPU partition each engine needs a core of cluster.cpus_per_task.
+    Returns the engines per task."""
+    from batchinfer.config.engines import engines_per_task
+
     need = cfg.model.tensor_parallel_size * cfg.model.pipeline_parallel_size
     have = cfg.cluster.gpus_per_task
     if have and have < need:
@@ -79,6 +83,15 @@ def check_gpus(cfg: Config) -> None:
             f"cluster.gpus_per_task={have} is less than model.tensor_parallel_size x pipeline_parallel_size = {need}; "
             f"set cluster.gpus_per_task={need}"
         )
+    n = engines_per_task(cfg)  # refuses N x TP x PP > gpus_per_task, naming the settings
+    cpus = cfg.cluster.cpus_per_task
+    if not have and cpus is not None and n > cpus:
+        raise ConfigError(
+            f"cluster.engines_per_task={n} on a CPU partition (cluster.gpus_per_task=0) needs a core per engine, "
+            f"but cluster.cpus_per_task={cpus}; raise cluster.cpus_per_task to {n} or more, or lower "
+            f"cluster.engines_per_task to {cpus}"
+        )
+    return n
 
 
 def env_lines(env: dict[str, Any]) -> list[str]:

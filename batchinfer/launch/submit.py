@@ -44,7 +44,7 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False) -> dic
     every job it created findable by `cancel` and `status`."""
     c = run.config
     cluster = c.cluster
-    slurm.check_gpus(c)
+    engines = slurm.check_gpus(c)
     per = cluster.shards_per_task
     tasks = [indices[i : i + per] for i in range(0, len(indices), per)]
     limit = slurm.max_array_size()
@@ -55,6 +55,7 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False) -> dic
     name = job_name(run, number)
     if dry_run:
         print(f"job name: {name}")
+        print(f"engines per task: {_engines_line(c, engines)}")
         for n, chunk in enumerate(chunks):
             print(f"array {n}: {len(chunk)} tasks, sbatch parameters {slurm.array_parameters(cluster, len(chunk))}")
             for i, shards in enumerate(chunk):
@@ -106,6 +107,22 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False) -> dic
     print(f"  resume:  batchinfer resume {shown}    (after preemption, time limits or failures)")
     print(f"  cancel:  batchinfer cancel {shown}")
     return record
+
+
+def _engines_line(c: Any, n: int) -> str:
+    """What each array task starts, for the dry run: N engines and the GPUs (or CPU cores) of each."""
+    setting = f"cluster.engines_per_task={c.cluster.engines_per_task}"
+    have = c.cluster.gpus_per_task
+    if have:
+        each = c.model.tensor_parallel_size * c.model.pipeline_parallel_size
+        idle = have - n * each
+        spare = f", {idle} of cluster.gpus_per_task={have} idle" if idle else ""
+        return f"{n} ({setting}), {each} GPU{'s' * (each != 1)} each{spare}"
+    cpus = c.cluster.cpus_per_task
+    if n == 1:
+        return f"1 ({setting}), on the task's CPU cores"
+    share = f" (cluster.cpus_per_task={cpus}: {cpus // n}+ each)" if cpus else ""
+    return f"{n} ({setting}), CPU cores split {n} ways{share}"
 
 
 def _sbatch_refusal(e: BaseException) -> Optional[str]:
