@@ -221,7 +221,8 @@ def test_plan_on_smollm2_and_a_jsonl(smollm2: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "runs").exists()  # plan creates no run directory
 
     report = plan_json(*ov)
-    assert set(report) == {"input", "prompt_tokens", "model", "gpus", "notes"}
+    assert set(report) == {"input", "prompt_tokens", "model", "gpus", "engines", "notes"}
+    assert report["engines"]["engines_per_task"] == 1 and "engines " not in out  # one engine: no line
     assert report["input"] | {"path": None} == {
         "path": None,
         "files": 1,

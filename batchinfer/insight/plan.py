@@ -193,11 +193,58 @@ def gpu_rows(
                 "max_seqs_at_max_model_len": round(f.max_seqs, 2),
                 "seqs_at_corpus_length": round(f.kv_tokens / seq_len, 1) if seq_len else None,
                 "recommended_tp": adv["recommended_tp"],
-                "layout": adv["layout"],
+                "layout": _one_copy_per_gpu(c, adv["layout"]) if adv["recommended_tp"] == 1 else adv["layout"],
                 "warnings": adv["warnings"],
             }
         )
     return out
+
+
+def engines_section(c: Config, inp: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """Engines per array task (cluster.engines_per_task), the GPUs or CPU cores of each, idle GPUs,
+    and the shards each engine takes; `problem` is what submit would refuse (the plan still prints)."""
+    from batchinfer.config.engines import gpus_per_engine
+    from batchinfer.launch.slurm import check_gpus
+
+    cl = c.cluster
+    have, each, cpus = int(cl.gpus_per_task), gpus_per_engine(c), cl.cpus_per_task
+    # a task takes shards_per_task shards, fewer when the whole input has fewer
+    shards = min(cl.shards_per_task, inp["shards"]) if inp else cl.shards_per_task
+    out: dict[str, Any] = {
+        "setting": cl.engines_per_task,
+        "engines_per_task": None,
+        "gpus_per_task": have,
+        "gpus_per_engine": each if have else 0,
+        "idle_gpus": None,
+        "cpus_per_task": cpus,
+        "cpus_per_engine": None,
+        "shards_per_task": shards,
+        "shards_per_engine": None,
+        "engines_without_shards": None,
+        "problem": None,
+    }
+    try:
+        n = check_gpus(c)
+    except ConfigError as e:
+        return dict(out, problem=str(e))
+    return dict(
+        out,
+        engines_per_task=n,
+        idle_gpus=have - n * each if have else 0,
+        cpus_per_engine=cpus // n if cpus and not have else None,
+        shards_per_engine=round(shards / n, 2),
+        engines_without_shards=max(0, n - shards),
+    )
+
+
+def _one_copy_per_gpu(c: Config, layout: str) -> str:
+    """The advice to run one model copy per GPU, pointed at whole-node tasks too (unless engines are set)."""
+    if c.cluster.engines_per_task != 1:
+        return layout
+    return (
+        f"{layout}; or, on whole nodes, one engine per GPU in each task: cluster.engines_per_task=auto "
+        "with cluster.gpus_per_task=<GPUs per node>"
+    )
 
 
 def estimate(cfg: DictConfig, gpu: str = sizing.DEFAULT_GPU, sample_rows: int = SAMPLE_ROWS) -> dict[str, Any]:
@@ -237,4 +284,5 @@ def estimate(cfg: DictConfig, gpu: str = sizing.DEFAULT_GPU, sample_rows: int = 
     seq_len = round(pt["mean"] + pt["max_tokens"]) if pt and "mean" in pt else None
     seq_len = max(1, min(seq_len, ms["max_model_len"])) if seq_len and c.task.name in POOLING_TASKS else seq_len
     report["gpus"] = gpu_rows(c, model, ms, gpus, seq_len)
+    report["engines"] = engines_section(c, report["input"])
     return report

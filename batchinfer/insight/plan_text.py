@@ -149,6 +149,10 @@ def format_plan(report: dict[str, Any]) -> str:
             f"  fit TP: smallest of {', '.join(map(str, sizing.TP_SIZES))} whose {holds} "
             f"{sizing.MIN_SEQS}+ sequences of max_model_len; 1 means one model copy per GPU"
         )
+        engines = report.get("engines") or {}
+        if engines.get("setting", 1) == 1 and any(g["recommended_tp"] == 1 for g in rows):
+            lines.append("  (on whole nodes, cluster.engines_per_task=auto runs one copy per GPU in each task)")
+    lines += _engines_lines(report.get("engines"))
     full = [g for g in rows if (g["kv_cache_bytes_per_gpu"] if kv else g["activation_bytes_per_gpu"]) == 0]
     if len(rows) > 1 and full:  # one line for all the cards the configured layout does not fit
         tp = rows[0]["tensor_parallel_size"]
@@ -162,6 +166,56 @@ def format_plan(report: dict[str, Any]) -> str:
     for note in report["notes"]:
         lines.append(f"note     {note}")
     return "\n".join(_wrap(line) for line in lines)
+
+
+def _engines_lines(e: Any) -> list[str]:
+    """Engines per array task, when a task runs more than one or leaves GPUs idle; what submit would refuse."""
+    if not e:
+        return []
+    if e["problem"]:
+        return [f"warning  {e['problem']}"]
+    n, have, each = e["engines_per_task"], e["gpus_per_task"], e["gpus_per_engine"]
+    setting = f"cluster.engines_per_task={e['setting']}"
+    if n == 1:
+        if not e["idle_gpus"]:
+            return []
+        fix = (
+            f"cluster.engines_per_task=auto runs {have // each} engines"
+            if have // each > 1
+            else f"lower cluster.gpus_per_task to {each}"
+        )
+        return [
+            f"engines  1 per task ({setting}) on {each} of cluster.gpus_per_task={have} GPUs: "
+            f"{e['idle_gpus']} idle; {fix}"
+        ]
+    if have:
+        idle = f", {e['idle_gpus']} idle" if e["idle_gpus"] else ""
+        what = (
+            f"{_n(each, 'GPU')} each (model.tensor_parallel_size x pipeline_parallel_size) of "
+            f"cluster.gpus_per_task={have}{idle}"
+        )
+    else:
+        cpus = e["cpus_per_task"]
+        share = (
+            f"cluster.cpus_per_task={cpus}: {e['cpus_per_engine']} each"
+            if cpus
+            else "cluster.cpus_per_task unset: of the cores Slurm gives"
+        )
+        what = f"the task's CPU cores split {n} ways, no GPUs (cluster.gpus_per_task=0; {share})"
+    shards, idle = e["shards_per_task"], e["engines_without_shards"]
+    lines = [f"engines  {n} per task ({setting}): {what}"]
+    if idle:
+        lines.append(
+            f"warning  {_n(shards, 'shard')} per task for {n} engines: {idle} of them get none; raise "
+            f"cluster.shards_per_task to {n} or more (the input needs that many shards too)"
+        )
+    else:
+        per = e["shards_per_engine"]
+        lines.append(
+            f"         about {per:g} shard{'' if per == 1 else 's'} per engine ({_n(shards, 'shard')} per task, "
+            "cluster.shards_per_task), taken one at a time: a faster engine takes more"
+        )
+    return lines
 
 
 def _batch_note(g: dict[str, Any]) -> str:
