@@ -45,22 +45,71 @@ def gpus_per_task(cfg: Config, devices: list[Optional[str]]) -> int:
     return 0
 
 
+def engine_record(rec: Any) -> Optional[dict[str, Any]]:
+    """A shard's `engine` record ({index, of, devices}: which of a task's engines ran it), or None when
+    absent (a single-engine run) or not of that shape."""
+    if not isinstance(rec, dict):
+        return None
+    index, of = rec.get("index"), rec.get("of")
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (index, of)) or not 0 <= index < of:
+        return None
+    devices = rec.get("devices")
+    return {"index": index, "of": of, "devices": devices if isinstance(devices, str) else None}
+
+
+def configured_engines(cfg: Config, task_gpus: int) -> int:
+    """cluster.engines_per_task of the run's config for a task of task_gpus GPUs; 1 if it cannot run."""
+    from batchinfer.config.engines import engines_per_task
+
+    try:
+        return engines_per_task(cfg, task_gpus)
+    except (ConfigError, AttributeError, TypeError, ValueError):  # a run.yaml from before the key: 1
+        return 1
+
+
+def engine_gpu_seconds(cfg: Config, task_gpus: int, shards: list[dict[str, Any]]) -> tuple[float, dict[int, int]]:
+    """(GPU-seconds of the shards, {engines per task: GPUs counted per engine} of the layouts seen).
+
+    A task of N engines runs N shards at once, each on one engine: a shard's seconds count
+    max(task GPUs // N, tensor x pipeline parallel size) GPUs (the task's GPUs shared by its engines),
+    N from the shard's engine record, else the config. A CPU task's engine counts as 1 GPU."""
+    each = cfg.model.tensor_parallel_size * cfg.model.pipeline_parallel_size
+    default = configured_engines(cfg, task_gpus)
+    total, layouts = 0.0, {}
+    for s in shards:
+        seconds = sum(s["seconds"].values())
+        eng = engine_record(s.get("engine"))
+        n = eng["of"] if eng else default
+        gpus = max(task_gpus // n, each) if task_gpus else 1
+        total += seconds * gpus
+        if seconds:
+            layouts[n] = gpus
+    return total, dict(sorted(layouts.items()))
+
+
 def cost(
     tot: dict[str, Any],
     gpus_per_task: int,
     price: Optional[float] = None,
     gpu: Optional[str] = None,
     watts: Optional[float] = None,
+    gpu_seconds: Optional[float] = None,
+    layouts: Optional[dict[int, int]] = None,
 ) -> dict[str, Any]:
-    """GPU-hours = (start-up + prepare + generate + commit seconds of all shards) x GPUs per task / 3600;
-    with a price, USD and USD per 1K output / total tokens; with watts per GPU, kWh and J per token."""
+    """GPU-hours = (start-up + prepare + generate + commit seconds of all shards) x GPUs per task / 3600,
+    or the given gpu_seconds / 3600 (engine_gpu_seconds: tasks of several engines, whose layouts say
+    how many GPUs each engine counted); with a price, USD and USD per 1K output / total tokens; with
+    watts per GPU, kWh and J per token."""
     gpus = gpus_per_task or 1
-    gpu_seconds = sum(tot["seconds"].values()) * gpus
+    if gpu_seconds is None:
+        gpu_seconds = sum(tot["seconds"].values()) * gpus
     out_tok, all_tok = tot["output_tokens"], tot["prompt_tokens"] + tot["output_tokens"]
     rec: dict[str, Any] = {
         "gpus_per_task": gpus,
         "cpu": not gpus_per_task,  # cluster.gpus_per_task=0: CPU tasks, counted as 1 "GPU" each
         "gpu_hours": gpu_seconds / 3600,
+        # engines per task -> GPUs counted per engine (per task when 1), for the layouts the shards ran in
+        "engine_layouts": [{"engines_per_task": n, "gpus_per_engine": g} for n, g in (layouts or {}).items()],
     }
     usd_per_hour, source = hourly_price(price, gpu)
     if usd_per_hour is not None:
@@ -89,8 +138,9 @@ def cost(
 
 def cost_lines(c: dict[str, Any]) -> list[str]:
     """The cost section of the report, as markdown lines."""
-    what = "CPU tasks, no GPU: each counted as 1 GPU" if c["cpu"] else f"{c['gpus_per_task']} per task"
-    lines = [f"- GPU-hours: {c['gpu_hours']:,.4f} (start-up + prepare + generate + commit seconds x GPUs: {what})"]
+    lines = [
+        f"- GPU-hours: {c['gpu_hours']:,.4f} (start-up + prepare + generate + commit seconds x GPUs: {_gpus_what(c)})"
+    ]
     if "usd" in c:
         lines.append(
             f"- price: ${c['usd_per_gpu_hour']:,.2f} per GPU-hour ({c['price_source']}); cost ${c['usd']:,.4f}"
@@ -109,6 +159,23 @@ def cost_lines(c: dict[str, Any]) -> list[str]:
             f"{_money(c['joules_per_total_token'])} J per total token"
         )
     return lines
+
+
+def _gpus_what(c: dict[str, Any]) -> str:
+    """The GPUs each shard's seconds count: per task, or per engine when tasks ran several."""
+    multi = [lay for lay in c.get("engine_layouts", []) if lay["engines_per_task"] > 1]
+    if not multi:
+        return "CPU tasks, no GPU: each counted as 1 GPU" if c["cpu"] else f"{c['gpus_per_task']} per task"
+    if c["cpu"]:
+        ns = " or ".join(str(lay["engines_per_task"]) for lay in multi)
+        return f"CPU tasks, no GPU: each of {ns} engines per task counted as 1 GPU, its shards' seconds its own"
+    parts = [
+        f"{lay['gpus_per_engine']} per engine for shards of tasks running {lay['engines_per_task']} engines"
+        if lay["engines_per_task"] > 1
+        else f"{lay['gpus_per_engine']} per task for shards of single-engine tasks"
+        for lay in c["engine_layouts"]
+    ]
+    return f"{'; '.join(parts)}; a task's cluster.gpus_per_task={c['gpus_per_task']} shared by its engines"
 
 
 def _money(x: Optional[float]) -> str:

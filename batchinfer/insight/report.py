@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from batchinfer.rundir.stats import markdown_table, shard_stats, totals
+from batchinfer.rundir.stats import markdown_table, shard_record, shard_stats, totals
 from batchinfer.rundir.store import RunDir
 
 
@@ -13,19 +13,77 @@ def build_report(
     run: RunDir, price: Optional[float] = None, gpu: Optional[str] = None, watts: Optional[float] = None
 ) -> dict[str, Any]:
     """Per-shard stats, totals and cost of DIR as it is now (finished or partial); no Slurm calls."""
-    from batchinfer.insight.cost import cost, gpus_per_task
+    from batchinfer.insight.cost import cost, engine_gpu_seconds, engine_record, gpus_per_task
 
     shards = shard_stats(run)
+    for s in shards:
+        if "engine" not in s:  # which of its task's engines ran the shard (absent: a single-engine run)
+            s["engine"] = shard_record(run, s["shard"]).get("engine")
+        s["engine"] = engine_record(s["engine"])
     tot = totals(shards)
     gpus = gpus_per_task(run.config, [s["device"] for s in shards])
+    gpu_seconds, layouts = engine_gpu_seconds(run.config, gpus, shards)
     return {
         "dir": str(run.path),
         "partial": tot["shards_done"] < tot["shards"],
         "merged": run.output_path.exists(),
         "totals": tot,
-        "cost": cost(tot, gpus, price=price, gpu=gpu, watts=watts),
+        "cost": cost(tot, gpus, price=price, gpu=gpu, watts=watts, gpu_seconds=gpu_seconds, layouts=layouts),
+        "engines": engine_table(shards),
         "shards": shards,
     }
+
+
+def engine_table(shards: list[dict[str, Any]]) -> Optional[list[dict[str, Any]]]:
+    """Per engine index (engine k of a task's N): shards, rows, generate seconds and rates; None unless
+    some shard ran in a task of several engines. A shard without an engine record counts as engine 0."""
+    if not any(s["engine"] and s["engine"]["of"] > 1 for s in shards):
+        return None
+    rows: dict[int, dict[str, Any]] = {}
+    for s in shards:
+        if not s["engine"] and not (s["rows_done"] or any(s["seconds"].values())):
+            continue  # not started: no engine ran it
+        index = s["engine"]["index"] if s["engine"] else 0
+        r = rows.setdefault(
+            index,
+            {"engine": index, "devices": [], "shards": 0, "rows_done": 0, "output_tokens": 0, "generate_seconds": 0.0},
+        )
+        devices = s["engine"] and s["engine"]["devices"]
+        if devices and devices not in r["devices"]:
+            r["devices"].append(devices)
+        r["shards"] += 1
+        r["rows_done"] += s["rows_done"]
+        r["output_tokens"] += s["output_tokens"]
+        r["generate_seconds"] += s["seconds"]["generate"]
+    for r in rows.values():
+        gen = r["generate_seconds"]
+        r["rows_per_s"] = round(r["rows_done"] / gen, 2) if gen else None
+        r["output_tokens_per_s"] = round(r["output_tokens"] / gen, 2) if gen else None
+    return [rows[k] for k in sorted(rows)]
+
+
+def engine_lines(engines: list[dict[str, Any]]) -> list[str]:
+    """The per-engine table of report.md."""
+    lines = [
+        "## Engines",
+        "",
+        "Each array task ran several engines (cluster.engines_per_task), each taking the task's shards one at a "
+        "time; shards by the engine that ran them (engine k of each task). tok/s and rows/s over generate seconds.",
+        "",
+        "| engine | devices | shards | rows | generate s | rows/s | output tok/s |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in engines:
+        devices = r["devices"][:3] + (["…"] if len(r["devices"]) > 3 else [])
+        lines.append(
+            f"| {r['engine']} | {'; '.join(devices) or '-'} | {r['shards']:,} | {r['rows_done']:,} | "
+            f"{r['generate_seconds']:,.1f} | {_num(r['rows_per_s'])} | {_num(r['output_tokens_per_s'])} |"
+        )
+    return lines
+
+
+def _num(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:,.1f}"
 
 
 def format_report(rep: dict[str, Any], charts: list[Path]) -> str:
@@ -44,9 +102,11 @@ def format_report(rep: dict[str, Any], charts: list[Path]) -> str:
         )
     lines = [f"# batchinfer report: {rep['dir']}", "", state, "", *markdown_table(rep["shards"], tot), ""]
     lines += [
-        "tok/s: tokens over generate seconds (one task while generating); total = prompt + output tokens. "
+        f"tok/s: tokens over generate seconds (one {'engine' if rep.get('engines') else 'task'} while generating); "
+        "total = prompt + output tokens. "
         "Prefix cache hits: prompt tokens vLLM served from its prefix cache.",
         "",
+        *([*engine_lines(rep["engines"]), ""] if rep.get("engines") else []),
         "## Cost",
         "",
         *cost_lines(rep["cost"]),
