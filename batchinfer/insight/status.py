@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.config.schema import POOLING_TASKS
+from batchinfer.insight.cost import engine_record
 from batchinfer.launch.jobs import shard_tasks
 from batchinfer.rundir.stats import with_rates
 from batchinfer.rundir.store import RunDir
@@ -114,6 +115,7 @@ def shard_status(run: RunDir, states: dict[str, str]) -> list[dict[str, Any]]:
             updated=progress.get("updated"),
             attempts=progress.get("attempts", 0),
             failures=progress.get("failures", 0),
+            engine=engine_record(progress.get("engine")),  # which of its task's engines; None: the only one
         )
         task = tasks.get(shard.index)
         # cluster.max_attempts counts per submission: the worker keys failures by Slurm job id
@@ -150,10 +152,19 @@ def shard_status(run: RunDir, states: dict[str, str]) -> list[dict[str, Any]]:
     return out
 
 
+def engine_note(r: dict[str, Any]) -> str:
+    """`engine 1 of 2 (devices 2,3)`: the worker of a multi-engine task that ran the shard; else nothing."""
+    e = r.get("engine")
+    if not e or e["of"] < 2:
+        return ""
+    return f"engine {e['index']} of {e['of']}" + (f" (devices {e['devices']})" if e["devices"] else "")
+
+
 def running_rates(records: list[dict[str, Any]]) -> tuple[float, float, int]:
-    """(rows/s, output tok/s, tasks) of the running array tasks together. A task's shards run one at
-    a time, so each running task counts once, at the rate of its most recently updated shard; a task
-    without a rate yet (its engine is starting) counts at the mean rate of the shards that have one."""
+    """(rows/s, output tok/s, tasks) of the running array tasks together. An engine's shards run one
+    at a time, so each engine of a running task (a task runs cluster.engines_per_task of them) counts
+    once, at the rate of its most recently updated shard; a task without a rate yet (its engine is
+    starting) counts once at the mean rate of the shards that have one."""
     known = [r for r in records if r["rows_per_s"]]
     mean = (
         (sum(r["rows_per_s"] for r in known) / len(known), sum(r["output_tokens_per_s"] for r in known) / len(known))
@@ -166,12 +177,15 @@ def running_rates(records: list[dict[str, Any]]) -> tuple[float, float, int]:
             tasks.setdefault(r["job"], []).append(r)
     rows_s = tokens_s = 0.0
     for shards in tasks.values():
-        rated = [r for r in shards if r["rows_per_s"]]
-        if rated:
+        engines: dict[int, list[dict[str, Any]]] = {}
+        for r in shards:
+            if r["rows_per_s"]:
+                engines.setdefault(r["engine"]["index"] if r.get("engine") else 0, []).append(r)
+        if not engines:
+            rows_s, tokens_s = rows_s + mean[0], tokens_s + mean[1]
+        for rated in engines.values():
             r = max(rated, key=lambda r: r["updated"] or 0)
             rows_s, tokens_s = rows_s + r["rows_per_s"], tokens_s + r["output_tokens_per_s"]
-        else:
-            rows_s, tokens_s = rows_s + mean[0], tokens_s + mean[1]
     return rows_s, tokens_s, len(tasks)
 
 
@@ -229,19 +243,21 @@ def format_status(
         rows = f"{r['rows_done']} of {r['rows']}"
         value = r["rows_per_s"] if pooled else r["output_tokens_per_s"]
         tps = f"{value:.1f}" if value else "-"
-        note_text = "; ".join(x for x in (failures_note(r), r.get("error")) if x)
+        which = engine_note(r) if r["state"] in ("failed", "partial") else ""
+        note_text = "; ".join(x for x in (which, failures_note(r), r.get("error")) if x)
         lines.append(
             f"{r['shard']:>5}  {r['state']:<8} {rows:>15}  {tps:>8}  {r['job'] or '-':<14} {r['attempts']:>8}  {note_text[:100]}"
         )
     states = ", ".join(f"{n} {s}" for s, n in sorted(totals["states"].items()))
     tps, now, eta = totals["output_tokens_per_s"], totals["running_output_tokens_per_s"], totals["eta_seconds"]
     tasks = totals["running_tasks"]
+    unit = "engine" if any(r.get("engine") and r["engine"]["of"] > 1 for r in records) else "task"
     if pooled:
         tps, now = totals["rows_per_s"], totals["running_rows_per_s"]
     lines.append(
         f"total: {totals['rows_done']} of {totals['rows']} rows; shards: {states}"
         + ("" if pooled else f"; output tokens: {totals['output_tokens']}")
-        + (f" ({tps} {rate} per task while {'computing' if pooled else 'generating'})" if tps else "")
+        + (f" ({tps} {rate} per {unit} while {'computing' if pooled else 'generating'})" if tps else "")
         + (f"; now {now} {rate} over {tasks} running task{'s' * (tasks != 1)}" if now else "")
         + (f"; ETA {eta // 3600} h {eta % 3600 // 60} min {eta % 60} s" if eta is not None else "")
     )
