@@ -27,6 +27,7 @@ from batchinfer.rundir.store import RunDir
 
 log = logging.getLogger("batchinfer")
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+MEMBER = [sys.executable, "-m", "batchinfer.launch.member"]  # + DIR INDEX OF FD_IN FD_OUT
 
 
 @dataclass
@@ -107,7 +108,7 @@ def _start(run: RunDir, k: int, n: int, env: dict[str, str]) -> MemberProcess:
     """Start engine k's worker process with its devices in its environment."""
     to_r, to_w = os.pipe()
     from_r, from_w = os.pipe()
-    cmd = [sys.executable, "-m", "batchinfer.launch.member", str(run.path), str(k), str(n), str(to_r), str(from_w)]
+    cmd = [*MEMBER, str(run.path), str(k), str(n), str(to_r), str(from_w)]
     # Its own process group: when it dies, what is left of its engine is killed with the group,
     # so a dead engine never holds its GPUs (or a shard's lock) while its siblings work on.
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, pass_fds=(to_r, from_w), process_group=0)

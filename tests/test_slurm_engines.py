@@ -1,0 +1,117 @@
+"""Two engines in one array task (cluster.engines_per_task=2, one core each) on the dev cluster:
+shards handed out one at a time, USR2 requeues the task once with both engines' rows kept, and a
+killed engine leaves its sibling's shards finished and its own resumed on requeue."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import assert_exactly_once, committed_rows, project, read_output
+from test_slurm import (  # noqa: F401  (slurm_env: the fixture, used by pytestmark)
+    cluster_overrides,
+    first_submission,
+    slurm_env,
+    submit_corpus,
+    wait_for,
+    wait_until_idle,
+)
+
+from batchinfer.config.compose import compose
+from batchinfer.launch.local import run_local
+
+pytestmark = [pytest.mark.slurm, pytest.mark.engine, pytest.mark.usefixtures("slurm_env")]
+# 4 shards of 100 rows in one task, 2 engines on its 2 cores; each engine holds after its first part
+# (not after a requeue) so the test's signal or kill lands on partial shards of both engines.
+EXTRA = [
+    "sharding.num_shards=4",
+    "cluster.shards_per_task=4",
+    "cluster.engines_per_task=2",
+    "sampling.max_tokens=16",
+    "output.commit_every_rows=16",
+]
+
+
+def progress_by_engine(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """{engine index: progress.json} of unfinished shards with committed rows."""
+    out = {}
+    for p in run_dir.glob("shards/*/progress.json"):
+        rec = json.loads(p.read_text())
+        if rec.get("engine") and rec.get("rows_done", 0) > 0 and not (p.parent / "DONE.json").exists():
+            out[rec["engine"]["index"]] = rec
+    return out
+
+
+def task_logs(run_dir: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.err"))
+
+
+def sacct_runs(job: str) -> list[str]:
+    res = subprocess.run(["sacct", "-n", "-X", "-D", "-P", "-o", "State", "-j", job], capture_output=True, text=True)
+    return res.stdout.split()
+
+
+def test_two_engines_usr2_requeues_once_and_keeps_both_engines_rows(
+    tmp_path: Path, tiny_model_path: Path, engine: Any
+) -> None:
+    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 400, 21, *EXTRA, "+cluster.env.BATCHINFER_HOLD=240")
+    task = first_submission(run_dir)["arrays"][0]["job_id"]  # an array of one task: its job id
+    wait_for(lambda: set(progress_by_engine(run_dir)) == {0, 1}, timeout=600, what="both engines' first parts")
+    partial = progress_by_engine(run_dir)
+    before = committed_rows(run_dir)
+    # Preemption notice: once, under a short timeout (see DESIGN: scancel retries for ~95 s).
+    sent = subprocess.run(["scancel", "--signal=USR2", task], timeout=15, capture_output=True, text=True)
+    assert sent.returncode == 0, sent.stderr
+    wait_until_idle(run_dir)
+    out = read_output(run_dir)
+    assert_exactly_once(out, rows)
+    # Both engines' rows committed before the signal are in the output as they were committed.
+    after = committed_rows(run_dir)  # from each shard's compacted file now
+    assert before and {r: after[r] for r in before} == before
+    for rec in partial.values():
+        assert 0 < rec["rows_done"] < rec["rows_total"], rec
+    logs = task_logs(run_dir)
+    assert "received SIGUSR2: every engine commits and stops" in logs
+    assert logs.count("] requeued ") == 1, logs[-3000:]  # the task requeues once, not per engine
+    assert "resuming" in logs
+    assert sacct_runs(task)[:1] == ["REQUEUED"] and sacct_runs(task)[-1] == "COMPLETED", sacct_runs(task)
+    # Every shard finished once; the first run's engines each ran on a core of its own.
+    done = [json.loads(p.read_text()) for p in sorted(run_dir.glob("shards/*/DONE.json"))]
+    assert [d["rows_done"] for d in done] == [100] * 4
+    cores = {rec["engine"]["devices"] for rec in partial.values()}
+    assert cores == {"cpu:0", "cpu:1"}, cores
+    ov = cluster_overrides(tmp_path, tmp_path / "c.jsonl", tiny_model_path, *EXTRA[:1], *EXTRA[3:])
+    clean = read_output(run_local(compose([*ov, f"output.dir={tmp_path}/clean", "cluster=local"]), engine=engine).path)
+    assert project(out) == project(clean)
+
+
+def test_one_engine_killed_leaves_its_sibling_working_and_resumes_on_requeue(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 400, 22, *EXTRA, "+cluster.env.BATCHINFER_HOLD=30")
+    task = first_submission(run_dir)["arrays"][0]["job_id"]  # an array of one task: its job id
+    wait_for(lambda: 1 in progress_by_engine(run_dir), timeout=600, what="engine 1's first part")
+    victim = progress_by_engine(run_dir)[1]
+    shard = victim["shard"]
+    os.killpg(victim["holder"]["pid"], signal.SIGKILL)  # engine 1's worker and its engine, as the OOM killer might
+    before = committed_rows(run_dir)
+    wait_until_idle(run_dir)
+    assert_exactly_once(read_output(run_dir), rows)
+    logs = task_logs(run_dir)
+    assert f"engine 1 of 2 (devices cpu:1) failed on shard {shard}" in logs, logs[-3000:]
+    assert "killed by SIGKILL" in logs and logs.count("] requeued ") == 1
+    done = {d["shard"]: d for d in (json.loads(p.read_text()) for p in run_dir.glob("shards/*/DONE.json"))}
+    # The killed engine's shard was partial, its death counted under its lock, and it was resumed
+    # on the requeue; the other shards were all finished by engine 0 in the first run.
+    assert 0 < victim["rows_done"] < 100
+    assert done[shard]["failures"] == 1 and done[shard]["attempts"] == 2, done[shard]
+    others = [d for s, d in done.items() if s != shard]
+    assert all(d["engine"]["index"] == 0 and d["attempts"] == 1 for d in others), others
+    after = committed_rows(run_dir)
+    assert before and {r: after[r] for r in before} == before
+    assert sacct_runs(task)[-1] == "COMPLETED"
