@@ -7,7 +7,6 @@ import json
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +78,7 @@ run_dir, index, of, fd_in, fd_out = sys.argv[1:]
 behave = json.loads(os.environ["BEHAVE"])[int(index)]
 stop = []
 signal.signal(signal.SIGUSR2, lambda s, f: stop.append(s))
+signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
 inp, out = os.fdopen(int(fd_in)), os.fdopen(int(fd_out), "w", buffering=1)
 taken = 0
 while True:
@@ -89,6 +89,9 @@ while True:
     taken += 1
     if behave.get("die_on") == taken:
         os.kill(os.getpid(), signal.SIGKILL)
+    if behave.get("fail_on") == taken:  # its engine died: it counted the failure itself and says so
+        out.write("exit " + json.dumps({"status": "failed", "shard": int(line), "failures": 1, "error": "EngineDeadError: gone"}) + "\n")
+        sys.exit(1)
     if behave.get("wait_for_signal"):
         while not stop:
             time.sleep(0.05)
@@ -140,14 +143,10 @@ def test_shards_go_one_at_a_time_so_a_fast_engine_takes_more(tmp_path: Path, fak
 
 
 def test_a_dead_engine_is_counted_under_its_shard_lock_and_its_sibling_finishes(
-    tmp_path: Path, fake_members: Any, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, fake_members: Any, under_slurm: list[str]
 ) -> None:
     run = small_run(tmp_path, 6)
     fake_members({"seconds": 0.2}, {"die_on": 1})  # engine 1 dies on its first shard
-    requeues: list[str] = []
-    monkeypatch.setattr(slurm, "this_job", lambda: "77_0")
-    monkeypatch.setattr(slurm, "requeue_self", lambda: requeues.append("requeue") or True)
-    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
     with pytest.raises(EngineFailure) as e:
         engines.run_engines(run, run.shards(), 2)
     got = taken(run)
@@ -155,23 +154,48 @@ def test_a_dead_engine_is_counted_under_its_shard_lock_and_its_sibling_finishes(
     assert sorted(got) == sorted(set(range(6)) - {dead}) and all(v.startswith("0 ") for v in got.values())
     msg = str(e.value)
     assert f"engine 1 of 2 (devices cpu:1) failed on shard {dead}" in msg and "killed by SIGKILL" in msg
-    assert requeues == ["requeue"]  # once for the task
+    assert under_slurm == ["requeue"]  # once for the task
     progress = json.loads(run.progress_path(dead).read_text())
     assert progress["failures"] == 1 and progress["failures_by_job"] == {"77": 1}
     assert progress["engine"] == {"index": 1, "of": 2, "devices": "cpu:1"} and "SIGKILL" in progress["last_error"]
 
 
-def test_usr2_reaches_every_engine_and_the_task_stops_once(tmp_path: Path, fake_members: Any) -> None:
+@pytest.fixture
+def under_slurm(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """This process as Slurm task 77_0; the requeues it asks for are recorded, not sent."""
+    requeues: list[str] = []
+    monkeypatch.setattr(slurm, "this_job", lambda: "77_0")
+    monkeypatch.setattr(slurm, "requeue_self", lambda: requeues.append("requeue") or True)
+    monkeypatch.setattr(slurm, "requeue_this_job", lambda: requeues.append("requeue"))
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
+    return requeues
+
+
+@pytest.mark.parametrize("signum, requeued", [(signal.SIGUSR2, ["requeue"]), (signal.SIGTERM, [])])
+def test_a_stop_signal_reaches_every_engine_and_the_task_decides_once(
+    tmp_path: Path, fake_members: Any, under_slurm: list[str], signum: int, requeued: list[str]
+) -> None:
     run = small_run(tmp_path, 4)
     fake_members({"wait_for_signal": True}, {"wait_for_signal": True})
-    before = signal.getsignal(signal.SIGUSR2)
-    timer = threading.Timer(1.5, lambda: signal.raise_signal(signal.SIGUSR2))
+    before = signal.getsignal(signum)
+    timer = threading.Timer(1.5, lambda: signal.raise_signal(signum))  # to the task only: it passes it on
     timer.start()
-    t0 = time.monotonic()
     with pytest.raises(Stopped) as e:
-        engines.run_engines(run, run.shards(), 2)  # not under Slurm: stops without a requeue
-    assert e.value.signum == signal.SIGUSR2 and time.monotonic() - t0 < 60
-    assert signal.getsignal(signal.SIGUSR2) == before  # the task's handlers are undone
+        engines.run_engines(run, run.shards(), 2)
+    assert e.value.signum == signum
+    assert under_slurm == requeued  # USR2: one requeue for the task, not one per engine; TERM: none
+    assert signal.getsignal(signum) == before  # the task's handlers are undone
+
+
+def test_engines_that_fail_requeue_the_task_once(tmp_path: Path, fake_members: Any, under_slurm: list[str]) -> None:
+    run = small_run(tmp_path, 6)
+    fake_members({"fail_on": 2}, {"fail_on": 1})
+    with pytest.raises(EngineFailure) as e:
+        engines.run_engines(run, run.shards(), 2)
+    assert under_slurm == ["requeue"]
+    assert "engine 0 of 2 (devices cpu:0) failed on shard" in str(e.value)
+    assert "engine 1 of 2 (devices cpu:1) failed on shard" in str(e.value) and "EngineDeadError: gone" in str(e.value)
+    assert len(taken(run)) == 1  # engine 0's first shard; no shard handed out twice, none after a failure
 
 
 def test_a_task_with_fewer_shards_than_engines_starts_one_per_shard(tmp_path: Path) -> None:
