@@ -103,7 +103,7 @@ while True:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     with open(os.path.join(run_dir, f"taken-{line}"), "w") as f:
-        f.write(f"{index} {os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}")
+        f.write(f"{index} {os.environ.get('VLLM_CPU_OMP_THREADS_BIND')} {os.environ.get('VLLM_PORT')}")
 out.write("exit " + json.dumps({"status": "done"}) + "\n")
 """
 
@@ -132,13 +132,16 @@ def taken(run: RunDir) -> dict[int, str]:
     return {int(p.name.split("-")[1]): p.read_text() for p in run.path.glob("taken-*")}
 
 
-def test_shards_go_one_at_a_time_so_a_fast_engine_takes_more(tmp_path: Path, fake_members: Any) -> None:
+def test_shards_go_one_at_a_time_so_a_fast_engine_takes_more(
+    tmp_path: Path, fake_members: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     run = small_run(tmp_path, 8)
+    monkeypatch.setenv("VLLM_PORT", "29500")  # each engine scans for ports from a base of its own
     fake_members({"seconds": 0.0}, {"after_others": 7})  # engine 1 is slow: done when the rest are
     engines.run_engines(run, run.shards(), 2)
     got = taken(run)
     assert sorted(got) == list(range(8))  # every shard handed out exactly once
-    by_engine = [k for k, v in got.items() if v == "0 0"], [k for k, v in got.items() if v == "1 1"]
+    by_engine = [k for k, v in got.items() if v == "0 0 29500"], [k for k, v in got.items() if v == "1 1 29600"]
     assert len(by_engine[0]) >= 7 and len(by_engine[1]) <= 1, got  # its own core each; the fast one takes more
 
 

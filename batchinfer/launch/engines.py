@@ -27,6 +27,7 @@ from batchinfer.rundir.store import RunDir
 
 log = logging.getLogger("batchinfer")
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+PORTS_PER_ENGINE = 100  # VLLM_PORT, when set, is offset by this per engine
 MEMBER = [sys.executable, "-m", "batchinfer.launch.member"]  # + DIR INDEX OF FD_IN FD_OUT
 
 
@@ -111,7 +112,11 @@ def _start(run: RunDir, k: int, n: int, env: dict[str, str]) -> MemberProcess:
     cmd = [*MEMBER, str(run.path), str(k), str(n), str(to_r), str(from_w)]
     # Its own process group: when it dies, what is left of its engine is killed with the group,
     # so a dead engine never holds its GPUs (or a shard's lock) while its siblings work on.
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, pass_fds=(to_r, from_w), process_group=0)
+    full = {**os.environ, **env}
+    if full.get("VLLM_PORT", "").isdigit():
+        # vLLM scans upward from VLLM_PORT for free ports: engines starting together could pick the same
+        full["VLLM_PORT"] = str(int(full["VLLM_PORT"]) + PORTS_PER_ENGINE * k)
+    proc = subprocess.Popen(cmd, env=full, pass_fds=(to_r, from_w), process_group=0)
     os.close(to_r)
     os.close(from_w)
     devices = env.get("CUDA_VISIBLE_DEVICES") or f"cpu:{env.get('VLLM_CPU_OMP_THREADS_BIND')}"
