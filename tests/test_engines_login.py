@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import pytest
 from conftest import fake_model_dir, run_cli, write_corpus
+from test_plan import LLAMA_8B
 
 from batchinfer.config.compose import compose
 from batchinfer.config.schema import ClusterConfig, Config, ModelConfig
@@ -19,21 +20,6 @@ from batchinfer.insight.status import format_status, shard_status, summarize
 from batchinfer.launch import slurm
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.store import RunDir, write_json
-
-LLAMA_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_attention_heads": 32,
-    "num_hidden_layers": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
 
 
 def layout(gpus: int, engines: Any, tp: int = 1, cpus: Optional[int] = None) -> Config:
