@@ -110,6 +110,7 @@ def test_one_engine_killed_leaves_its_sibling_working_and_resumes_on_requeue(
     # on the requeue; the other shards were all finished by engine 0 in the first run.
     assert 0 < victim["rows_done"] < 100
     assert done[shard]["failures"] == 1 and done[shard]["attempts"] == 2, done[shard]
+    assert done[shard]["engine"]["of"] == 1  # one shard left: one engine, holding the whole task
     others = [d for s, d in done.items() if s != shard]
     assert all(d["engine"]["index"] == 0 and d["attempts"] == 1 for d in others), others
     after = committed_rows(run_dir)

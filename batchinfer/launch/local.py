@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from collections.abc import Iterable
@@ -129,7 +130,7 @@ def _run_shards(
     bar = progress_bar(total, committed, desc=desc, file=output.bar_file())
     current: Optional[Shard] = None
     worker = ShardWorker(run, holder, stop, bar)
-    worker.engine = member.record if member is not None else None
+    worker.engine = member.record if member is not None else solo_engine(run.config)
     try:
         stop.install()
         for current in shards:
@@ -170,6 +171,14 @@ def _run_shards(
         holder.close(owned=engine is None)
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+def solo_engine(cfg: Config) -> Optional[dict[str, Any]]:
+    """The engine record of a task that runs one engine where cluster.engines_per_task asks for more
+    (fewer shards left than engines): report then counts all the task's GPUs for its shards."""
+    if cfg.cluster.engines_per_task == 1:
+        return None
+    return {"index": 0, "of": 1, "devices": os.environ.get("CUDA_VISIBLE_DEVICES") or "cpu"}
 
 
 def requeue_after_failure(run: RunDir, index: int, failures: Optional[int], error: Any, who: str = "") -> bool:
