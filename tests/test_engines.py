@@ -14,12 +14,12 @@ import pytest
 from conftest import fake_model_dir, write_corpus
 
 from batchinfer.config.compose import compose
-from batchinfer.config.engines import engine_envs, engines_per_task, split_even, task_gpus
+from batchinfer.config.engines import engine_devices, engine_envs, engines_per_task, split_even, task_gpus
 from batchinfer.config.schema import to_config
 from batchinfer.engine.worker import Stopped
 from batchinfer.errors import ConfigError, EngineFailure
 from batchinfer.launch import engines, slurm
-from batchinfer.launch.local import task_engines
+from batchinfer.launch.local import solo_engine, task_engines
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.store import RunDir
 
@@ -68,6 +68,18 @@ def test_each_engine_gets_its_own_gpus_or_cores(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="needs at least 3 cores; this task has 2"):
         engine_envs(cpu, 3, [], [0, 1])
     assert split_even(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    # What DONE.json's engine record says each one runs on, from the same environments.
+    assert [engine_devices(e) for e in engine_envs(cpu, 2, [], [0, 1, 2, 3, 8])] == ["cpu:0-2", "cpu:3,8"]
+    assert engine_devices({"CUDA_VISIBLE_DEVICES": "6,7"}) == "6,7"
+    assert engine_devices({"VLLM_CPU_OMP_THREADS_BIND": "auto"}) == engine_devices({}) == "cpu"
+
+
+def test_a_lone_engine_records_that_it_holds_the_whole_task(tmp_path: Path, monkeypatch) -> None:
+    """Fewer shards left than engines_per_task: the one engine says `of 1`, so report charges it
+    every GPU of the task; with engines_per_task=1 shards carry no engine record, as before."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert solo_engine(cfg("cluster.engines_per_task=4", tmp=tmp_path)) == {"index": 0, "of": 1, "devices": "0,1,2,3"}
+    assert solo_engine(cfg(tmp=tmp_path)) is None
 
 
 # A member stand-in: takes shards one at a time, "working" on each for its own time, writes a

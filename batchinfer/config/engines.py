@@ -8,7 +8,7 @@ each engine's OpenMP threads are bound to its own share through VLLM_CPU_OMP_THR
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from batchinfer.errors import ConfigError
@@ -50,13 +50,23 @@ def engines_per_task(cfg: Any, gpus: Optional[int] = None) -> int:
     return n
 
 
-def visible_gpus(env: Optional[dict[str, str]] = None) -> list[str]:
+def visible_gpus(env: Optional[Mapping[str, str]] = None) -> list[str]:
     """The GPUs Slurm gave this task (CUDA_VISIBLE_DEVICES), in order; [] on a CPU node."""
     env = os.environ if env is None else env
     value = env.get("CUDA_VISIBLE_DEVICES", "").strip()
     if not value or value in ("-1", "NoDevFiles"):
         return []
     return [d.strip() for d in value.split(",") if d.strip()]
+
+
+def engine_devices(env: Optional[Mapping[str, str]] = None) -> str:
+    """What an engine with this environment runs on: its GPUs (`2,3`), `cpu:<cores>` or `cpu`."""
+    env = os.environ if env is None else env
+    gpus = visible_gpus(env)
+    if gpus:
+        return ",".join(gpus)
+    cores = env.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    return f"cpu:{cores}" if cores and cores not in ("auto", "nobind") else "cpu"
 
 
 def split_even(items: Sequence[Any], n: int) -> list[list[Any]]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Optional
 
 from batchinfer import errors
-from batchinfer.config.engines import engine_envs, task_gpus
+from batchinfer.config.engines import engine_devices, engine_envs, task_gpus
 from batchinfer.errors import BatchinferError, EngineFailure, RunDirError
 from batchinfer.inputs.read import Shard
 from batchinfer.launch import slurm
@@ -119,8 +119,7 @@ def _start(run: RunDir, k: int, n: int, env: dict[str, str]) -> MemberProcess:
     proc = subprocess.Popen(cmd, env=full, pass_fds=(to_r, from_w), process_group=0)
     os.close(to_r)
     os.close(from_w)
-    devices = env.get("CUDA_VISIBLE_DEVICES") or f"cpu:{env.get('VLLM_CPU_OMP_THREADS_BIND')}"
-    return MemberProcess(k, devices, proc, os.fdopen(to_w, "w", buffering=1), os.fdopen(from_r, "r"))
+    return MemberProcess(k, engine_devices(env), proc, os.fdopen(to_w, "w", buffering=1), os.fdopen(from_r, "r"))
 
 
 def _serve(members: list[MemberProcess], todo: deque[int], stop: TaskStop) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 from collections.abc import Iterable
@@ -13,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from omegaconf import DictConfig
 
 from batchinfer import security
+from batchinfer.config.engines import engine_devices, engines_per_task, task_gpus
 from batchinfer.config.schema import Config
 from batchinfer.engine.dtype import settle
 from batchinfer.engine.output import EngineOutput
@@ -108,8 +108,6 @@ def run_shards(run: RunDir, indices: list[int], engine: Any = None) -> None:
 
 def task_engines(cfg: Config, n_shards: int) -> int:
     """Engines this task starts: cluster.engines_per_task for the GPUs it has, at most one per shard."""
-    from batchinfer.config.engines import engines_per_task, task_gpus
-
     return min(engines_per_task(cfg, len(task_gpus(cfg))), n_shards)
 
 
@@ -178,7 +176,7 @@ def solo_engine(cfg: Config) -> Optional[dict[str, Any]]:
     (fewer shards left than engines): report then counts all the task's GPUs for its shards."""
     if cfg.cluster.engines_per_task == 1:
         return None
-    return {"index": 0, "of": 1, "devices": os.environ.get("CUDA_VISIBLE_DEVICES") or "cpu"}
+    return {"index": 0, "of": 1, "devices": engine_devices()}
 
 
 def requeue_after_failure(run: RunDir, index: int, failures: Optional[int], error: Any, who: str = "") -> bool:

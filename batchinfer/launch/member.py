@@ -52,19 +52,15 @@ class Member:
 
 
 def devices_of_this_engine() -> str:
-    """What this engine runs on: its GPUs, or `cpu:<cores>`; pins this process to those cores."""
-    from batchinfer.config.engines import parse_cpus
+    """What this engine runs on (config.engines.engine_devices); pins this process to its cores."""
+    from batchinfer.config.engines import engine_devices, parse_cpus
 
-    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if gpus:
-        return gpus
-    cores = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
-    if cores and cores not in ("auto", "nobind"):
+    devices = engine_devices()
+    if devices.startswith("cpu:"):
         # The engine's other processes (its scheduler, tokenizing here) inherit this affinity, so
         # two engines on one node never share a core.
-        os.sched_setaffinity(0, parse_cpus(cores))
-        return f"cpu:{cores}"
-    return "cpu"
+        os.sched_setaffinity(0, parse_cpus(devices[4:]))
+    return devices
 
 
 def main(argv: list[str]) -> int:
