@@ -16,6 +16,9 @@ POISON_ENV = "BATCHINFER_POISON"
 # Slurm tests: after its first committed part a worker waits up to this many seconds for a stop
 # signal, so a signal, requeue or engine kill surely lands on a partial shard of a small corpus.
 HOLD_ENV = "BATCHINFER_HOLD"
+# Tests: append one JSON line per engine start to this file (pid, Slurm job, seconds), so a test
+# run can say how many engines it started in-process, in subprocesses and in Slurm tasks.
+ENGINE_LOG_ENV = "BATCHINFER_ENGINE_LOG"
 POINTS = (
     "in-part-write",  # half of a part's bytes are in its temporary file
     "before-part-rename",  # temporary part complete and fsynced, not yet renamed
@@ -89,3 +92,20 @@ def trace_finished(rows: int) -> None:
     if path:
         with open(path, "a") as f:
             f.write(f"{time.time():.3f} {rows}\n")
+
+
+def record_engine_start(seconds: float, model: object) -> None:
+    """Append this engine start to BATCHINFER_ENGINE_LOG, when it is set."""
+    path = os.environ.get(ENGINE_LOG_ENV)
+    if not path:
+        return
+    import json
+
+    rec = {
+        "pid": os.getpid(),
+        "slurm_job": os.environ.get("SLURM_JOB_ID"),
+        "seconds": round(seconds, 2),
+        "model": str(model),
+    }
+    with open(path, "a") as f:  # one short O_APPEND write per line: concurrent starts do not interleave
+        f.write(json.dumps(rec) + "\n")

@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/stream-bench"))
     args = ap.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
     import tiny_model
 
     model = tiny_model.build(args.dir / "tiny-llama")

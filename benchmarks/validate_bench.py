@@ -98,7 +98,7 @@ def default_model(root: Path) -> Path:
     smol = models_home() / "SmolLM2-135M-Instruct"
     if (smol / "tokenizer.json").is_file():
         return smol
-    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO / "tests" / "support"))
     import tiny_model
 
     return tiny_model.build(root / "tiny-model")

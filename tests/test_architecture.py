@@ -19,7 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import REPO
+
+ROOT = REPO
 PACKAGE = "batchinfer"
 SKIPPED_DIRS = {"conf", "__pycache__"}  # conf: YAML data shipped in the wheel
 

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import fake_model_dir, model_overrides, run_cli, write_corpus
+from support.corpus import write_corpus
+from support.procs import run_cli
+from support.runs import fake_model_dir, model_overrides
 
 from batchinfer.config.compose import compose
 from batchinfer.launch.local import run_local

@@ -11,18 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (
-    assert_exactly_once,
-    assert_only_missing_rows_redone,
-    committed_rows,
-    model_overrides,
-    project,
-    read_output,
-    recorded_commits,
-    write_corpus,
-)
-from test_openai_batch import request, run_batch
-from test_unit import FakeEngine, _prepared
+from support.corpus import assert_exactly_once, project, read_output, write_corpus
+from support.fake_engine import FakeEngine, prepared
+from support.openai_batch import request, run_batch
+from support.runs import assert_only_missing_rows_redone, committed_rows, model_overrides, recorded_commits
 
 from batchinfer.config.compose import compose
 from batchinfer.engine.vllm_engine import Completion
@@ -39,7 +31,7 @@ from batchinfer.rundir.store import RunDir
 
 
 def test_a_part_name_taken_meanwhile_is_never_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    run = _prepared(tmp_path, 4)
+    run = prepared(tmp_path, 4)
     run.shard_dir(0).mkdir(parents=True)
     first = run.write_part(0, rows_to_table([error_row(0, "doc-00000", "x", "first")], run.schema))
     before = first.read_bytes()
@@ -55,7 +47,7 @@ def test_a_part_name_taken_meanwhile_is_never_replaced(tmp_path: Path, monkeypat
 def test_a_link_that_answers_eexist_after_succeeding_publishes_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run = _prepared(tmp_path, 4)
+    run = prepared(tmp_path, 4)
     run.shard_dir(0).mkdir(parents=True)
     real_link = os.link
 
@@ -79,7 +71,7 @@ class FailingEngine(FakeEngine):
 
 
 def test_failures_are_counted_under_the_lock_per_submission(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    run = _prepared(tmp_path, 6)
+    run = prepared(tmp_path, 6)
     shard = Shard(0, 0, 6)
     worker = ShardWorker(run, FailingEngine, StopFlag())
     real_write = worker._write_progress

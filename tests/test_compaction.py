@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -15,22 +14,17 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import fake_model_dir, write_corpus
+from support.parts import DONE, ROWS, committed, finish_all, output_row
 
-from batchinfer.config.compose import compose
 from batchinfer.errors import RunDirError
 from batchinfer.insight.status import shard_status
 from batchinfer.rundir import merge as merge_mod
 from batchinfer.rundir import store
 from batchinfer.rundir.locks import ShardLock
 from batchinfer.rundir.merge import merge, shard_rows_in_order
-from batchinfer.rundir.prepare import prepare
-from batchinfer.rundir.schema import error_row, rows_to_table
+from batchinfer.rundir.schema import rows_to_table
 from batchinfer.rundir.stats import shard_stats
 from batchinfer.rundir.store import RunDir, read_json, write_json
-
-ROWS, SHARDS = 24, 2
-DONE = {"rows_done": ROWS // SHARDS, "seconds": {"generate": 1.5, "commit": 0.25}, "output_tokens": 7}
 
 # What a worker does to finish a shard: under the shard's lock, RunDir.finish_shard.
 FINISH = """
@@ -41,59 +35,6 @@ run = RunDir(sys.argv[1])
 with ShardLock(run.shard_dir(int(sys.argv[2]))):
     run.finish_shard(int(sys.argv[2]), json.loads(sys.argv[3]))
 """
-
-
-def output_row(run: RunDir, r: int) -> dict[str, Any]:
-    """A row as a worker commits it: text, finish reason and tokens, every fifth an error row."""
-    if r % 5 == 3:
-        return error_row(r, f"doc-{r:05d}", "prompt", f"row {r}: too long", prompt_tokens=300)
-    return {
-        "row": r,
-        "id": f"doc-{r:05d}",
-        "text": f"answer {r} é \u2028 {'x' * (r % 7)}",
-        "finish_reason": "length" if r % 4 == 0 else "stop",
-        "prompt_tokens": 10 + r,
-        "output_tokens": r % 6,
-        "error": None,
-    }
-
-
-def committed(tmp_path: Path, name: str, fmt: str, shards: int = SHARDS, rows: int = ROWS, *extra: str) -> RunDir:
-    """A run directory whose every row is committed in parts, in a shuffled commit order (as a worker
-    orders work by prompt length), with progress.json; no DONE.json yet."""
-    corpus = tmp_path / "corpus.jsonl"
-    if not corpus.exists():
-        write_corpus(corpus, rows)
-    run = prepare(
-        compose(
-            [
-                f"input.path={corpus}",
-                "input.id_column=id",
-                f"model.path={fake_model_dir(tmp_path)}",
-                f"output.dir={tmp_path / name}",
-                f"output.format={fmt}",
-                f"sharding.num_shards={shards}",
-                *extra,
-            ]
-        )
-    )
-    for shard in run.shards():
-        order = list(range(shard.start, shard.stop))
-        random.Random(shard.index).shuffle(order)
-        run.shard_dir(shard.index).mkdir(parents=True, exist_ok=True)
-        for start in range(0, len(order), 5):
-            run.write_part(
-                shard.index, rows_to_table([output_row(run, r) for r in order[start : start + 5]], run.schema)
-            )
-        write_json(run.progress_path(shard.index), {"rows_done": shard.rows, "output_tokens": 7})
-    return run
-
-
-def finish_all(run: RunDir) -> None:
-    """Finish every shard as a worker does (the uninterrupted run)."""
-    for shard in run.shards():
-        with ShardLock(run.shard_dir(shard.index), log=lambda m: None):
-            run.finish_shard(shard.index, DONE)
 
 
 def resume(run: RunDir) -> None:

@@ -10,8 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-
-REPO = Path(__file__).resolve().parent.parent
+from support import REPO
 
 
 def quickstart_commands() -> list[str]:

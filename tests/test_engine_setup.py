@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import fake_model_dir, write_corpus
-from test_unit import FakeEngine, _keyed
+from support.corpus import write_corpus
+from support.fake_engine import FakeEngine, keyed
+from support.runs import fake_model_dir
 
 from batchinfer.config.compose import compose
 from batchinfer.engine import dtype
@@ -82,7 +83,7 @@ def test_a_run_directory_from_before_keeps_vllms_auto(tmp_path: Path, monkeypatc
     """Parts committed by a version that passed `auto` to vLLM: the rest of the run does too."""
     run = _run(tmp_path)
     _chooses(monkeypatch, "float32")
-    run_shards(run, [0], engine=_keyed(FakeEngine(), run))
+    run_shards(run, [0], engine=keyed(FakeEngine(), run))
     (run.path / "dtype.json").unlink()  # as an older version left it
     assert run.parts(0)
     assert dtype.settle(run.path, "auto") == "auto"
@@ -106,7 +107,7 @@ def test_two_first_tasks_agree_on_one_record(tmp_path: Path, monkeypatch: pytest
 def test_an_engine_in_another_dtype_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run = _run(tmp_path)
     _chooses(monkeypatch, "float32")
-    eng: Any = _keyed(FakeEngine(), run)
+    eng: Any = keyed(FakeEngine(), run)
     eng.dtype = "bfloat16"
     with pytest.raises(RunDirError, match="runs bfloat16; this run's shards use float32"):
         run_shards(run, [0], engine=eng)

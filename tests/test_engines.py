@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import fake_model_dir, write_corpus
+from support.corpus import write_corpus
+from support.runs import fake_model_dir
 
 from batchinfer.config.compose import compose
 from batchinfer.config.engines import engine_devices, engine_envs, engines_per_task, split_even, task_gpus

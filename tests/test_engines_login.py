@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
-from conftest import fake_model_dir, run_cli, write_corpus
-from test_plan import LLAMA_8B
+from support.corpus import write_corpus
+from support.model_configs import LLAMA_8B
+from support.procs import run_cli
+from support.runs import fake_model_dir
 
 from batchinfer.config.compose import compose
 from batchinfer.config.schema import ClusterConfig, Config, ModelConfig
@@ -56,7 +58,7 @@ def test_cpu_partition_needs_a_core_per_engine() -> None:
     assert "cluster.engines_per_task=4" in msg and "cluster.cpus_per_task=2" in msg and "cluster.gpus_per_task=0" in msg
 
 
-def _prepared(tmp_path: Path, rows: int, *extra: str) -> RunDir:
+def prepared(tmp_path: Path, rows: int, *extra: str) -> RunDir:
     tmp_path.mkdir(parents=True, exist_ok=True)
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, rows)
@@ -68,7 +70,7 @@ def test_dry_run_says_engines_per_task(tmp_path: Path, monkeypatch, capsys) -> N
     from batchinfer.launch.submit import submit_shards
 
     monkeypatch.setattr(slurm, "max_array_size", lambda: 1000)
-    run = _prepared(
+    run = prepared(
         tmp_path,
         12,
         "cluster=slurm",
@@ -83,7 +85,7 @@ def test_dry_run_says_engines_per_task(tmp_path: Path, monkeypatch, capsys) -> N
     assert "engines per task: 4 (cluster.engines_per_task=auto), 2 GPUs each" in out
     assert "'gpus_per_task': 8" in out
 
-    cpu = _prepared(
+    cpu = prepared(
         tmp_path / "cpu",
         12,
         "cluster=slurm",
@@ -94,7 +96,7 @@ def test_dry_run_says_engines_per_task(tmp_path: Path, monkeypatch, capsys) -> N
     submit_shards(cpu, [0], dry_run=True)
     assert "engines per task: 2 (cluster.engines_per_task=2), CPU cores split 2 ways" in capsys.readouterr().out
 
-    bad = _prepared(tmp_path / "bad", 12, "cluster=slurm", "cluster.gpus_per_task=2", "cluster.engines_per_task=4")
+    bad = prepared(tmp_path / "bad", 12, "cluster=slurm", "cluster.gpus_per_task=2", "cluster.engines_per_task=4")
     with pytest.raises(ConfigError, match=r"cluster.engines_per_task=4 .*cluster.gpus_per_task=2"):
         submit_shards(bad, [0], dry_run=True)
 
@@ -193,7 +195,7 @@ def _shard(run: RunDir, index: int, name: str, rows: int, out_tok: int, seconds:
 
 
 def _two_engine_run(tmp_path: Path, *extra: str) -> RunDir:
-    run = _prepared(
+    run = prepared(
         tmp_path,
         40,
         "cluster=slurm",
@@ -243,7 +245,7 @@ def test_report_engine_count_from_records_then_config(tmp_path: Path) -> None:
     run = _two_engine_run(tmp_path / "a", "cluster.engines_per_task=auto")
     assert build_report(run)["cost"]["engine_layouts"] == [{"engines_per_task": 2, "gpus_per_engine": 4}]
     # Without records the config's N counts (8 // 4 = 2 GPUs a shard); no engine table.
-    run = _prepared(
+    run = prepared(
         tmp_path / "b",
         20,
         "cluster=slurm",
@@ -259,12 +261,12 @@ def test_report_engine_count_from_records_then_config(tmp_path: Path) -> None:
     assert rep["cost"]["gpu_hours"] == pytest.approx(2 * 2.0) and rep["engines"] is None
     assert "## Engines" not in format_report(rep, [])
     # A single-engine task: seconds x gpus_per_task, as before.
-    run = _prepared(tmp_path / "c", 10, "cluster=slurm", "cluster.gpus_per_task=8")
+    run = prepared(tmp_path / "c", 10, "cluster=slurm", "cluster.gpus_per_task=8")
     _shard(run, 0, "DONE.json", 10, 100, s)
     rep = build_report(run)
     assert rep["cost"]["gpu_hours"] == pytest.approx(8.0) and "8 per task)" in format_report(rep, [])
     # CPU tasks of 2 engines: each engine counts as 1 GPU.
-    run = _prepared(
+    run = prepared(
         tmp_path / "d",
         20,
         "cluster=slurm",

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from support import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 RUN = "bash examples/stdlib-search/run.sh"
 QUERIES = ("bisect.insort_left", "base64.b64encode")
 

@@ -15,19 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (
-    assert_exactly_once,
-    committed_parts_are_whole,
-    committed_rows,
-    group_alive,
-    kill_group,
-    model_overrides,
-    project,
-    read_output,
-    resume_and_check,
-    run_cli,
-    write_corpus,
-)
+from support.corpus import assert_exactly_once, project, read_output, write_corpus
+from support.procs import group_alive, kill_group, run_cli
+from support.runs import committed_parts_are_whole, committed_rows, model_overrides, resume_and_check
 
 from batchinfer.config.compose import compose
 from batchinfer.errors import RunDirError

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_own_output, fake_model_dir, read_output, run_overrides, write_corpus
+from support.corpus import assert_own_output, read_output, write_corpus
+from support.runs import fake_model_dir, run_overrides
 
 from batchinfer.config.compose import compose
 from batchinfer.config.fingerprint import changed_keys, legacy_fingerprint

@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
-from conftest import assert_exactly_once, model_overrides, read_output
+from support.corpus import assert_exactly_once, read_output
+from support.runs import model_overrides
 
 from batchinfer.config.compose import compose
 from batchinfer.errors import InputError

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
-from conftest import fake_model_dir
+from support.runs import fake_model_dir
 
 from batchinfer.config.compose import compose
 from batchinfer.errors import InputError, RunDirError

@@ -115,7 +115,8 @@ def test_empty_table_and_plain_types_unchanged() -> None:
 
 @pytest.mark.engine
 def test_carried_types_survive_resume_and_merge(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
-    from conftest import assert_own_output, run_overrides, write_corpus
+    from support.corpus import assert_own_output, write_corpus
+    from support.runs import run_overrides
 
     from batchinfer.config.compose import compose
     from batchinfer.launch.local import run_local, run_shards

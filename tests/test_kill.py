@@ -10,20 +10,15 @@ import time
 from typing import Any
 
 import pytest
-from conftest import (
+from support.corpus import assert_exactly_once, project, read_output
+from support.procs import group_alive, kill_group, run_cli, spied_rows
+from support.runs import (
     ROWS,
     assert_engine_output_kept_apart,
-    assert_exactly_once,
     assert_only_missing_rows_redone,
     committed_parts_are_whole,
     committed_rows,
-    group_alive,
-    kill_group,
-    project,
-    read_output,
     resume_and_check,
-    run_cli,
-    spied_rows,
 )
 
 from batchinfer.config.compose import compose

@@ -19,8 +19,11 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from conftest import ROWS, committed_parts_are_whole, group_alive, kill_group, read_output, resume_and_check
-from test_unit import FakeEngine, _keyed, _prepared
+from support import TESTS
+from support.corpus import read_output
+from support.fake_engine import FakeEngine, keyed, prepared
+from support.procs import group_alive, kill_group
+from support.runs import ROWS, committed_parts_are_whole, resume_and_check
 
 from batchinfer.config.compose import compose
 from batchinfer.config.fingerprint import fingerprint_keys
@@ -33,7 +36,7 @@ from batchinfer.rundir.locks import RunLock, ShardLock
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.store import RunDir
 
-FSEMU = Path(__file__).parent / "fsemu"
+FSEMU = TESTS / "fsemu"
 _spec = importlib.util.spec_from_file_location("fsemu_flock", FSEMU / "sitecustomize.py")
 fsemu = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
 _spec.loader.exec_module(fsemu)  # type: ignore[union-attr]
@@ -155,7 +158,7 @@ def test_node_local_flock_is_detected_and_uses_lock_files(
 
 
 def test_output_lock_setting_forces_the_mode_and_stays_out_of_the_fingerprint(tmp_path: Path) -> None:
-    run = _prepared(tmp_path, 4, "output.lock=file")
+    run = prepared(tmp_path, 4, "output.lock=file")
     assert run.run["config"]["output"]["lock"] == "file"
     assert not any(k.startswith("output.lock") for k in run.run["fingerprint_keys"])
     assert "output.lock" not in fingerprint_keys(to_dict(compose(["output.lock=flock"])), "x")
@@ -343,8 +346,8 @@ def test_a_lock_file_is_never_empty_at_its_name(tmp_path: Path) -> None:
 
 
 def _finished(tmp_path: Path, *extra: str) -> RunDir:
-    run = _prepared(tmp_path, 12, "sharding.num_shards=2", *extra)
-    run_shards(run, [0, 1], engine=_keyed(FakeEngine(), run))
+    run = prepared(tmp_path, 12, "sharding.num_shards=2", *extra)
+    run_shards(run, [0, 1], engine=keyed(FakeEngine(), run))
     assert run.is_done(0) and run.is_done(1)
     return run
 
@@ -409,7 +412,7 @@ def test_merge_lock_in_another_process_refuses(tmp_path: Path) -> None:
 def test_input_converts_where_flock_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     # datasets file-locks its conversion cache: in DIR that would fail before any shard runs.
     emulate(monkeypatch, mode, str(tmp_path / "run"))
-    run = _prepared(tmp_path, 7)
+    run = prepared(tmp_path, 7)
     assert run.shards()[0].rows == 7 and not (run.path / ".hf-cache").exists()
     assert [p.name for p in run.path.iterdir() if p.name.startswith(".flock-probe")] == []
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_slurm_calls import SUBMITTED, cli, fake_bin, overrides  # noqa: F401 (fake_bin is a fixture)
+from support.fake_slurm import SUBMITTED, cli, overrides
 
 from batchinfer.config.compose import compose
 from batchinfer.launch.jobs import submissions

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_compaction import committed, finish_all
+from support.parts import committed, finish_all
 
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.store import RunDir

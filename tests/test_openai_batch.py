@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import model_overrides
+from support.openai_batch import request, run_batch
 
-from batchinfer.config.compose import compose
 from batchinfer.errors import InputError
-from batchinfer.launch.local import run_local
 
 pytestmark = pytest.mark.engine
-
-
-def request(custom_id: str, body: dict[str, Any], url: str = "/v1/chat/completions") -> str:
-    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body}) + "\n"
-
-
-def run_batch(tmp: Path, model: Path, engine: Any, lines: str) -> list[dict]:
-    (tmp / "batch.jsonl").write_text(lines)
-    ov = [f"input.path={tmp}/batch.jsonl", f"output.dir={tmp}/run", "sampling.max_tokens=5", *model_overrides(model)]
-    run = run_local(compose(ov), engine=engine)
-    assert run.output_path.name == "output.jsonl"
-    return [json.loads(line) for line in run.output_path.read_text().splitlines()]
 
 
 def test_openai_batch_in_openai_batch_out(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:

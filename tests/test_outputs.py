@@ -10,8 +10,8 @@ from typing import Any
 import datasets
 import pyarrow.parquet as pq
 import pytest
-from conftest import assert_exactly_once, read_output, write_corpus
-from conftest import run_overrides as overrides
+from support.corpus import assert_exactly_once, read_output, write_corpus
+from support.runs import run_overrides as overrides
 
 from batchinfer.config.compose import compose
 from batchinfer.config.schema import to_config, to_dict

@@ -7,7 +7,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from support import REPO
 
 
 def test_wheel_contains_conf(tmp_path: Path) -> None:

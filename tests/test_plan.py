@@ -12,29 +12,16 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_cli, write_corpus
+from support import REPO
+from support.corpus import write_corpus
+from support.model_configs import LLAMA_8B, LLAMA_70B
+from support.procs import run_cli
 
 from batchinfer.errors import ConfigError
 from batchinfer.inputs.preview import peek, spread
 from batchinfer.models import sizing
 from batchinfer.models.tokens import LoginTokenizer
 
-REPO = Path(__file__).resolve().parent.parent
-LLAMA_70B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 8192,
-    "intermediate_size": 28672,
-    "num_attention_heads": 64,
-    "num_hidden_layers": 80,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
-LLAMA_8B = dict(LLAMA_70B, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_hidden_layers=32)
 SMOLLM2_PARAMS = 134_515_008  # the tensors' elements in its model.safetensors (embeddings tied)
 MINILM_PARAMS = 22_713_216  # all-MiniLM-L6-v2's float32 tensors (its int64 position_ids buffer is no parameter)
 BERT_MINILM = {  # all-MiniLM-L6-v2's config.json

@@ -13,14 +13,9 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import (
-    assert_only_missing_rows_redone,
-    committed_rows,
-    group_alive,
-    recorded_commits,
-    run_cli,
-    write_corpus,
-)
+from support.corpus import write_corpus
+from support.procs import group_alive, run_cli
+from support.runs import assert_only_missing_rows_redone, committed_rows, recorded_commits
 
 from batchinfer.config.compose import compose
 from batchinfer.launch.local import run_local

@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from conftest import run_cli
+from support.procs import run_cli
 
 
 def test_prepare_model_unpacks_minilm_once_and_prints_the_folder(tmp_path: Path) -> None:

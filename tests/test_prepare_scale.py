@@ -13,7 +13,7 @@ from typing import Any, Optional
 import pyarrow as pa
 import pytest
 import zstandard
-from conftest import fake_model_dir
+from support.runs import fake_model_dir
 
 from batchinfer.config.compose import compose
 from batchinfer.errors import InputError

@@ -9,8 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import fake_model_dir, read_output, run_cli, write_corpus
-from test_run import overrides
+from support import REPO
+from support.corpus import read_output, write_corpus
+from support.procs import run_cli
+from support.runs import fake_model_dir
+from support.runs import run_overrides as overrides
 
 from batchinfer.config.compose import compose
 from batchinfer.insight.cost import GPU_HOUR_PRICES, cost
@@ -189,7 +192,7 @@ def test_report_imports_no_vllm_or_torch(tmp_path: Path) -> None:
 
 
 def test_readme_lists_the_preset_prices() -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     names = next(ln for ln in readme.splitlines() if ln.startswith("| `--gpu` |"))
     prices = next(ln for ln in readme.splitlines() if ln.startswith("| assumed $/GPU-hour |"))
     cells = [[c.strip() for c in ln.strip("|").split("|")[1:]] for ln in (names, prices)]

@@ -10,17 +10,9 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import (
-    assert_exactly_once,
-    assert_only_missing_rows_redone,
-    assert_own_output,
-    committed_rows,
-    project,
-    read_output,
-    recorded_commits,
-    write_corpus,
-)
-from conftest import run_overrides as overrides
+from support.corpus import assert_exactly_once, assert_own_output, project, read_output, write_corpus
+from support.runs import assert_only_missing_rows_redone, committed_rows, recorded_commits
+from support.runs import run_overrides as overrides
 
 from batchinfer.config.compose import compose
 from batchinfer.errors import ConfigError

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import write_corpus
-from test_unit import FakeEngine, _keyed, fake_overrides
+from support import REPO, TESTS
+from support.corpus import write_corpus
+from support.fake_engine import FakeEngine, fake_overrides, keyed
 
 from batchinfer import security
 from batchinfer.cli import main
@@ -168,7 +169,7 @@ def test_log_folder_slurm_cannot_take_is_refused(tmp_path: Path) -> None:
 MODES = """
 import os, sys
 sys.path.insert(0, sys.argv[1])
-from test_unit import FakeEngine, _keyed, fake_overrides
+from support.fake_engine import FakeEngine, fake_overrides, keyed
 from batchinfer.config.compose import compose
 from batchinfer.launch.local import run_shards
 from batchinfer.rundir.merge import merge
@@ -177,7 +178,7 @@ from pathlib import Path
 tmp, corpus, umask, private = Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4], 8), sys.argv[5]
 os.umask(umask)
 run = prepare(compose(fake_overrides(tmp, corpus, f"output.private={private}", "sharding.num_shards=2")))
-run_shards(run, [0, 1], engine=_keyed(FakeEngine(), run))
+run_shards(run, [0, 1], engine=keyed(FakeEngine(), run))
 merge(run)
 """
 
@@ -203,12 +204,12 @@ def test_run_dir_modes_follow_umask_or_output_private(
 ) -> None:
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, 12)
-    tests = str(Path(__file__).parent)
+    tests = str(TESTS)
     res = subprocess.run(
         [sys.executable, "-c", MODES, tests, str(tmp_path), str(corpus), oct(umask), private],
         capture_output=True,
         text=True,
-        cwd=Path(__file__).parent.parent,
+        cwd=REPO,
     )
     assert res.returncode == 0, res.stderr
     modes = modes_under(tmp_path / "run")
@@ -286,7 +287,7 @@ def test_symlinked_input_and_temporaries_are_unlinked_never_followed(tmp_path: P
         "precious.txt"
     ]
     assert not run.input_dir.is_symlink() and run.input_dir.is_dir()
-    run_shards(run, [0], engine=_keyed(FakeEngine(), run))
+    run_shards(run, [0], engine=keyed(FakeEngine(), run))
     for name in (".tmp-output.parquet", ".tmp-old-output.parquet"):
         (run.path / name).symlink_to(outside, target_is_directory=True)
     merge(run)
@@ -303,7 +304,7 @@ def test_split_output_over_a_symlinked_temporary_folder(tmp_path: Path) -> None:
     write_corpus(corpus, 6)
     outside = sentinel(tmp_path)
     run = prepare(compose(fake_overrides(tmp_path, corpus, "output.max_rows_per_file=4")))
-    run_shards(run, [0], engine=_keyed(FakeEngine(), run))
+    run_shards(run, [0], engine=keyed(FakeEngine(), run))
     (run.path / ".tmp-output").symlink_to(outside, target_is_directory=True)
     merge(run)
     assert sorted(p.name for p in outside.iterdir()) == ["precious.txt"]

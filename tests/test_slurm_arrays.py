@@ -4,45 +4,30 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import assert_engine_output_kept_apart, assert_exactly_once, read_output, run_cli, write_corpus
-from test_slurm import REPO, cluster_overrides, first_submission, status_json, wait_until_idle
+from support.corpus import assert_exactly_once, read_output, write_corpus
+from support.procs import run_cli
+from support.runs import assert_engine_output_kept_apart
+from support.slurm import cluster_overrides, first_submission, status_json, use_dev_cluster, wait_until_idle
 
 pytestmark = [pytest.mark.slurm, pytest.mark.engine]
 MAX_ARRAY_SIZE = 4
 
 
-def _up(**env: str) -> None:
-    """slurm/dev/up.sh with these knobs (it restarts the daemons when slurm.conf changes)."""
-    res = subprocess.run(
-        ["bash", str(REPO / "slurm/dev/up.sh")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, **env),
-    )
-    assert res.returncode == 0, f"slurm/dev/up.sh failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}"
-    env_sh = res.stdout.strip().splitlines()[-1].removeprefix("source ").strip()
-    for line in Path(env_sh).read_text().splitlines():
-        key, _, value = line.removeprefix("export ").partition("=")
-        os.environ[key] = os.path.expandvars(value)
-
-
 @pytest.fixture(scope="module")
 def small_arrays() -> Iterator[None]:
     """The dev cluster with MaxArraySize=4 for this module, Slurm's default (1001) again after it."""
-    _up(MAX_ARRAY_SIZE=str(MAX_ARRAY_SIZE))
+    use_dev_cluster(MAX_ARRAY_SIZE=str(MAX_ARRAY_SIZE))
     config = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True).stdout
     assert f"MaxArraySize            = {MAX_ARRAY_SIZE}" in config
     try:
         yield
     finally:
-        _up()
+        use_dev_cluster()
 
 
 def _times(job: str) -> list[tuple[str, dt.datetime, dt.datetime]]:

@@ -8,15 +8,13 @@ import json
 import logging
 import os
 import signal
-import stat
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import fake_model_dir, write_corpus
-from test_unit import FakeEngine
+from support.fake_engine import FakeEngine
+from support.fake_slurm import SUBMITTED, cli, overrides
 
-from batchinfer.cli import main
 from batchinfer.config.compose import compose
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.engine.worker import StopFlag
@@ -26,8 +24,6 @@ from batchinfer.launch.jobs import submissions
 from batchinfer.launch.local import run_shards
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.store import RunDir
-
-SUBMITTED = 'n=$(cat "$0.count" 2>/dev/null || echo 0); echo $((n + 1)) > "$0.count"; '
 
 
 @pytest.fixture(autouse=True)
@@ -41,55 +37,8 @@ def own_log_handlers() -> Any:
     logger.handlers[:], logger.level, logger.propagate = saved
 
 
-@pytest.fixture
-def fake_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A folder first on PATH; fake(name, body) writes a shell script there. srun must exist for
-    submitit; scontrol answers `show config` with MaxArraySize = 1001 unless replaced."""
-    folder = tmp_path / "bin"
-    folder.mkdir()
-    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
-
-    def fake(name: str, body: str) -> Path:
-        path = folder / name
-        path.write_text(f"#!/bin/sh\n{body}\n")
-        path.chmod(path.stat().st_mode | stat.S_IXUSR)
-        return path
-
-    fake("srun", "exit 0")
-    fake("scontrol", 'echo "MaxArraySize            = 1001"')
-    fake("squeue", "exit 0")
-    fake("sacct", "exit 0")
-    fake("scancel", f'echo "$@" >> "{folder}/scancel.calls"')
-    fake.folder = folder  # type: ignore[attr-defined]
-    return fake
-
-
-def cli(args: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
-    """batchinfer's main in this process; its USR2 block is undone for the tests after it."""
-    try:
-        code = main(args)
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def overrides(tmp_path: Path, n: int, *extra: str) -> list[str]:
-    corpus = tmp_path / "c.jsonl"
-    if not corpus.exists():
-        write_corpus(corpus, n)
-    return [
-        f"input.path={corpus}",
-        "input.id_column=id",
-        f"model.path={fake_model_dir(tmp_path)}",
-        f"output.dir={tmp_path}/run",
-        "cluster=slurm",
-        *extra,
-    ]
-
-
 class SteppingEngine(FakeEngine):
-    """test_unit's fake engine, keyed to the run, calling on_step first at every step."""
+    """The fake engine, keyed to the run, calling on_step first at every step."""
 
     def __init__(self, run: RunDir, on_step: Any = None):
         from batchinfer.engine.vllm_engine import model_key

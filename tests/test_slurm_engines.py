@@ -12,15 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_exactly_once, committed_rows, project, read_output
-from test_slurm import (  # noqa: F401  (slurm_env: the fixture, used by pytestmark)
-    cluster_overrides,
-    first_submission,
-    slurm_env,
-    submit_corpus,
-    wait_for,
-    wait_until_idle,
-)
+from support.corpus import assert_exactly_once, project, read_output
+from support.runs import committed_rows
+from support.slurm import cluster_overrides, first_submission, submit_corpus, wait_for, wait_until_idle
 
 from batchinfer.config.compose import compose
 from batchinfer.launch.local import run_local

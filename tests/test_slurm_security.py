@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import project, read_output, run_cli
-from test_slurm import REPO, cluster_overrides, slurm_env, wait_until_idle  # noqa: F401  (slurm_env is a fixture)
+from support.corpus import project, read_output
+from support.procs import run_cli
+from support.slurm import REPO, cluster_overrides, wait_until_idle
 
 from batchinfer.config.compose import compose
 from batchinfer.launch.local import run_local

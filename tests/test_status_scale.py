@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
-from conftest import fake_model_dir, write_corpus
+from support.corpus import write_corpus
+from support.runs import fake_model_dir
 
 from batchinfer.cli import main
 from batchinfer.config.compose import compose

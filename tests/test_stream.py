@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import read_output, write_corpus
-from test_unit import FakeEngine, _keyed, fake_overrides
+from support.corpus import read_output, write_corpus
+from support.fake_engine import FakeEngine, fake_overrides, keyed
 
 from batchinfer.config.compose import compose
 from batchinfer.engine import stream
@@ -62,7 +62,7 @@ def test_first_request_goes_out_before_the_shard_is_read_and_every_row_is_writte
     rows = write_corpus(tmp_path / "w.jsonl", ROWS)
     run = _run(tmp_path, rows, "output.commit_every_rows=10")
     eng = CountingEngine()
-    run_shards(run, [0], engine=_keyed(eng, run))
+    run_shards(run, [0], engine=keyed(eng, run))
     first = stream.first_window_rows(eng.max_num_seqs)
     assert eng.encoded == ROWS  # each row tokenized once
     assert eng.encoded_at_add[0] == first == 8  # the first window, not the shard, before the first request
@@ -91,7 +91,7 @@ def test_identical_prompts_in_different_windows_are_computed_once(
     monkeypatch.setattr(stream, "RESULT_CACHE_BYTES", stream.RESULT_CACHE_BYTES if cache_bytes is None else 0)
     run = _run(tmp_path, rows)
     eng = CountingEngine()
-    run_shards(run, [0], engine=_keyed(eng, run))
+    run_shards(run, [0], engine=keyed(eng, run))
     added = [tuple(ids) for ids in eng.added]
     assert added.count(tuple(_ids(eng, "same prompt far apart"))) == computed
     assert added.count(tuple(_ids(eng, "same prompt side by side"))) == 1  # one window: grouped
@@ -124,7 +124,7 @@ def test_a_stop_while_a_later_window_is_prepared_stops_at_once_and_keeps_committ
     assert progress["rows_done"] == len(committed) and progress["first_request_seconds"] >= 0
     # resume: only what is missing goes to the engine, and again before the shard is read
     second = CountingEngine()
-    run_shards(run, [0], engine=_keyed(second, run))
+    run_shards(run, [0], engine=keyed(second, run))
     assert second.encoded == ROWS - len(committed)
     assert second.encoded_at_add[0] <= stream.first_window_rows(second.max_num_seqs)
     out = read_output(merge(run) and run.path)

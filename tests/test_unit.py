@@ -8,11 +8,11 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pytest
-from conftest import fake_model_dir, read_output, write_corpus
+from support.corpus import read_output, write_corpus
+from support.fake_engine import FakeEngine, fake_overrides, keyed, prepared
 
 from batchinfer.config.compose import compose, hydra_literal
 from batchinfer.config.fingerprint import changed_keys
@@ -29,46 +29,6 @@ from batchinfer.rundir.merge import merge
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.schema import error_row, output_schema, rows_to_table
 from batchinfer.rundir.store import RunDir
-
-
-class FakeEngine:
-    """Echoes each prompt's length; finishes `per_step` requests per step."""
-
-    max_model_len = 1000
-    max_num_seqs = 4
-    startup_seconds = 0.0
-    device = "fake device"
-
-    def __init__(self, per_step: int = 3):
-        self.per_step = per_step
-        self.queue: list[tuple[str, list[int]]] = []
-        self.added: list[list[int]] = []
-
-    def sampling_params(self, sampling: dict[str, Any]) -> Any:
-        return sampling
-
-    def encode(self, prompt: Any, chat_template_kwargs: Any = None) -> list[int]:
-        text = prompt if isinstance(prompt, str) else " ".join(m["content"] for m in prompt)
-        return [ord(c) % 50 for c in text]
-
-    def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
-        self.queue.append((request_id, token_ids))
-        self.added.append(token_ids)
-
-    def step(self) -> list[Completion]:
-        done, self.queue = self.queue[: self.per_step], self.queue[self.per_step :]
-        return [Completion(rid, [f"len{len(ids)}"], "stop", len(ids), 1) for rid, ids in done]
-
-    def has_unfinished(self) -> bool:
-        return bool(self.queue)
-
-    def abort_all(self) -> None:
-        self.queue = []
-
-
-def fake_overrides(tmp_path: Path, corpus: Path, *extra: str) -> list[str]:
-    return [f"input.path={corpus}", f"model.path={fake_model_dir(tmp_path)}", f"output.dir={tmp_path}/run", *extra]
-
 
 # ---------------------------------------------------------------- config
 
@@ -133,7 +93,7 @@ def test_resume_overrides_keep_a_template_with_interpolation_text(tmp_path: Path
     from batchinfer.launch.submit import apply_resource_overrides
 
     template = "Price ${{amount}} for {text}"  # `${` is text here, not an OmegaConf interpolation
-    run = _prepared(tmp_path, 4, f"prompt.template={template}")
+    run = prepared(tmp_path, 4, f"prompt.template={template}")
     apply_resource_overrides(RunDir(run.path), ["output.commit_every_rows=7"])
     again = RunDir(run.path)
     assert again.config.prompt.template == template and again.config.output.commit_every_rows == 7
@@ -250,15 +210,9 @@ def test_schema_keeps_null_optional_columns_concatenable(tmp_path: Path) -> None
     assert both.column("error").to_pylist()[1] == {"kind": "prompt", "message": "field 'text' is null"}
 
 
-def _prepared(tmp_path: Path, n: int = 12, *extra: str) -> RunDir:
-    corpus = tmp_path / "c.jsonl"
-    write_corpus(corpus, n)
-    return prepare(compose(fake_overrides(tmp_path, corpus, "input.id_column=id", *extra)))
-
-
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_part_commit_is_atomic_and_temporaries_are_cleaned(tmp_path: Path, fmt: str) -> None:
-    run = _prepared(tmp_path, 4, f"output.format={fmt}")
+    run = prepared(tmp_path, 4, f"output.format={fmt}")
     run.shard_dir(0).mkdir(parents=True)
     table = rows_to_table([error_row(i, f"doc-{i:05d}", "x", "m") for i in (1, 0)], run.schema)
     p0 = run.write_part(0, table)
@@ -298,7 +252,7 @@ def test_fake_engine_run_commits_often_dedupes_and_merges_in_order(tmp_path: Pat
         )
     )
     eng = FakeEngine()
-    run_shards(run, [0, 1], engine=_keyed(eng, run))
+    run_shards(run, [0, 1], engine=keyed(eng, run))
     assert sum(1 for ids in eng.added if ids == eng.encode([{"content": "same prompt"}])) == 1
     stats = merge(run)
     out = read_output(run.path)
@@ -315,7 +269,7 @@ def test_fake_engine_run_commits_often_dedupes_and_merges_in_order(tmp_path: Pat
 def test_stop_flag_commits_then_resume_finishes(tmp_path: Path) -> None:
     from batchinfer.engine.worker import ShardWorker, Stopped
 
-    run = _prepared(tmp_path, 20, "output.commit_every_rows=100")
+    run = prepared(tmp_path, 20, "output.commit_every_rows=100")
     stop = StopFlag()
     eng = FakeEngine(per_step=3)
     real_step = eng.step
@@ -329,13 +283,13 @@ def test_stop_flag_commits_then_resume_finishes(tmp_path: Path) -> None:
         ShardWorker(run, lambda: eng, stop).run_shard(Shard(0, 0, 20))
     assert run.read_shard(0).num_rows == 3 and not run.is_done(0)
     second = FakeEngine()
-    run_shards(run, [0], engine=_keyed(second, run))
+    run_shards(run, [0], engine=keyed(second, run))
     assert len(second.added) == 17  # only what was missing
     assert [r["row"] for r in read_output(merge(run) and run.path)] == list(range(20))
 
 
 def test_merge_refuses_naming_incomplete_shards(tmp_path: Path) -> None:
-    run = _prepared(tmp_path, 9, "sharding.num_shards=3")
+    run = prepared(tmp_path, 9, "sharding.num_shards=3")
     with pytest.raises(RunDirError, match=r"3 of 3 shards are incomplete \(shards 0, 1, 2\)"):
         merge(run)
 
@@ -352,13 +306,6 @@ def test_fingerprint_refusal_names_changed_keys(tmp_path: Path) -> None:
         prepare(compose(fake_overrides(tmp_path, corpus)))
 
 
-def _keyed(eng: FakeEngine, run: RunDir) -> FakeEngine:
-    from batchinfer.engine.vllm_engine import model_key
-
-    eng.key = model_key(run.config)  # type: ignore[attr-defined]
-    return eng
-
-
 # ---------------------------------------------------------------- Slurm planning (no cluster)
 
 
@@ -367,7 +314,7 @@ def test_arrays_split_at_max_array_size_and_gpus_checked(tmp_path: Path, monkeyp
     from batchinfer.launch.submit import submit_shards
 
     assert slurm.split_tasks([[0], [1], [2], [3], [4]], 2) == [[[0], [1]], [[2], [3]], [[4]]]
-    run = _prepared(tmp_path, 10, "cluster=slurm", "sharding.num_shards=5", "cluster.shards_per_task=1")
+    run = prepared(tmp_path, 10, "cluster=slurm", "sharding.num_shards=5", "cluster.shards_per_task=1")
     monkeypatch.setattr(slurm, "max_array_size", lambda: 2)
     record = submit_shards(run, [0, 1, 2, 3, 4], dry_run=True)
     assert [a["tasks"] for a in record["arrays"]] == [{0: [0], 1: [1]}, {0: [2], 1: [3]}, {0: [4]}]
@@ -451,7 +398,7 @@ def test_trace_records_rows_finished_per_step(tmp_path: Path, monkeypatch) -> No
     run = prepare(compose(fake_overrides(tmp_path, corpus, "output.commit_every_rows=4")))
     trace = tmp_path / "trace.txt"
     monkeypatch.setenv("BATCHINFER_TRACE", str(trace))
-    run_shards(run, [0], engine=_keyed(FakeEngine(), run))
+    run_shards(run, [0], engine=keyed(FakeEngine(), run))
     counts = [int(line.split()[1]) for line in trace.read_text().splitlines()]
     assert counts == sorted(counts) and counts[-1] == 20  # what redo_bench compares with committed rows
 
@@ -476,7 +423,7 @@ def test_hold_waits_after_the_first_commit_until_a_stop_signal(tmp_path: Path, m
     threading.Thread(target=stop_during_hold).start()
     t0 = time.monotonic()
     with pytest.raises(Stopped):
-        run_shards(run, [0], engine=_keyed(FakeEngine(), run))
+        run_shards(run, [0], engine=keyed(FakeEngine(), run))
     assert time.monotonic() - t0 < 30 and seen and 0 < seen[0] < 20  # held on a partial shard, not 60 s
     assert 0 < run.read_shard(0).num_rows < 20 and not run.is_done(0)
     # once per process, and never in a requeued Slurm job's later runs
@@ -503,7 +450,7 @@ def test_merge_on_a_full_disk_leaves_no_partial_output(tmp_path: Path, monkeypat
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, 12)
     run = prepare(compose(fake_overrides(tmp_path, corpus, "sharding.num_shards=2")))
-    run_shards(run, [0, 1], engine=_keyed(FakeEngine(), run))
+    run_shards(run, [0, 1], engine=keyed(FakeEngine(), run))
     calls = {"n": 0}
     real = merge_module.OutputWriter.write
 

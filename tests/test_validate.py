@@ -12,8 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import fake_model_dir, model_overrides, read_output, run_cli, write_corpus
-from conftest import run_overrides as overrides
+from support import REPO
+from support.corpus import read_output, write_corpus
+from support.procs import run_cli
+from support.runs import fake_model_dir, model_overrides
+from support.runs import run_overrides as overrides
 
 from batchinfer.config.compose import compose
 from batchinfer.errors import InputError, RunDirError
@@ -24,7 +27,6 @@ from batchinfer.insight.validate import Checked, Sample, check_rows, histogram, 
 from batchinfer.launch.local import run_local
 from batchinfer.models.maxlen import derived_max_model_len
 
-REPO = Path(__file__).resolve().parent.parent
 LOGIN_NODE = """
 import sys
 from batchinfer.cli import main

@@ -8,13 +8,13 @@ import importlib.util
 import subprocess
 import sys
 import types
-from pathlib import Path
 from typing import Any, Literal
 
 import pytest
 import yaml
+from support import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 SCRIPT = ROOT / "scripts" / "vllm_contract.py"
 
 

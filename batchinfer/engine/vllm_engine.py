@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from batchinfer import faults
 from batchinfer.config.schema import POOLING_TASKS, Config, to_config
 from batchinfer.requests.prompts import Prompt
 from batchinfer.versions import installed_versions
@@ -150,6 +151,7 @@ class Engine:
         self.max_num_seqs: int = vc.scheduler_config.max_num_seqs
         self.prefix_caching = bool(vc.cache_config.enable_prefix_caching)
         self.startup_seconds = time.monotonic() - start
+        faults.record_engine_start(self.startup_seconds, cfg.model.path)
         self.device = device_name()
         self._closed = False
         try:

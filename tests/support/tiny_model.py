@@ -5,7 +5,7 @@ Its embeddings are tied and scaled up, so greedy decoding repeats the prompt's l
 token with a wide logit margin: outputs are stable across batch compositions and
 differ from row to row, which lets tests check that each row got its own output.
 The chat template adds no generation suffix, so the last token is the row's own.
-usage: python tests/tiny_model.py OUT_DIR
+usage: python tests/support/tiny_model.py OUT_DIR
 """
 
 from __future__ import annotations

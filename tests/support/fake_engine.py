@@ -1,0 +1,68 @@
+"""The fast stand-in engine for tests that need the worker, not vLLM, and run directories for it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from batchinfer.config.compose import compose
+from batchinfer.engine.vllm_engine import Completion
+from batchinfer.rundir.prepare import prepare
+from batchinfer.rundir.store import RunDir
+from support.corpus import write_corpus
+from support.runs import fake_model_dir
+
+
+class FakeEngine:
+    """Echoes each prompt's length; finishes `per_step` requests per step."""
+
+    max_model_len = 1000
+    max_num_seqs = 4
+    startup_seconds = 0.0
+    device = "fake device"
+
+    def __init__(self, per_step: int = 3):
+        self.per_step = per_step
+        self.queue: list[tuple[str, list[int]]] = []
+        self.added: list[list[int]] = []
+
+    def sampling_params(self, sampling: dict[str, Any]) -> Any:
+        return sampling
+
+    def encode(self, prompt: Any, chat_template_kwargs: Any = None) -> list[int]:
+        text = prompt if isinstance(prompt, str) else " ".join(m["content"] for m in prompt)
+        return [ord(c) % 50 for c in text]
+
+    def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
+        self.queue.append((request_id, token_ids))
+        self.added.append(token_ids)
+
+    def step(self) -> list[Completion]:
+        done, self.queue = self.queue[: self.per_step], self.queue[self.per_step :]
+        return [Completion(rid, [f"len{len(ids)}"], "stop", len(ids), 1) for rid, ids in done]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.queue)
+
+    def abort_all(self) -> None:
+        self.queue = []
+
+
+def fake_overrides(tmp_path: Path, corpus: Path, *extra: str) -> list[str]:
+    """A run of corpus into tmp_path/run on a fake model folder (no engine starts)."""
+    return [f"input.path={corpus}", f"model.path={fake_model_dir(tmp_path)}", f"output.dir={tmp_path}/run", *extra]
+
+
+def prepared(tmp_path: Path, n: int = 12, *extra: str) -> RunDir:
+    """A prepared run directory of n random rows on a fake model folder."""
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, n)
+    return prepare(compose(fake_overrides(tmp_path, corpus, "input.id_column=id", *extra)))
+
+
+def keyed(eng: FakeEngine, run: RunDir) -> FakeEngine:
+    """The fake engine, keyed to run's model config (as the engine a run checks it was given)."""
+    from batchinfer.engine.vllm_engine import model_key
+
+    eng.key = model_key(run.config)  # type: ignore[attr-defined]
+    return eng

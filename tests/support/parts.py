@@ -1,0 +1,71 @@
+"""Run directories committed as a worker commits them, without an engine (compaction and merge tests)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from batchinfer.config.compose import compose
+from batchinfer.rundir.locks import ShardLock
+from batchinfer.rundir.prepare import prepare
+from batchinfer.rundir.schema import error_row, rows_to_table
+from batchinfer.rundir.store import RunDir, write_json
+from support.corpus import write_corpus
+from support.runs import fake_model_dir
+
+ROWS, SHARDS = 24, 2
+DONE = {"rows_done": ROWS // SHARDS, "seconds": {"generate": 1.5, "commit": 0.25}, "output_tokens": 7}
+
+
+def output_row(run: RunDir, r: int) -> dict[str, Any]:
+    """A row as a worker commits it: text, finish reason and tokens, every fifth an error row."""
+    if r % 5 == 3:
+        return error_row(r, f"doc-{r:05d}", "prompt", f"row {r}: too long", prompt_tokens=300)
+    return {
+        "row": r,
+        "id": f"doc-{r:05d}",
+        "text": f"answer {r} é \u2028 {'x' * (r % 7)}",
+        "finish_reason": "length" if r % 4 == 0 else "stop",
+        "prompt_tokens": 10 + r,
+        "output_tokens": r % 6,
+        "error": None,
+    }
+
+
+def committed(tmp_path: Path, name: str, fmt: str, shards: int = SHARDS, rows: int = ROWS, *extra: str) -> RunDir:
+    """A run directory whose every row is committed in parts, in a shuffled commit order (as a worker
+    orders work by prompt length), with progress.json; no DONE.json yet."""
+    corpus = tmp_path / "corpus.jsonl"
+    if not corpus.exists():
+        write_corpus(corpus, rows)
+    run = prepare(
+        compose(
+            [
+                f"input.path={corpus}",
+                "input.id_column=id",
+                f"model.path={fake_model_dir(tmp_path)}",
+                f"output.dir={tmp_path / name}",
+                f"output.format={fmt}",
+                f"sharding.num_shards={shards}",
+                *extra,
+            ]
+        )
+    )
+    for shard in run.shards():
+        order = list(range(shard.start, shard.stop))
+        random.Random(shard.index).shuffle(order)
+        run.shard_dir(shard.index).mkdir(parents=True, exist_ok=True)
+        for start in range(0, len(order), 5):
+            run.write_part(
+                shard.index, rows_to_table([output_row(run, r) for r in order[start : start + 5]], run.schema)
+            )
+        write_json(run.progress_path(shard.index), {"rows_done": shard.rows, "output_tokens": 7})
+    return run
+
+
+def finish_all(run: RunDir) -> None:
+    """Finish every shard as a worker does (the uninterrupted run)."""
+    for shard in run.shards():
+        with ShardLock(run.shard_dir(shard.index), log=lambda m: None):
+            run.finish_shard(shard.index, DONE)

@@ -1,0 +1,90 @@
+"""batchinfer in a subprocess (its own process group), killing groups and vLLM's /dev/shm leftovers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def run_cli(
+    args: list[str], env: dict | None = None, timeout: float = 600, spy: Path | None = None, **kw: Any
+) -> subprocess.CompletedProcess:
+    """Run the batchinfer CLI in its own process group (its id is the result's `pid`); with spy,
+    the rows it commits are logged there (COMMIT_SPY)."""
+    full_env = dict(os.environ, **(env or {}))
+    cmd = [sys.executable, "-m", "batchinfer.cli", *args]
+    if spy is not None:
+        cmd = [sys.executable, "-c", COMMIT_SPY, str(spy), *args]
+    opts = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True)
+    with subprocess.Popen(cmd, **opts, **kw) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            raise
+    res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    res.pid = proc.pid  # type: ignore[attr-defined]
+    return res
+
+
+def shm_entries() -> set[str]:
+    """vLLM's shared-memory leftovers (psm_*, sem.mp-*)."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(("psm_", "sem.mp-"))}
+    except FileNotFoundError:
+        return set()
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a process group started with start_new_session."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=60)
+
+
+def group_alive(pgid: int, wait: float = 10.0) -> list[int]:
+    """Pids of a process group still running (zombies awaiting a reaper do not count)."""
+    deadline = time.monotonic() + wait
+    while True:
+        pids = []
+        for d in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(d))
+        if not pids or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.2)
+
+
+# `batchinfer` in a subprocess with RunDir.write_part spied on: each committed part's rows are
+# appended to argv[1] as a JSON line (what a resume redid, even after compaction removed its parts).
+COMMIT_SPY = """
+import json, sys
+from batchinfer.rundir.store import RunDir
+real = RunDir.write_part
+def spy(self, index, table):
+    path = real(self, index, table)
+    with open(sys.argv[1], "a") as f:
+        f.write(json.dumps(table.column("row").to_pylist()) + "\\n")
+    return path
+RunDir.write_part = spy
+from batchinfer.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def spied_rows(log: Path) -> list[int]:
+    """Rows a COMMIT_SPY subprocess committed."""
+    return [r for line in log.read_text().splitlines() for r in json.loads(line)] if log.exists() else []
