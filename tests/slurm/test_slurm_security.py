@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from support.corpus import project, read_output
+from support.corpus import project, read_output, write_rows
 from support.procs import run_cli
 from support.slurm import REPO, cluster_overrides, wait_until_idle
 
@@ -27,10 +27,6 @@ SLURM_LOGS = Path("/tmp/batchinfer-slurm/cluster/log")
 ENV = {"PYTHONPATH": str(REPO)}
 
 
-def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
 def modes(d: Path) -> dict[Path, int]:
     """Permission bits of d and everything in it (symlinks left out)."""
     return {p: stat.S_IMODE(p.lstat().st_mode) for p in [d, *d.rglob("*")] if not p.is_symlink()}
@@ -41,7 +37,7 @@ def logs_text(run_dir: Path) -> str:
 
 
 def test_secrets_reach_jobs_only_through_the_environment(
-    slurm_env: dict,  # noqa: F811
+    slurm_env: dict,
     tmp_path: Path,
     tiny_model_path: Path,
 ) -> None:
@@ -88,7 +84,7 @@ SYSTEM = "$(id) `id` 'q' \"d\"\nok"
 
 
 def test_hostile_paths_ids_and_templates_go_through_untouched(
-    slurm_env: dict,  # noqa: F811
+    slurm_env: dict,
     tmp_path: Path,
     tiny_model_path: Path,
     engine: Any,

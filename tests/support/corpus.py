@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import random
 from pathlib import Path
@@ -68,3 +69,27 @@ def assert_own_output(out: dict, prompt_text: str) -> None:
     n = out["output_tokens"]
     unit = out["text"][: len(out["text"]) // n]
     assert unit * n == out["text"] and unit.strip() and prompt_text.endswith(unit.strip()), (out, prompt_text)
+
+
+# validate and run: one row of each row-level problem; the others are fine (numbers and bools format as text).
+BAD_ROWS = [
+    {"id": "ok-0", "text": "the quick brown fox"},
+    {"id": "missing"},
+    {"id": "null", "text": None},
+    {"id": "list", "text": ["a", "b"]},
+    {"id": "dict", "text": {"a": 1}},
+    {"id": "empty", "text": "   "},
+    {"id": "long", "text": "abstract " * 300},
+    {"id": "number", "text": 42},
+    {"id": "bool", "text": True},
+    {"id": "params", "text": "hello world", "params": {"bogus": 1}},
+]
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    """rows as JSON lines at path."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+TIMESTAMP = dt.datetime(2024, 2, 29, 23, 59, 58, 123456)

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.corpus import assert_own_output, read_output, write_corpus
-from support.runs import fake_model_dir, run_overrides
+from support.corpus import write_corpus
+from support.runs import fake_model_dir
 
 from batchinfer.config.compose import compose
 from batchinfer.config.fingerprint import changed_keys, legacy_fingerprint
@@ -183,32 +183,6 @@ def test_resume_checks_the_frozen_files(tmp_path: Path) -> None:
         apply_resource_overrides(RunDir(run.path), ["model.seed=2"])
     with pytest.raises(RunDirError, match="prompt.template_file"):
         apply_resource_overrides(RunDir(run.path), [f"prompt.template_file={tmp_path / 't.txt'}"])
-
-
-@pytest.mark.engine
-def test_template_file_edited_between_attempts(tmp_path: Path, tiny_model_path: Path, engine: Any, monkeypatch) -> None:
-    from batchinfer.launch.local import run_shards
-    from batchinfer.rundir.merge import merge
-
-    monkeypatch.chdir(tmp_path)
-    corpus = tmp_path / "c.jsonl"
-    rows = write_corpus(corpus, 24, seed=9)
-    Path("t.txt").write_text("Topic of: {text} fox")  # the tiny model repeats the last word: fox
-    ov = run_overrides(tiny_model_path, corpus, tmp_path / "run", "prompt.template_file=t.txt", "sharding.num_shards=2")
-    run = prepare(compose(ov))
-    run_shards(run, [0], engine)  # the first attempt stops after shard 0
-    Path("t.txt").write_text("Topic of: {text} dog")
-    monkeypatch.chdir(fake_model_dir(tmp_path))  # a task starts elsewhere, as on a cluster
-    again = RunDir(tmp_path / "run")  # what `batchinfer worker DIR TASK` opens
-    run_shards(again, [1], engine)
-    merge(again)
-    out = read_output(again.path)
-    assert [r["id"] for r in out] == [r["id"] for r in rows]
-    for r in out:
-        assert r["error"] is None and "dog" not in r["text"]
-        assert_own_output(r, "fox")
-    monkeypatch.chdir(tmp_path)
-    _refused(ov, r"prompt.template_file contents")
 
 
 def test_task_keys_are_fingerprinted_and_generation_runs_keep_theirs(tmp_path: Path) -> None:

@@ -6,27 +6,25 @@ import base64
 import datetime as dt
 import json
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from support.corpus import TIMESTAMP
 
 from batchinfer.rundir.schema import jsonl_to_table, table_to_jsonl
 
 UTC = dt.timezone.utc
-T0 = dt.datetime(2024, 2, 29, 23, 59, 58, 123456)
 
 # type, values (one null each), the JSON text of the first value
 CASES: list[tuple[pa.DataType, list[Any], Any]] = [
     (pa.date32(), [dt.date(2024, 2, 29), None, dt.date(1, 1, 1)], "2024-02-29"),
     (pa.date64(), [dt.date(2024, 2, 29), None], "2024-02-29"),
-    (pa.timestamp("s"), [T0.replace(microsecond=0), None], "2024-02-29T23:59:58"),
-    (pa.timestamp("ms"), [T0.replace(microsecond=123000), None], "2024-02-29T23:59:58.123"),
-    (pa.timestamp("us"), [T0, None, dt.datetime(1900, 1, 1)], "2024-02-29T23:59:58.123456"),
+    (pa.timestamp("s"), [TIMESTAMP.replace(microsecond=0), None], "2024-02-29T23:59:58"),
+    (pa.timestamp("ms"), [TIMESTAMP.replace(microsecond=123000), None], "2024-02-29T23:59:58.123"),
+    (pa.timestamp("us"), [TIMESTAMP, None, dt.datetime(1900, 1, 1)], "2024-02-29T23:59:58.123456"),
     (pa.timestamp("ns"), [1_709_251_198_123_456_789, None], "2024-02-29T23:59:58.123456789"),
-    (pa.timestamp("us", tz="UTC"), [T0.replace(tzinfo=UTC), None], "2024-02-29T23:59:58.123456+00:00"),
+    (pa.timestamp("us", tz="UTC"), [TIMESTAMP.replace(tzinfo=UTC), None], "2024-02-29T23:59:58.123456+00:00"),
     (pa.timestamp("ms", tz="Asia/Tokyo"), [dt.datetime(2024, 1, 1, tzinfo=UTC), None], "2024-01-01T09:00:00.000+09:00"),
     (pa.timestamp("s", tz="-05:30"), [dt.datetime(2024, 1, 1, tzinfo=UTC), None], "2023-12-31T18:30:00-05:30"),
     (pa.time32("s"), [dt.time(1, 2, 3), None], "01:02:03"),
@@ -57,7 +55,7 @@ NESTED = pa.struct(
 )
 NESTED_VALUES = [
     {
-        "when": T0.replace(tzinfo=UTC),
+        "when": TIMESTAMP.replace(tzinfo=UTC),
         "days": [dt.date(2024, 1, 2), None],
         "blobs": [b"\x01\x02", None, b""],
         "money": [Decimal("1.50"), None],
@@ -111,60 +109,3 @@ def test_empty_table_and_plain_types_unchanged() -> None:
     assert jsonl_to_table(b"", schema).equals(schema.empty_table())
     plain = pa.table({"n": [1.5, None], "s": [["a"], None]})
     assert table_to_jsonl(plain) == b'{"n": 1.5, "s": ["a"]}\n{"n": null, "s": null}\n'
-
-
-@pytest.mark.engine
-def test_carried_types_survive_resume_and_merge(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
-    from support.corpus import assert_own_output, write_corpus
-    from support.runs import run_overrides
-
-    from batchinfer.config.compose import compose
-    from batchinfer.launch.local import run_local, run_shards
-    from batchinfer.rundir.prepare import prepare
-    from batchinfer.rundir.store import read_table
-
-    texts = write_corpus(tmp_path / "words.jsonl", 24, seed=5)
-    n = len(texts)
-    carried = {
-        "day": pa.array([dt.date(2020, 1, 1) + dt.timedelta(days=i) if i % 5 else None for i in range(n)]),
-        "at": pa.array([T0 + dt.timedelta(hours=i) for i in range(n)], pa.timestamp("us", tz="Europe/Paris")),
-        "price": pa.array([Decimal(f"{i}.{i:02d}") for i in range(n)], pa.decimal128(9, 2)),
-        "blob": pa.array([bytes([i, 255 - i, 0]) for i in range(n)], pa.binary()),
-    }
-    ids = pa.array([f"\x00id-{i}".encode() + b"\xff" for i in range(n)], pa.binary())  # not even UTF-8
-    corpus = tmp_path / "corpus.parquet"
-    pq.write_table(pa.table({"id": ids, "text": [r["text"] for r in texts], **carried}), corpus)
-    ov = run_overrides(
-        tiny_model_path,
-        corpus,
-        tmp_path / "run",
-        "output.format=jsonl",
-        "sharding.num_shards=2",
-        "output.commit_every_rows=4",
-        "input.columns=[day,at,price,blob]",
-    )
-    run = prepare(compose(ov))
-    assert run.schema.field("id").type == pa.binary()
-    run_shards(run, [0], engine)  # then stopped: shard 1 never started
-    assert run.is_done(0) and not run.is_done(1)
-    first = read_table(run.parts(0)[0], run.schema)  # the committed JSONL part reads back typed
-    assert first.column("input").type == run.schema.field("input").type
-    run = run_local(compose(ov), engine=engine)
-
-    out = jsonl_to_table(run.output_path.read_bytes(), run.schema)
-    assert out.column("row").to_pylist() == list(range(n)) and out.column("id").equals(pa.chunked_array([ids]))
-    got = out.column("input").combine_chunks()
-    for name, values in carried.items():
-        assert got.field(name).equals(values), name
-    for row, text in zip(out.to_pylist(), texts, strict=True):
-        assert row["error"] is None
-        assert_own_output(row, text["text"])
-    # What a pandas or jq user reads in output.jsonl.
-    line = json.loads(run.output_path.read_text().splitlines()[1])
-    assert line["id"] == base64.b64encode(b"\x00id-1\xff").decode()
-    assert line["input"] == {
-        "day": "2020-01-02",
-        "at": "2024-03-01T01:59:58.123456+01:00",
-        "price": "1.01",
-        "blob": base64.b64encode(bytes([1, 254, 0])).decode(),
-    }

@@ -9,22 +9,20 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
 from support import REPO
-from support.corpus import read_output, write_corpus
+from support.corpus import BAD_ROWS, write_corpus, write_rows
 from support.procs import run_cli
 from support.runs import fake_model_dir, model_overrides
 from support.runs import run_overrides as overrides
 
 from batchinfer.config.compose import compose
-from batchinfer.errors import InputError, RunDirError
+from batchinfer.errors import InputError
 from batchinfer.inputs.read import convert_input, detect_format
 from batchinfer.insight import validate as validate_module
 from batchinfer.insight.cpus import allowed_cpus, cgroup_cpu_limit
 from batchinfer.insight.validate import Checked, Sample, check_rows, histogram, percentile, validate
-from batchinfer.launch.local import run_local
 from batchinfer.models.maxlen import derived_max_model_len
 
 LOGIN_NODE = """
@@ -34,39 +32,6 @@ code = main(sys.argv[1:])
 heavy = sorted(m for m in ("vllm", "torch", "transformers") if m in sys.modules)
 print("CODE", code, "HEAVY", heavy)
 """
-# One row of each row-level problem; the others are fine (numbers and bools format as text).
-BAD_ROWS = [
-    {"id": "ok-0", "text": "the quick brown fox"},
-    {"id": "missing"},
-    {"id": "null", "text": None},
-    {"id": "list", "text": ["a", "b"]},
-    {"id": "dict", "text": {"a": 1}},
-    {"id": "empty", "text": "   "},
-    {"id": "long", "text": "abstract " * 300},
-    {"id": "number", "text": 42},
-    {"id": "bool", "text": True},
-    {"id": "params", "text": "hello world", "params": {"bogus": 1}},
-]
-EXPECTED_ERRORS = {
-    1: ("prompt", "row 1: field 'text' is null or missing"),
-    2: ("prompt", "row 2: field 'text' is null or missing"),
-    3: ("prompt", "row 3: field 'text' is a list, not a string, number or bool; to put JSON in a prompt, "),
-    4: ("prompt", "row 4: field 'text' is an object (dict), not a string, number or bool; to put JSON in a "),
-    5: ("prompt", "row 5: the prompt is empty (field 'text' is blank)"),
-    6: ("overlong", "row 6: prompt has "),
-    9: ("sampling", "row 9: field 'params' has unknown sampling keys ['bogus']"),
-}
-
-
-def write_rows(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def part_bytes(run_dir: Path) -> dict[str, bytes]:
-    """Committed rows' files: parts, and the compacted rows.* of finished shards."""
-    files = sorted([*run_dir.glob("shards/*/part-*"), *run_dir.glob("shards/*/rows.*")])
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in files}
 
 
 def converted(tmp_path: Path, name: str, data: bytes) -> list[dict]:
@@ -144,77 +109,7 @@ def test_unwritable_output_dir_stops_before_anything(tmp_path: Path) -> None:
     assert "Traceback" not in res.stderr and os.listdir(ro) == []
 
 
-# ---------------------------------------------------------------- through the engine
-
-
-@pytest.mark.engine
-def test_row_problems_become_error_rows_and_validate_predicts_them(
-    tmp_path: Path, tiny_model_path: Path, engine: Any
-) -> None:
-    corpus = write_rows(tmp_path / "bad.jsonl", BAD_ROWS)
-    ov = overrides(tiny_model_path, corpus, tmp_path / "run", "input.sampling_column=params")
-    out = read_output(run_local(compose(ov), engine=engine).path)
-    assert [r["id"] for r in out] == [r["id"] for r in BAD_ROWS]  # every row exactly once
-    errors = {r["row"]: (r["error"]["kind"], r["error"]["message"]) for r in out if r["error"]}
-    assert set(errors) == set(EXPECTED_ERRORS)
-    for row, (kind, start) in EXPECTED_ERRORS.items():
-        assert errors[row][0] == kind and errors[row][1].startswith(start), errors[row]
-    assert out[7]["text"] and out[8]["text"]  # 42 and True formatted into the prompt
-
-    report = validate(compose(ov))
-    predicted = {
-        ex["row"]: (kind, ex["message"])
-        for kind, entry in report["error_rows"]["by_kind"].items()
-        for ex in entry["examples"]
-    }
-    assert predicted == errors  # the same code builds the prompts: the same messages
-    assert {k: e["count"] for k, e in report["error_rows"]["by_kind"].items()} == {
-        "prompt": 5,
-        "overlong": 1,
-        "sampling": 1,
-    }
-    assert report["exit_code"] == 1 and report["would_run"] == 3 and report["stops"]["count"] == 0
-    assert report["overlong"]["outcome"] == "1 row at or over max_model_len=128: error rows (kind overlong)"
-
-    cut = validate(compose([*ov, "prompt.overlong=truncate_left"]))
-    assert "overlong" not in cut["error_rows"]["by_kind"] and cut["overlong"]["rows"] == 1
-    stop = validate(compose([*ov, "prompt.overlong=fail"]))
-    assert stop["exit_code"] == 2 and stop["stops"]["by_kind"]["overlong"]["examples"][0]["row"] == 6
-
-
-@pytest.mark.engine
-def test_fixed_input_or_bad_config_leave_committed_rows_alone(
-    tmp_path: Path, tiny_model_path: Path, engine: Any
-) -> None:
-    corpus = write_rows(tmp_path / "bad.jsonl", BAD_ROWS[:4])
-    ov = overrides(tiny_model_path, corpus, tmp_path / "run")
-    run_local(compose(ov), engine=engine)
-    before = part_bytes(tmp_path / "run")
-    assert before
-    write_rows(corpus, [dict(r, text="fixed") for r in BAD_ROWS[:4]])
-    with pytest.raises(RunDirError, match=r"made with a different config: input.fingerprint \("):
-        run_local(compose(ov), engine=engine)
-    res = run_cli(["run", *ov, "sampling.top_p=1.5"])
-    assert res.returncode == 2
-    assert "batchinfer: error: sampling.top_p=1.5 is out of range: it takes a number in (0, 1]" in res.stderr
-    assert part_bytes(tmp_path / "run") == before
-
-
-@pytest.mark.engine
-def test_clean_corpus_validates_and_counts_like_vllm(tmp_path: Path, tiny_model_path: Path, engine: Any) -> None:
-    corpus = tmp_path / "clean.jsonl"
-    write_corpus(corpus, 60, seed=5, max_words=30)
-    ov = overrides(tiny_model_path, corpus, tmp_path / "run", "prompt.system=Be brief", "prompt.template=Topic: {text}")
-    out = read_output(run_local(compose(ov), engine=engine).path)
-    vllm_counts = Counter(r["prompt_tokens"] for r in out)
-    report = validate(compose(ov))
-    pt = report["prompt_tokens"]
-    assert report["exit_code"] == 0 and report["error_rows"]["count"] == 0 and report["would_run"] == 60
-    assert pt["rows"] == 60 and pt["total"] == sum(r["prompt_tokens"] for r in out)
-    assert (pt["min"], pt["max"]) == (min(vllm_counts), max(vllm_counts))
-    assert [pt["p50"], pt["p90"], pt["p99"]] == [percentile(vllm_counts, q) for q in (0.5, 0.9, 0.99)]
-    assert sum(b["rows"] for b in pt["histogram"]) == 60
-    assert report["model"]["max_model_len"] == 128 and report["model"]["max_model_len_source"] == "model.max_model_len"
+# ---------------------------------------------------------------- the validate command
 
 
 def test_validate_cli_exit_codes_and_no_engine_imports(tmp_path: Path, tiny_model_path: Path) -> None:

@@ -29,7 +29,7 @@ def test_merge_job_defaults_one_cpu_an_hour_the_partitions_memory() -> None:
 
 def test_merge_job_script_carries_the_merge_settings_and_resume_changes_them(
     tmp_path: Path,
-    fake_bin: Any,  # noqa: F811 (the fixture of test_slurm_calls)
+    fake_bin: Any,
     capsys: pytest.CaptureFixture,
 ) -> None:
     fake_bin("sbatch", f'{SUBMITTED}echo "Submitted batch job $((700 + n))"')

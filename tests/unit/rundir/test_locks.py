@@ -4,8 +4,6 @@ node-local flock, and the lock-file fallback with its holder judged by Slurm."""
 from __future__ import annotations
 
 import errno
-import fcntl
-import importlib.util
 import json
 import os
 import signal
@@ -19,11 +17,9 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from support import TESTS
 from support.corpus import read_output
 from support.fake_engine import FakeEngine, keyed, prepared
-from support.procs import group_alive, kill_group
-from support.runs import ROWS, committed_parts_are_whole, resume_and_check
+from support.filesystems import emulate
 
 from batchinfer.config.compose import compose
 from batchinfer.config.fingerprint import fingerprint_keys
@@ -36,12 +32,6 @@ from batchinfer.rundir.locks import RunLock, ShardLock
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.store import RunDir
 
-FSEMU = TESTS / "fsemu"
-_spec = importlib.util.spec_from_file_location("fsemu_flock", FSEMU / "sitecustomize.py")
-fsemu = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-_spec.loader.exec_module(fsemu)  # type: ignore[union-attr]
-REAL_FLOCK = fcntl.flock
-
 
 @pytest.fixture(autouse=True)
 def _no_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,11 +39,6 @@ def _no_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(locks, "_logged", set())
-
-
-def emulate(monkeypatch: pytest.MonkeyPatch, mode: str, root: Path | str = "") -> None:
-    """fcntl.flock answering as NFS / Lustre noflock / a host without a lock manager."""
-    monkeypatch.setattr(fcntl, "flock", fsemu.emulated_flock(REAL_FLOCK, mode, str(root)))
 
 
 def fake_squeue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> None:
@@ -415,46 +400,3 @@ def test_input_converts_where_flock_fails(tmp_path: Path, monkeypatch: pytest.Mo
     run = prepared(tmp_path, 7)
     assert run.shards()[0].rows == 7 and not (run.path / ".hf-cache").exists()
     assert [p.name for p in run.path.iterdir() if p.name.startswith(".flock-probe")] == []
-
-
-# ---------------------------------------------------------------- end to end: SIGKILL, resume
-
-
-@pytest.mark.engine
-@pytest.mark.kill
-@pytest.mark.parametrize("mode", ["nfs", "enosys", "enolck"])
-def test_sigkill_then_resume_on_emulated_filesystems(
-    workload: dict[str, Any], engine: Any, mode: str, monkeypatch: pytest.MonkeyPatch, clean_shm: None, caplog: Any
-) -> None:
-    out = (workload["dir"] / f"flock-{mode}").resolve()
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(p for p in (str(FSEMU), os.environ.get("PYTHONPATH", "")) if p),
-        BATCHINFER_TEST_FLOCK=mode,
-        # The whole run directory: the shard and merge locks, and datasets' cache lock while the
-        # input is converted (which then goes to a node-local cache).
-        BATCHINFER_TEST_FLOCK_ROOT=str(out),
-    )
-    log = workload["dir"] / f"flock-{mode}.log"
-    cmd = [sys.executable, "-m", "batchinfer.cli", "run", *workload["base"], f"output.dir={out}"]
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
-        deadline = time.monotonic() + 300
-        while not list(out.glob("shards/*/part-*")):
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        kill_group(proc)
-    assert proc.returncode == -signal.SIGKILL
-    assert group_alive(proc.pid) == []
-    assert 0 < committed_parts_are_whole(out) < ROWS
-    fallback = "flock unsupported on this filesystem"
-    assert (fallback in log.read_text()) == (mode != "nfs"), log.read_text()[-3000:]
-    assert ("converting the input with a cache in" in log.read_text()) == (mode != "nfs")
-    assert list(out.glob("shards/*/lock.excl")) if mode != "nfs" else not list(out.glob("shards/*/lock.excl"))
-
-    emulate(monkeypatch, mode, env["BATCHINFER_TEST_FLOCK_ROOT"])  # the resume sees the same filesystem
-    caplog.set_level("WARNING", logger="batchinfer")
-    resume_and_check(workload, out, engine)
-    assert (fallback in caplog.text) == (mode != "nfs")
-    assert not list(out.glob("shards/*/lock.excl*"))

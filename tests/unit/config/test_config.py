@@ -1,0 +1,144 @@
+"""The composed config: errors that name the key, literal templates, presets, changed keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from support.corpus import write_corpus
+from support.fake_engine import fake_overrides, prepared
+
+from batchinfer.config.compose import compose, hydra_literal
+from batchinfer.config.fingerprint import changed_keys
+from batchinfer.config.schema import Config, to_config, to_dict
+from batchinfer.errors import ConfigError, RunDirError
+from batchinfer.rundir.prepare import prepare
+from batchinfer.rundir.store import RunDir
+
+
+def test_unknown_key_is_named() -> None:
+    with pytest.raises(ConfigError, match="prompt.tempalte"):
+        compose(["prompt.tempalte=x"])
+
+
+def test_wrong_type_and_choice_are_named() -> None:
+    with pytest.raises(ConfigError) as e:
+        compose(["sampling.max_tokens=abc"])
+    assert str(e.value) == (
+        "sampling.max_tokens: Value 'abc' of type 'str' could not be converted to Integer; "
+        "sampling.max_tokens takes an integer >= 1"
+    )
+    with pytest.raises(ConfigError, match=r"prompt.mode='poem' is not one of: chat, raw"):
+        compose(["prompt.mode=poem"])
+    with pytest.raises(ConfigError, match="not both"):
+        compose(["sharding.num_shards=2", "sharding.rows_per_shard=5"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("sampling.temperature=-1", "sampling.temperature=-1.0 is out of range: it takes a number >= 0 (0 is greedy)"),
+        ("sampling.top_p=1.5", "sampling.top_p=1.5 is out of range: it takes a number in (0, 1]"),
+        ("sharding.num_shards=0", "sharding.num_shards=0 is out of range: it takes an integer >= 1"),
+        (
+            "model.gpu_memory_utilization=1.5",
+            "model.gpu_memory_utilization=1.5 is out of range: it takes a fraction in (0, 1]",
+        ),
+        (
+            "sampling.min_tokens=300",
+            "sampling.min_tokens=300 is out of range: it takes at most sampling.max_tokens=256",
+        ),
+    ],
+)
+def test_out_of_range_values_name_key_and_range(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        compose([override])
+    assert str(e.value) == message
+
+
+def test_template_taken_literally_from_the_shell() -> None:
+    cfg = compose(["prompt.template=Label: {text} costs ${x} 'q' \\", "prompt.system=Be {brief}"])
+    assert cfg.prompt.template == "Label: {text} costs ${x} 'q' \\"
+    assert cfg.prompt.system == "Be {brief}"
+    assert hydra_literal("a'b") == "'a\\'b'"
+
+
+def test_typed_config_keeps_literal_text_from_run_yaml() -> None:
+    """run.yaml holds resolved plain values: `${` in a template is text when typed again."""
+    template = "costs ${x} and \\${y} {text}"
+    typed = to_config(to_dict(compose([f"prompt.template={template}", "prompt.labels.names=[a,b]"])))
+    assert isinstance(typed, Config) and typed.prompt.template == template
+    assert typed.prompt.labels.names == ["a", "b"] and typed.sampling.params["max_tokens"] == typed.sampling.max_tokens
+    assert to_config(typed) is typed
+
+
+def test_resume_overrides_keep_a_template_with_interpolation_text(tmp_path: Path) -> None:
+    from batchinfer.launch.submit import apply_resource_overrides
+
+    template = "Price ${{amount}} for {text}"  # `${` is text here, not an OmegaConf interpolation
+    run = prepared(tmp_path, 4, f"prompt.template={template}")
+    apply_resource_overrides(RunDir(run.path), ["output.commit_every_rows=7"])
+    again = RunDir(run.path)
+    assert again.config.prompt.template == template and again.config.output.commit_every_rows == 7
+    assert again.run["config"]["prompt"]["template"] == template
+
+
+def test_changed_keys() -> None:
+    assert changed_keys({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4}) == ["b", "c"]
+
+
+def test_fingerprint_refusal_names_changed_keys(tmp_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 5)
+    prepare(compose(fake_overrides(tmp_path, corpus)))
+    with pytest.raises(RunDirError, match=r"sampling.max_tokens \(256 -> 7\)"):
+        prepare(compose(fake_overrides(tmp_path, corpus, "sampling.max_tokens=7")))
+    prepare(compose(fake_overrides(tmp_path, corpus, "output.commit_every_rows=3")))  # outside the fingerprint
+    write_corpus(corpus, 6)
+    with pytest.raises(RunDirError, match=r"input.fingerprint"):
+        prepare(compose(fake_overrides(tmp_path, corpus)))
+
+
+MODEL_PRESETS = [
+    "smollm2-135m",
+    "llama-3.1-8b-instruct",
+    "llama-3.1-8b-instruct-fp8",
+    "llama-3.3-70b-instruct-fp8",
+    "qwen3-8b",
+    "all-minilm-l6-v2",
+]
+
+
+QUANT_PRESETS = {
+    "none": (None, "auto"),
+    "fp8": ("fp8", "auto"),
+    "awq": ("awq", "auto"),
+    "gptq": ("gptq", "auto"),
+    "kv-fp8": (None, "fp8"),
+}
+
+
+@pytest.mark.parametrize("model", MODEL_PRESETS)
+def test_every_model_and_quantization_preset_composes(model: str) -> None:
+    for quant, (method, kv) in QUANT_PRESETS.items():
+        cfg = compose([f"model={model}", f"quantization={quant}", "cluster=slurm"])
+        assert cfg.model.path and cfg.model.max_model_len
+        assert (cfg.quantization.method, cfg.quantization.kv_cache_dtype) == (method, kv)
+    assert compose(["model=llama-3.3-70b-instruct-fp8"]).model.tensor_parallel_size == 2
+    assert compose([]).model.path.endswith("/models/SmolLM2-135M-Instruct")
+
+
+def test_task_presets_compose_and_task_keys_belong_to_their_task() -> None:
+    embed = compose(["task=embed"])
+    assert (embed.task.name, embed.prompt.mode, embed.prompt.overlong) == ("embed", "raw", "truncate_right")
+    assert compose(["task=classify", "prompt.overlong=error_row"]).prompt.overlong == "error_row"  # the user's wins
+    plain = compose([])
+    assert (plain.task.name, plain.prompt.mode, plain.prompt.overlong) == ("generate", "chat", "error_row")
+    score = compose(["task=score", "task.query=Q: {q}", "task.document={d} ${x}"])
+    assert (score.task.query, score.task.document) == ("Q: {q}", "{d} ${x}")  # taken literally, like templates
+    with pytest.raises(ConfigError, match=r"task=score needs two texts per row: task.query and task.document"):
+        compose(["task=score", "task.query={q}"])
+    with pytest.raises(ConfigError, match=r"task.min_prob is a setting of task=classify; this run has task=embed"):
+        compose(["task=embed", "task.min_prob=0.5"])
+    with pytest.raises(ConfigError, match=r"task.name='rank' is not one of: generate, embed, classify, score"):
+        compose(["task.name=rank"])

@@ -1,0 +1,93 @@
+"""Parts and the output: the schema, atomic part commits, the shard lock, merge refusals and a full disk."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from support.corpus import read_output, write_corpus
+from support.fake_engine import FakeEngine, fake_overrides, keyed, prepared
+
+from batchinfer.config.compose import compose
+from batchinfer.errors import RunDirError
+from batchinfer.launch.local import run_shards
+from batchinfer.rundir.locks import ShardLock
+from batchinfer.rundir.merge import merge
+from batchinfer.rundir.prepare import prepare
+from batchinfer.rundir.schema import error_row, output_schema, rows_to_table
+
+
+def test_schema_keeps_null_optional_columns_concatenable(tmp_path: Path) -> None:
+    schema = output_schema(pa.string(), 2, pa.struct([("topic", pa.string())]))
+    ok = rows_to_table([{"row": 0, "id": "a", "text": "t", "samples": ["t", "u"], "error": None}], schema)
+    bad = rows_to_table([error_row(1, "b", "prompt", "field 'text' is null")], schema)
+    both = pa.concat_tables([ok, bad])
+    assert both.schema == schema
+    assert both.column("samples").to_pylist() == [["t", "u"], None]
+    assert both.column("error").to_pylist()[1] == {"kind": "prompt", "message": "field 'text' is null"}
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_part_commit_is_atomic_and_temporaries_are_cleaned(tmp_path: Path, fmt: str) -> None:
+    run = prepared(tmp_path, 4, f"output.format={fmt}")
+    run.shard_dir(0).mkdir(parents=True)
+    table = rows_to_table([error_row(i, f"doc-{i:05d}", "x", "m") for i in (1, 0)], run.schema)
+    p0 = run.write_part(0, table)
+    p1 = run.write_part(0, rows_to_table([error_row(2, "doc-00002", "x", "m")], run.schema))
+    assert [p0.name, p1.name] == [f"part-000000.{fmt}", f"part-000001.{fmt}"]
+    (run.shard_dir(0) / f".tmp-part-000002.{fmt}").write_bytes(b"torn")
+    assert [p.name for p in run.parts(0)] == [p0.name, p1.name]
+    assert run.read_shard(0).column("row").to_pylist() == [1, 0, 2]
+    assert run.clean_temporaries(0) == 1
+    assert sorted(os.listdir(run.shard_dir(0))) == [p0.name, p1.name]
+
+
+def test_lock_refuses_second_writer_naming_holder(tmp_path: Path) -> None:
+    d = tmp_path / "shard"
+    with ShardLock(d):
+        with pytest.raises(RunDirError, match=rf"shard is being written by host \S+ pid {os.getpid()}"):
+            with ShardLock(d):
+                pass
+    with ShardLock(d):  # released: free again
+        pass
+
+
+def test_merge_refuses_naming_incomplete_shards(tmp_path: Path) -> None:
+    run = prepared(tmp_path, 9, "sharding.num_shards=3")
+    with pytest.raises(RunDirError, match=r"3 of 3 shards are incomplete \(shards 0, 1, 2\)"):
+        merge(run)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(28, "No space left on device"),
+        OSError("[Errno 28] Error writing bytes to file: No space left on device"),
+    ],
+)
+def test_merge_on_a_full_disk_leaves_no_partial_output(tmp_path: Path, monkeypatch, error: OSError) -> None:
+    """pyarrow puts the errno only in its message: both forms are a StorageError naming the output."""
+    from batchinfer.errors import StorageError
+    from batchinfer.rundir import merge as merge_module
+
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 12)
+    run = prepare(compose(fake_overrides(tmp_path, corpus, "sharding.num_shards=2")))
+    run_shards(run, [0, 1], engine=keyed(FakeEngine(), run))
+    calls = {"n": 0}
+    real = merge_module.OutputWriter.write
+
+    def write(self, table):  # the second shard's rows hit a full disk
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise error
+        real(self, table)
+
+    monkeypatch.setattr(merge_module.OutputWriter, "write", write)
+    with pytest.raises(StorageError, match=rf"cannot write {run.output_path}: the disk is full"):
+        merge(run)
+    assert not run.output_path.exists() and not list(run.path.glob(".tmp-*"))
+    monkeypatch.setattr(merge_module.OutputWriter, "write", real)
+    assert merge(run)["rows"] == 12 and len(read_output(run.path)) == 12
