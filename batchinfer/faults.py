@@ -7,6 +7,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 ENV = "BATCHINFER_FAULT"
 # Benchmarks: append "<time> <rows finished so far>" to this file at every engine step.
@@ -19,6 +20,9 @@ HOLD_ENV = "BATCHINFER_HOLD"
 # Tests: append one JSON line per engine start to this file (pid, Slurm job, seconds), so a test
 # run can say how many engines it started in-process, in subprocesses and in Slurm tasks.
 ENGINE_LOG_ENV = "BATCHINFER_ENGINE_LOG"
+# Tests: "module:Class" of a stand-in engine that workers build instead of vLLM's (tests/support/standin.py),
+# for Slurm-mechanics and launcher tests in other processes that need the worker, not vLLM.
+STANDIN_ENV = "BATCHINFER_STANDIN_ENGINE"
 POINTS = (
     "in-part-write",  # half of a part's bytes are in its temporary file
     "before-part-rename",  # temporary part complete and fsynced, not yet renamed
@@ -109,3 +113,16 @@ def record_engine_start(seconds: float, model: object) -> None:
     }
     with open(path, "a") as f:  # one short O_APPEND write per line: concurrent starts do not interleave
         f.write(json.dumps(rec) + "\n")
+
+
+def engine_class() -> Callable[..., Any]:
+    """The engine class workers build: vLLM's, or the stand-in BATCHINFER_STANDIN_ENGINE names."""
+    name = os.environ.get(STANDIN_ENV)
+    if not name:
+        from batchinfer.engine.vllm_engine import Engine
+
+        return Engine
+    import importlib
+
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)

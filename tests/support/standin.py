@@ -1,0 +1,117 @@
+"""The stand-in engine for tests of Slurm mechanics, supervisors and launchers in other processes.
+
+`batchinfer` builds it instead of vLLM's engine where BATCHINFER_STANDIN_ENGINE names it
+(standin_env(); batchinfer.faults.STANDIN_ENV): it tokenizes like the real engine (the model
+folder's tokenizer and chat template), starts in a second or two, and answers each request from
+its own token ids, as the tiny model does: the prompt's last token, repeated a number of times
+that a digest of all its token ids picks. So a row given another row's answer, or another row's
+prompt, fails `assert_exactly_once` and a row-for-row comparison with an in-process stand-in run.
+It finishes requests out of order, a few per step, and with `refuse_every` refuses some at add
+(ValueError, as vLLM refuses a request), which the worker turns into error rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Optional
+
+from batchinfer.config.schema import to_config
+from batchinfer.engine.vllm_engine import Completion, model_key
+from support import TESTS
+
+ENV_NAME = "BATCHINFER_STANDIN_ENGINE"  # batchinfer.faults.STANDIN_ENV
+CLASS_PATH = "support.standin:StandinEngine"
+
+
+def standin_env(base: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """Environment in which `batchinfer` (a subprocess, a Slurm task, its members) runs the stand-in."""
+    env = dict(os.environ if base is None else base)
+    paths = [str(TESTS), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    return dict(env, PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)), **{ENV_NAME: CLASS_PATH})
+
+
+def digest(ids: Iterable[int]) -> int:
+    """A stable number from a request's token ids (what the answer is made from)."""
+    return int.from_bytes(hashlib.blake2b(repr(list(ids)).encode(), digest_size=8).digest(), "big")
+
+
+class StandinEngine:
+    """Tokenizes like vllm_engine.Engine, answers from the request's own token ids, in no fixed order."""
+
+    prefix_caching = False
+    pooling_tasks: tuple[str, ...] = ()
+
+    def __init__(self, cfg: Any, dtype: Optional[str] = None, refuse_every: int = 0, step_seconds: float = 0.002):
+        from transformers import AutoTokenizer
+
+        from batchinfer.engine.dtype import own_choice
+
+        start = time.monotonic()
+        cfg = to_config(cfg)
+        self.key = model_key(cfg)
+        self.task = cfg.task.name
+        auto = cfg.model.dtype == "auto"
+        self.dtype = dtype if dtype not in (None, "auto") else own_choice()["dtype"] if auto else cfg.model.dtype
+        self.max_model_len = cfg.model.max_model_len or 128
+        self.max_num_seqs = cfg.model.max_num_seqs or 16
+        self.tokenizer = AutoTokenizer.from_pretrained(str(Path(cfg.model.path)))
+        self.refuse_every = refuse_every
+        self.step_seconds = step_seconds  # a step takes time, so rates and holds behave as on an engine
+        self.queue: dict[str, tuple[list[int], int]] = {}  # request id -> (token ids, max_tokens)
+        self.steps = 0
+        self.device = "stand-in engine"
+        self.startup_seconds = time.monotonic() - start
+
+    def sampling_params(self, sampling: dict[str, Any]) -> Any:
+        """The sampling config itself (only max_tokens matters here)."""
+        if int(sampling.get("max_tokens") or 0) < 1:
+            raise ValueError("max_tokens must be at least 1")
+        return dict(sampling)
+
+    def encode(self, prompt: Any, chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+        """Token ids as vllm_engine.Engine makes them: the chat template rendered, then tokenized."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        kw = chat_template_kwargs or {}
+        text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kw)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
+        """Queue a request; with refuse_every, one in that many (by digest) is refused."""
+        if self.refuse_every and digest(token_ids) % self.refuse_every == 0:
+            raise ValueError(f"the stand-in refuses this request ({len(token_ids)} tokens)")
+        self.queue[request_id] = (list(token_ids), int(params["max_tokens"]))
+
+    def step(self) -> list[Completion]:
+        """Finish a few queued requests, chosen by digest and step number (not in the order added)."""
+        time.sleep(self.step_seconds)
+        self.steps += 1
+        ready = [r for r, (ids, _) in self.queue.items() if (digest(ids) + self.steps) % 3 == 0]
+        done = ready[: self.max_num_seqs] or list(self.queue)[-1:]
+        return [self._answer(rid, *self.queue.pop(rid)) for rid in done]
+
+    def _answer(self, request_id: str, ids: list[int], max_tokens: int) -> Completion:
+        """The prompt's last token, repeated 1..max_tokens times (how many: the digest's choice)."""
+        n = 1 + digest(ids) % max_tokens
+        text = self.tokenizer.decode(ids[-1:]) * n
+        reason = "length" if n == max_tokens else "stop"
+        return Completion(request_id, [text], reason, len(ids), n)
+
+    def split_reasoning(self, text: str) -> tuple[Optional[str], str]:
+        """No reasoning parser: all of it is the answer."""
+        return None, text
+
+    def has_unfinished(self) -> bool:
+        """Whether requests are queued."""
+        return bool(self.queue)
+
+    def abort_all(self) -> None:
+        """Drop the queued requests."""
+        self.queue.clear()
+
+    def close(self) -> None:
+        """Nothing to stop."""

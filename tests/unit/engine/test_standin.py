@@ -1,0 +1,65 @@
+"""The stand-in engine that Slurm-mechanics and launcher tests run in other processes: each row gets
+an answer made from its own token ids, requests finish out of order, refusals become error rows,
+and `batchinfer run` in a subprocess builds it instead of vLLM (no engine start is logged)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from support.corpus import assert_exactly_once, project, read_output, write_corpus
+from support.procs import run_cli
+from support.runs import run_overrides
+from support.standin import StandinEngine, digest, standin_env
+
+from batchinfer.config.compose import compose
+from batchinfer.faults import ENGINE_LOG_ENV
+from batchinfer.launch.local import run_local
+
+
+def test_each_row_its_own_answer_out_of_order(tmp_path: Path, tiny_model_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 60, seed=3)
+    cfg = compose(run_overrides(tiny_model_path, corpus, tmp_path / "run"))
+    eng = StandinEngine(cfg)
+    ids = [eng.encode([{"role": "user", "content": r["text"]}]) for r in rows[:20]]
+    for i, t in enumerate(ids):
+        eng.add(f"r{i}", t, {"max_tokens": 6})
+    order = []
+    while eng.has_unfinished():
+        order += [int(c.request_id[1:]) for c in eng.step()]
+    assert sorted(order) == list(range(20)) and order != list(range(20))
+    out = read_output(run_local(cfg, engine=StandinEngine(cfg)).path)
+    assert_exactly_once(out, rows)
+    # the answer is the row's own: its prompt's last token, as many times as its digest says
+    assert len({(r["text"], r["output_tokens"]) for r in out}) > 40
+    assert all(r["prompt_tokens"] == len(t) for r, t in zip(out[:20], ids, strict=True))
+
+
+def test_refused_requests_become_error_rows(tmp_path: Path, tiny_model_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 40, seed=4)
+    cfg = compose(run_overrides(tiny_model_path, corpus, tmp_path / "run"))
+    eng = StandinEngine(cfg, refuse_every=5)
+    refused = {i for i, r in enumerate(rows) if digest(eng.encode([{"role": "user", "content": r["text"]}])) % 5 == 0}
+    out = read_output(run_local(cfg, engine=eng).path)
+    assert refused and [r["id"] for r in out] == [r["id"] for r in rows]
+    assert {r["row"] for r in out if r["error"]} == refused
+    assert all(r["error"]["kind"] == "rejected" for r in out if r["error"])
+
+
+def test_a_subprocess_run_builds_the_standin_and_logs_no_engine_start(tmp_path: Path, tiny_model_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 30, seed=5)
+    log = tmp_path / "starts.jsonl"
+    ov = run_overrides(tiny_model_path, corpus, tmp_path / "sub", "sharding.num_shards=2")
+    res = run_cli(["run", *ov], env=standin_env(dict(os.environ, **{ENGINE_LOG_ENV: str(log)})))
+    assert res.returncode == 0, res.stderr
+    got = read_output(tmp_path / "sub")
+    assert_exactly_once(got, rows)
+    cfg = compose(run_overrides(tiny_model_path, corpus, tmp_path / "here", "sharding.num_shards=2"))
+    assert project(got) == project(read_output(run_local(cfg, engine=StandinEngine(cfg)).path))
+    assert not log.exists()  # no vLLM engine started
+    done = json.loads((tmp_path / "sub/shards/00000/DONE.json").read_text())
+    assert done["device"] == "stand-in engine"
