@@ -21,7 +21,8 @@ from support import tiny_model  # noqa: E402
 from support.corpus import assert_exactly_once, read_output, write_corpus  # noqa: E402
 from support.pooling import minilm_overrides  # noqa: E402
 from support.procs import shm_entries  # noqa: E402
-from support.runs import ROWS, model_overrides  # noqa: E402
+from support.runs import ROWS, Workload, model_overrides  # noqa: E402
+from support.standin import StandinEngine, standin_env  # noqa: E402
 
 ENGINE_LOG = pytest.StashKey[Path]()
 
@@ -96,13 +97,11 @@ def clean_shm():
             pass
 
 
-@pytest.fixture(scope="session")
-def workload(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path, engine: Any) -> dict[str, Any]:
-    """A corpus big enough for many commits per shard, and its uninterrupted output."""
+def kill_workload(d: Path, model: Path, engine: Any, env: dict[str, str]) -> Workload:
+    """ROWS rows in 2 shards, committed every 16 rows, and their uninterrupted output on engine."""
     from batchinfer.config.compose import compose
     from batchinfer.launch.local import run_local
 
-    d = tmp_path_factory.mktemp("kill")
     corpus = d / "corpus.jsonl"
     rows = write_corpus(corpus, ROWS, seed=7)
     base = [
@@ -111,11 +110,27 @@ def workload(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path, en
         "sampling.max_tokens=24",
         "sharding.num_shards=2",
         "output.commit_every_rows=16",
-        *model_overrides(tiny_model_path),
+        *model_overrides(model),
     ]
     clean = read_output(run_local(compose([*base, f"output.dir={d}/clean"]), engine=engine).path)
     assert_exactly_once(clean, rows)
-    return {"base": base, "rows": rows, "clean": clean, "dir": d}
+    return Workload(base, rows, clean, d, engine, env)
+
+
+@pytest.fixture(scope="session")
+def workload(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path, engine: Any) -> Workload:
+    """The kill corpus on the real engine (subprocesses start vLLM)."""
+    return kill_workload(tmp_path_factory.mktemp("kill"), tiny_model_path, engine, {})
+
+
+@pytest.fixture(scope="session")
+def standin_workload(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Workload:
+    """The kill corpus on the stand-in engine (subprocesses build it too: tests/support/standin.py)."""
+    from batchinfer.config.compose import compose
+
+    d = tmp_path_factory.mktemp("kill-standin")
+    engine = StandinEngine(compose(model_overrides(tiny_model_path)))
+    return kill_workload(d, tiny_model_path, engine, standin_env())
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,12 @@
 """Random kills, a second worker, a row that kills the engine, a full or read-only disk: nothing
-committed is lost or duplicated, and each failure says what happened. Run alone with -m kill."""
+committed is lost or duplicated, and each failure says what happened. Run alone with -m kill.
+The subprocesses run the stand-in engine (tests/support/standin.py): the worker's commits, locks and
+failure counts are what these prove; tests/cli/test_kill.py and tests/slurm kill real engines."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import socket
 import subprocess
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 from support.corpus import assert_exactly_once, project, read_output, write_corpus
 from support.procs import group_alive, kill_group, run_cli
-from support.runs import committed_parts_are_whole, committed_rows, model_overrides, resume_and_check
+from support.runs import Workload, committed_parts_are_whole, committed_rows, model_overrides, resume_and_check
 
 from batchinfer.config.compose import compose
 from batchinfer.errors import RunDirError
@@ -28,10 +29,10 @@ from batchinfer.rundir.store import RunDir
 pytestmark = [pytest.mark.engine, pytest.mark.kill]
 
 
-def start_run(args: list[str]) -> subprocess.Popen:
-    """`batchinfer run` in its own process group."""
+def start_run(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """`batchinfer run` in its own process group, with this environment."""
     cmd = [sys.executable, "-m", "batchinfer.cli", "run", *args]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env)
 
 
 def wait_for_part(proc: subprocess.Popen, out: Path) -> None:
@@ -62,28 +63,28 @@ def base_and_clean_run(corpus: Path, model: Path, engine: Any, max_tokens: int) 
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_sigkill_at_a_random_moment_then_resume(
-    workload: dict[str, Any], engine: Any, seed: int, clean_shm: None
-) -> None:
-    out = workload["dir"] / f"random-{seed}"
-    proc = start_run([*workload["base"], f"output.dir={out}"])
+def test_sigkill_at_a_random_moment_then_resume(standin_workload: Workload, seed: int, clean_shm: None) -> None:
+    workload = standin_workload
+    out = workload.dir / f"random-{seed}"
+    # 50 ms a step: a shard takes seconds, so the kill lands in generation, a part write or a rename
+    proc = start_run([*workload.base, f"output.dir={out}"], dict(workload.env, BATCHINFER_STANDIN_STEP_SECONDS="0.05"))
     wait_for_part(proc, out)
     time.sleep(random.Random(seed).uniform(0.0, 2.0))  # in generation, a part write or a rename
     kill_group(proc)
     assert group_alive(proc.pid) == []
     committed_parts_are_whole(out)
-    resume_and_check(workload, out, engine)
+    resume_and_check(workload, out)
 
 
 def test_second_worker_refuses_and_a_dead_holders_lock_is_free(
-    tmp_path: Path, tiny_model_path: Path, engine: Any, clean_shm: None
+    tmp_path: Path, tiny_model_path: Path, standin_workload: Workload, clean_shm: None
 ) -> None:
-    # One shard long enough (4,000 rows) to still be generating while the second worker starts.
+    # One shard, its first worker held after its first part (BATCHINFER_HOLD) while the second starts.
     corpus = tmp_path / "c.jsonl"
-    rows = write_corpus(corpus, 4000, seed=33)
+    rows = write_corpus(corpus, 400, seed=33)
     base = fault_overrides(corpus, tiny_model_path, max_tokens=24)
     out = tmp_path / "two-workers"
-    proc = start_run([*base, f"output.dir={out}"])
+    proc = start_run([*base, f"output.dir={out}"], dict(standin_workload.env, BATCHINFER_HOLD="300"))
     wait_for_part(proc, out)
     res = run_cli(["worker", str(out), "0"], timeout=120)
     assert not RunDir(out).is_done(0)  # the first worker was still writing the shard
@@ -95,12 +96,14 @@ def test_second_worker_refuses_and_a_dead_holders_lock_is_free(
         with pytest.raises(RunDirError, match="being written by"):
             with ShardLock(RunDir(out).shard_dir(0)):
                 pass
-    assert_exactly_once(read_output(run_local(compose([*base, f"output.dir={out}"]), engine=engine).path), rows)
+    run = run_local(compose([*base, f"output.dir={out}"]), engine=standin_workload.engine)
+    assert_exactly_once(read_output(run.path), rows)
 
 
 def test_row_that_kills_the_engine_twice_becomes_an_error_row(
-    tmp_path: Path, tiny_model_path: Path, engine: Any, clean_shm: None
+    tmp_path: Path, tiny_model_path: Path, standin_workload: Workload, clean_shm: None
 ) -> None:
+    engine = standin_workload.engine
     corpus = tmp_path / "c.jsonl"
     rows = write_corpus(corpus, 200, seed=31)
     rows[57]["text"] = "quick POISON fox"
@@ -108,7 +111,7 @@ def test_row_that_kills_the_engine_twice_becomes_an_error_row(
     base, clean = base_and_clean_run(corpus, tiny_model_path, engine, max_tokens=8)
     out = tmp_path / "poisoned"
     args = ["run", *base, f"output.dir={out}"]
-    env = {"BATCHINFER_POISON": "POISON"}
+    env = dict(standin_workload.env, BATCHINFER_POISON="POISON")
     progress = out / "shards" / "00000" / "progress.json"
     first = run_cli(args, env=env)
     assert first.returncode == 1, first.stderr[-3000:]
@@ -168,9 +171,10 @@ def part_hashes(run_dir: Path) -> dict[str, str]:
     ],
 )
 def test_full_or_read_only_disk_while_committing(
-    tmp_path: Path, tiny_model_path: Path, engine: Any, mode: str, message: str, clean_shm: None
+    tmp_path: Path, tiny_model_path: Path, standin_workload: Workload, mode: str, message: str, clean_shm: None
 ) -> None:
     """As root chmod does not stop writes: a small tmpfs in a private mount namespace does."""
+    engine = standin_workload.engine
     corpus = tmp_path / "c.jsonl"
     rows = write_corpus(corpus, 1500, seed=32)
     base, clean = base_and_clean_run(corpus, tiny_model_path, engine, max_tokens=24)
@@ -180,7 +184,7 @@ def test_full_or_read_only_disk_while_committing(
     env = {"MNT": str(mnt), "OUT": str(out), "PY": sys.executable, "MODE": mode}
     res = subprocess.run(
         ["unshare", "-m", "bash", "-c", STORAGE_SCRIPT, "bash", *base],
-        env=dict(os.environ, **env),
+        env=dict(standin_workload.env, **env),
         capture_output=True,
         text=True,
         timeout=900,

@@ -6,6 +6,7 @@ import contextlib
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,19 @@ ENGINE_OVERRIDES = ["model.enforce_eager=true", "model.max_model_len=128", "mode
 
 
 ROWS = 600  # the kill tests' corpus: many commits per shard
+
+
+@dataclass
+class Workload:
+    """The kill tests' corpus, its overrides and uninterrupted output on one engine (the real one or
+    the stand-in), and what a subprocess needs in its environment to run that engine."""
+
+    base: list[str]  # overrides without output.dir
+    rows: list[dict]  # the input rows
+    clean: list[dict]  # the output of an uninterrupted run
+    dir: Path  # where the tests put their run directories
+    engine: Any  # the in-process engine that made `clean`, for resumes
+    env: dict[str, str] = field(default_factory=dict)  # for `batchinfer` subprocesses (run_cli's env)
 
 
 def model_overrides(model: Path) -> list[str]:
@@ -43,7 +57,7 @@ def fake_model_dir(parent: Path) -> Path:
     return d
 
 
-def resume_and_check(workload: dict[str, Any], out: Path, engine: Any) -> None:
+def resume_and_check(workload: Workload, out: Path, engine: Any = None) -> None:
     """Finish the run in-process and compare with the uninterrupted run, row for row; the rows
     committed before are unchanged after it and only the rows in none of them were redone."""
     from batchinfer.config.compose import compose
@@ -51,11 +65,11 @@ def resume_and_check(workload: dict[str, Any], out: Path, engine: Any) -> None:
 
     before = committed_rows(out)
     with recorded_commits() as redone:
-        run = run_local(compose([*workload["base"], f"output.dir={out}"]), engine=engine)
+        run = run_local(compose([*workload.base, f"output.dir={out}"]), engine=engine or workload.engine)
     rows = read_output(run.path)
-    assert_exactly_once(rows, workload["rows"])
-    assert project(rows) == project(workload["clean"])
-    assert_only_missing_rows_redone(out, before, redone, len(workload["rows"]))
+    assert_exactly_once(rows, workload.rows)
+    assert project(rows) == project(workload.clean)
+    assert_only_missing_rows_redone(out, before, redone, len(workload.rows))
 
 
 def committed_rows(out: Path) -> dict[int, Any]:

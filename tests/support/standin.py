@@ -7,7 +7,8 @@ its own token ids, as the tiny model does: the prompt's last token, repeated a n
 that a digest of all its token ids picks. So a row given another row's answer, or another row's
 prompt, fails `assert_exactly_once` and a row-for-row comparison with an in-process stand-in run.
 It finishes requests out of order, a few per step, and with `refuse_every` refuses some at add
-(ValueError, as vLLM refuses a request), which the worker turns into error rows.
+(ValueError, as vLLM refuses a request), which the worker turns into error rows. A request whose
+text holds BATCHINFER_POISON's marker makes its next step fail as a dead engine core does.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from typing import Any, Optional
 
 from batchinfer.config.schema import to_config
 from batchinfer.engine.vllm_engine import Completion, model_key
+from batchinfer.faults import POISON_ENV
 from support import TESTS
 
 ENV_NAME = "BATCHINFER_STANDIN_ENGINE"  # batchinfer.faults.STANDIN_ENV
+STEP_ENV = "BATCHINFER_STANDIN_STEP_SECONDS"  # how long a step takes (default 0.002 s)
 CLASS_PATH = "support.standin:StandinEngine"
 
 
@@ -45,7 +48,9 @@ class StandinEngine:
     prefix_caching = False
     pooling_tasks: tuple[str, ...] = ()
 
-    def __init__(self, cfg: Any, dtype: Optional[str] = None, refuse_every: int = 0, step_seconds: float = 0.002):
+    def __init__(
+        self, cfg: Any, dtype: Optional[str] = None, refuse_every: int = 0, step_seconds: Optional[float] = None
+    ):
         from transformers import AutoTokenizer
 
         from batchinfer.engine.dtype import own_choice
@@ -60,9 +65,11 @@ class StandinEngine:
         self.max_num_seqs = cfg.model.max_num_seqs or 16
         self.tokenizer = AutoTokenizer.from_pretrained(str(Path(cfg.model.path)))
         self.refuse_every = refuse_every
-        self.step_seconds = step_seconds  # a step takes time, so rates and holds behave as on an engine
+        # a step takes time, so rates, holds and kills at a random moment behave as on an engine
+        self.step_seconds = float(os.environ.get(STEP_ENV, 0.002)) if step_seconds is None else step_seconds
         self.queue: dict[str, tuple[list[int], int]] = {}  # request id -> (token ids, max_tokens)
         self.steps = 0
+        self.dead = False  # a poisoned request was added: the next step fails as vLLM's would
         self.device = "stand-in engine"
         self.startup_seconds = time.monotonic() - start
 
@@ -85,10 +92,14 @@ class StandinEngine:
         if self.refuse_every and digest(token_ids) % self.refuse_every == 0:
             raise ValueError(f"the stand-in refuses this request ({len(token_ids)} tokens)")
         self.queue[request_id] = (list(token_ids), int(params["max_tokens"]))
+        marker = os.environ.get(POISON_ENV)
+        self.dead = self.dead or bool(marker and marker in self.tokenizer.decode(token_ids))
 
     def step(self) -> list[Completion]:
         """Finish a few queued requests, chosen by digest and step number (not in the order added)."""
         time.sleep(self.step_seconds)
+        if self.dead:
+            raise RuntimeError("vLLM engine core died")  # what the real engine's watchdog raises
         self.steps += 1
         ready = [r for r, (ids, _) in self.queue.items() if (digest(ids) + self.steps) % 3 == 0]
         done = ready[: self.max_num_seqs] or list(self.queue)[-1:]
