@@ -1,4 +1,7 @@
-"""A real single-node Slurm cluster (slurm/dev/up.sh): submit, status, preemption, requeue, failure, resume, cancel."""
+"""A real single-node Slurm cluster (slurm/dev/up.sh): submit, status, preemption, requeue, failure, resume, cancel.
+
+Preemption and requeue (USR2, external requeue) and an engine's death run vLLM in the tasks; the
+rest run the stand-in engine (tests/support/standin.py): Slurm's side is what they prove."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Any
 import pytest
 from support.corpus import assert_exactly_once, project, read_output, write_corpus
 from support.procs import run_cli
+from support.runs import assert_engine_output_kept_apart
 from support.slurm import (
     HOLD,
     REPO,
@@ -28,6 +32,7 @@ from support.slurm import (
     wait_for,
     wait_until_idle,
 )
+from support.standin import standin_env
 
 from batchinfer.config.compose import compose
 from batchinfer.launch.local import run_local
@@ -59,6 +64,7 @@ def test_usr2_preemption_and_external_requeue(
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.err"))
     assert "received SIGUSR2: committing and stopping" in logs and "received SIGTERM after SIGUSR2" in logs
     assert f"requeued {array}_0" in logs and "resuming" in logs
+    assert_engine_output_kept_apart(run_dir, logs)
     for shard in (0, 1):
         done = json.loads((run_dir / f"shards/0000{shard}/DONE.json").read_text())
         assert done["attempts"] >= 2, done
@@ -74,7 +80,7 @@ def test_failed_task_named_by_status_merge_refuses_then_resume(
 ) -> None:
     extra = ["sharding.num_shards=1", "sampling.max_tokens=16", "output.commit_every_rows=16"]
     fault = "+cluster.env.BATCHINFER_FAULT=after-part-rename:2"
-    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 150, 13, *extra, fault)
+    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 150, 13, *extra, fault, env=standin_env())
     wait_until_idle(run_dir)
     st = status_json(run_dir)
     assert st["totals"]["states"] == {"failed": 1}, st
@@ -87,7 +93,7 @@ def test_failed_task_named_by_status_merge_refuses_then_resume(
     merge_err = next((run_dir / "logs").rglob(f"{merge_job}_0_log.err")).read_text()
     assert "1 of 1 shards are incomplete (shards 0)" in merge_err
     assert not (run_dir / "output.parquet").exists()
-    res = run_cli(["resume", str(run_dir), "cluster.env.BATCHINFER_FAULT="])
+    res = run_cli(["resume", str(run_dir), "cluster.env.BATCHINFER_FAULT="], env=standin_env())
     assert res.returncode == 0, res.stderr
     assert "submitted 1 shards" in res.stdout
     wait_until_idle(run_dir)
@@ -112,28 +118,13 @@ def test_engine_death_commits_and_requeues_until_max_attempts(
     assert "attempt 1 of 2: requeueing" in logs
 
 
-def test_cancel_of_running_task_commits_and_does_not_requeue(
+def test_running_array_status_then_resume_refused_then_cancel_commits_and_does_not_requeue(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path
 ) -> None:
     extra = ["sharding.num_shards=2", "sampling.max_tokens=16", "output.commit_every_rows=16"]
-    _, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 1200, 14, *extra, HOLD)
+    _, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 1200, 14, *extra, HOLD, env=standin_env())
     res = run_cli(["resume", str(run_dir)])
     assert res.returncode == 2 and "still has jobs queued or running" in res.stderr
-    wait_for(lambda: list(run_dir.glob("shards/00000/part-*")), what="a committed part of shard 0")
-    res = run_cli(["cancel", str(run_dir)])
-    assert res.returncode == 0 and "cancelled 2 jobs" in res.stdout
-    wait_for(lambda: not queued(run_dir), timeout=60, what="cancelled jobs to leave squeue")
-    time.sleep(15)  # a task that requeued itself would be back in squeue by now
-    assert not queued(run_dir)
-    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.err"))
-    assert "received SIGTERM: committing and stopping" in logs and "requeued" not in logs
-    st = status_json(run_dir)
-    assert 0 < st["shards"][0]["rows_done"] < st["shards"][0]["rows"] and st["shards"][0]["state"] == "failed"
-
-
-def test_status_shows_tok_s_and_eta_of_a_running_array(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:
-    extra = ["sharding.num_shards=2", "sampling.max_tokens=16", "output.commit_every_rows=16"]
-    _, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 1200, 17, *extra, HOLD)
 
     def running_with_rows() -> bool:
         return any(s["state"] == "running" and s["rows_done"] > 0 for s in status_json(run_dir)["shards"])
@@ -145,7 +136,8 @@ def test_status_shows_tok_s_and_eta_of_a_running_array(slurm_env: dict, tmp_path
     finally:
         res = run_cli(["cancel", str(run_dir)])
         wait_for(lambda: not queued(run_dir), timeout=120, what="cancelled jobs to leave squeue")
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 0 and "cancelled 2 jobs" in res.stdout, res.stdout + res.stderr
+    # status of the running array: a shard's tok/s, the total and the ETA
     shard = next(s for s in st["shards"] if s["state"] == "running" and s["rows_done"] > 0)
     totals = st["totals"]
     assert shard["output_tokens_per_s"] > 0 and shard["rows_per_s"] > 0
@@ -163,6 +155,13 @@ def test_status_shows_tok_s_and_eta_of_a_running_array(slurm_env: dict, tmp_path
     # The worker on the compute node is this checkout's (it records the time series).
     progress = json.loads((run_dir / f"shards/{shard['shard']:05d}/progress.json").read_text())
     assert progress["series"] and progress["series"][-1]["rows_done"] == progress["rows_done"]
+    # The cancel: the running task committed and stopped, and did not requeue itself.
+    time.sleep(15)  # a task that requeued itself would be back in squeue by now
+    assert not queued(run_dir)
+    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.err"))
+    assert "received SIGTERM: committing and stopping" in logs and "requeued" not in logs
+    after = status_json(run_dir)["shards"][shard["shard"]]
+    assert 0 < after["rows_done"] < after["rows"] and after["state"] == "failed", after
 
 
 def test_resume_refuses_keys_that_change_outputs(slurm_env: dict, tmp_path: Path, tiny_model_path: Path) -> None:
@@ -210,7 +209,9 @@ def test_plain_sbatch_script_runs_the_worker(slurm_env: dict, tmp_path: Path, ti
     assert res.returncode == 0 and "task 0: shards [0, 1]" in res.stdout
     run_dir = tmp_path / "run"
     cmd = ["sbatch", "--parsable", "--array=0", "--gpus-per-task=0", "--cpus-per-task=2", f"--chdir={tmp_path}"]
-    job = subprocess.run([*cmd, str(REPO / "slurm/batchinfer.sbatch"), str(run_dir)], capture_output=True, text=True)
+    job = subprocess.run(
+        [*cmd, str(REPO / "slurm/batchinfer.sbatch"), str(run_dir)], capture_output=True, text=True, env=standin_env()
+    )
     assert job.returncode == 0, job.stderr
     job_id = job.stdout.strip().split(";")[0]
     wait_for(
@@ -246,7 +247,7 @@ def test_second_array_refused_by_sbatch_is_cancelled(slurm_env: dict, tmp_path: 
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, 30, seed=19)
     ov = cluster_overrides(tmp_path, corpus, tiny_model_path, "sharding.num_shards=3", "sampling.max_tokens=4")
-    res = run_cli(["submit", *ov], env={"PATH": f"{wrappers}:{os.environ['PATH']}"})
+    res = run_cli(["submit", *ov], env=standin_env(dict(os.environ, PATH=f"{wrappers}:{os.environ['PATH']}")))
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "sbatch refused array 1 of 2 of submission 0: " + refusal in res.stderr and "cluster.qos" in res.stderr
     run_dir = tmp_path / "run"

@@ -15,6 +15,7 @@ import pytest
 from support.corpus import assert_exactly_once, project, read_output
 from support.runs import committed_rows
 from support.slurm import cluster_overrides, first_submission, submit_corpus, wait_for, wait_until_idle
+from support.standin import standin_env
 
 from batchinfer.config.compose import compose
 from batchinfer.launch.local import run_local
@@ -87,7 +88,9 @@ def test_two_engines_usr2_requeues_once_and_keeps_both_engines_rows(
 def test_one_engine_killed_leaves_its_sibling_working_and_resumes_on_requeue(
     tmp_path: Path, tiny_model_path: Path
 ) -> None:
-    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 400, 22, *EXTRA, "+cluster.env.BATCHINFER_HOLD=30")
+    # the stand-in engine in both members: the supervisor's handling of a dead member is what this proves
+    hold = "+cluster.env.BATCHINFER_HOLD=30"
+    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 400, 22, *EXTRA, hold, env=standin_env())
     task = first_submission(run_dir)["arrays"][0]["job_id"]  # an array of one task: its job id
     wait_for(lambda: 1 in progress_by_engine(run_dir), timeout=600, what="engine 1's first part")
     victim = progress_by_engine(run_dir)[1]

@@ -1,4 +1,5 @@
-"""Shared-cluster safety on the real dev cluster: secrets by environment only, modes, hostile names."""
+"""Shared-cluster safety on the real dev cluster: secrets by environment only, modes, hostile names
+(the tasks run the stand-in engine: tests/support/standin.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import os
 import shlex
 import stat
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 from support.corpus import project, read_output, write_rows
 from support.procs import run_cli
 from support.slurm import REPO, cluster_overrides, wait_until_idle
+from support.standin import StandinEngine, standin_env
 
 from batchinfer.config.compose import compose
 from batchinfer.launch.local import run_local
@@ -54,7 +55,7 @@ def test_secrets_reach_jobs_only_through_the_environment(
     ov = cluster_overrides(tmp_path, corpus, tiny_model_path, "sampling.max_tokens=4", "output.private=true", setup)
     res = run_cli(
         ["submit", *ov, f"+cluster.env.WANDB_API_KEY={API}"],
-        env=dict(ENV, HF_TOKEN=HF),
+        env=standin_env(dict(os.environ, **ENV, HF_TOKEN=HF)),
         preexec_fn=lambda: os.umask(0o022),
     )
     assert res.returncode == 0, res.stderr
@@ -87,7 +88,6 @@ def test_hostile_paths_ids_and_templates_go_through_untouched(
     slurm_env: dict,
     tmp_path: Path,
     tiny_model_path: Path,
-    engine: Any,
 ) -> None:
     pwned = Path("/tmp/pwned-XYZ")
     pwned.unlink(missing_ok=True)
@@ -99,7 +99,7 @@ def test_hostile_paths_ids_and_templates_go_through_untouched(
     out = base / f"out {WEIRD}"
     extra = ["sharding.num_shards=2", "sampling.max_tokens=4", f"prompt.template={TEMPLATE}", f"prompt.system={SYSTEM}"]
     ov = cluster_overrides(tmp_path, corpus, tiny_model_path, *extra, out=out)
-    res = run_cli(["submit", *ov], env=ENV, preexec_fn=lambda: os.umask(0o027))
+    res = run_cli(["submit", *ov], env=standin_env(dict(os.environ, **ENV)), preexec_fn=lambda: os.umask(0o027))
     assert res.returncode == 0, res.stderr
     assert f"batchinfer status {shlex.quote(str(out))}" in res.stdout  # commands print ready to paste
     wait_until_idle(out)
@@ -108,7 +108,8 @@ def test_hostile_paths_ids_and_templates_go_through_untouched(
     config = yaml.safe_load((out / "run.yaml").read_text())["config"]
     assert config["prompt"]["template"] == TEMPLATE and config["prompt"]["system"] == SYSTEM
     assert config["input"]["path"] == str(corpus) and config["output"]["dir"] == str(out)
-    clean = run_local(compose([*ov, "cluster=local", f"output.dir={tmp_path}/clean"]), engine=engine)
+    local = compose([*ov, "cluster=local", f"output.dir={tmp_path}/clean"])
+    clean = run_local(local, engine=StandinEngine(local))
     assert project(got) == project(read_output(clean.path))  # same prompt tokens: the prompt as given
     status = run_cli(["status", str(out), "--json"], env=ENV)
     assert status.returncode == 0 and json.loads(status.stdout)["totals"]["states"] == {"done": 2}

@@ -63,11 +63,14 @@ def cluster_overrides(tmp: Path, corpus: Path, model: Path, *extra: str, out: Op
     ]
 
 
-def submit_corpus(tmp: Path, model: Path, n: int, seed: int, *extra: str) -> tuple[list[dict], Path, str]:
-    """Write a corpus of n rows, `batchinfer submit` it; return its rows, DIR and submit's stdout."""
+def submit_corpus(
+    tmp: Path, model: Path, n: int, seed: int, *extra: str, env: Optional[dict[str, str]] = None
+) -> tuple[list[dict], Path, str]:
+    """Write a corpus of n rows, `batchinfer submit` it (the jobs get submit's environment: env, for
+    the stand-in engine, standin_env()); return its rows, DIR and submit's stdout."""
     corpus = tmp / "c.jsonl"
     rows = write_corpus(corpus, n, seed=seed)
-    res = run_cli(["submit", *cluster_overrides(tmp, corpus, model, *extra)])
+    res = run_cli(["submit", *cluster_overrides(tmp, corpus, model, *extra)], env=env)
     assert res.returncode == 0, res.stderr
     return rows, tmp / "run", res.stdout
 
