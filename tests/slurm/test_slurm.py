@@ -40,6 +40,7 @@ from batchinfer.launch.local import run_local
 pytestmark = [pytest.mark.slurm, pytest.mark.engine]
 
 
+@pytest.mark.timeout(1800)  # its tasks run one after another (array parallelism 1)
 def test_usr2_preemption_and_external_requeue(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path, engine: Any
 ) -> None:
@@ -75,6 +76,7 @@ def test_usr2_preemption_and_external_requeue(
     assert "REQUEUED" in sacct.stdout.split() and "COMPLETED" in sacct.stdout.split(), sacct.stdout + sacct.stderr
 
 
+@pytest.mark.timeout(900)  # its tasks run one after another (array parallelism 1)
 def test_failed_task_named_by_status_merge_refuses_then_resume(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path
 ) -> None:
@@ -101,6 +103,7 @@ def test_failed_task_named_by_status_merge_refuses_then_resume(
     assert status_json(run_dir)["totals"]["states"] == {"done": 1}
 
 
+@pytest.mark.timeout(1200)  # its tasks run one after another (array parallelism 1)
 def test_engine_death_commits_and_requeues_until_max_attempts(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path
 ) -> None:
@@ -118,6 +121,7 @@ def test_engine_death_commits_and_requeues_until_max_attempts(
     assert "attempt 1 of 2: requeueing" in logs
 
 
+@pytest.mark.timeout(1200)  # its tasks run one after another (array parallelism 1)
 def test_running_array_status_then_resume_refused_then_cancel_commits_and_does_not_requeue(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path
 ) -> None:

@@ -43,6 +43,7 @@ def _times(job: str) -> list[tuple[str, dt.datetime, dt.datetime]]:
     return out
 
 
+@pytest.mark.timeout(1200)  # its tasks run one after another (array parallelism 1)
 def test_ten_shards_over_two_arrays_each_run_once_and_merge_waits(
     small_arrays: None, tmp_path: Path, tiny_model_path: Path
 ) -> None:

@@ -51,6 +51,7 @@ def sacct_runs(job: str) -> list[str]:
     return res.stdout.split()
 
 
+@pytest.mark.timeout(1800)  # its tasks run one after another (array parallelism 1)
 def test_two_engines_usr2_requeues_once_and_keeps_both_engines_rows(
     tmp_path: Path, tiny_model_path: Path, engine: Any
 ) -> None:
@@ -85,6 +86,7 @@ def test_two_engines_usr2_requeues_once_and_keeps_both_engines_rows(
     assert project(out) == project(clean)
 
 
+@pytest.mark.timeout(1200)  # its tasks run one after another (array parallelism 1)
 def test_one_engine_killed_leaves_its_sibling_working_and_resumes_on_requeue(
     tmp_path: Path, tiny_model_path: Path
 ) -> None:
