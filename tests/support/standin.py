@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.config.schema import to_config
-from batchinfer.engine.vllm_engine import Completion, model_key
+from batchinfer.engine.vllm_engine import Completion, Engine, model_key
 from batchinfer.faults import POISON_ENV
 from support import TESTS
 
@@ -79,13 +79,8 @@ class StandinEngine:
             raise ValueError("max_tokens must be at least 1")
         return dict(sampling)
 
-    def encode(self, prompt: Any, chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
-        """Token ids as vllm_engine.Engine makes them: the chat template rendered, then tokenized."""
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
-        kw = chat_template_kwargs or {}
-        text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kw)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+    # Token ids exactly as the real engine makes them (its method: it uses only self.tokenizer).
+    encode = Engine.encode
 
     def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
         """Queue a request; with refuse_every, one in that many (by digest) is refused."""
