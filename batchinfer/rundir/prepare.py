@@ -141,6 +141,7 @@ def _prepare(cfg: DictConfig) -> RunDir:
             old["config"] = c  # only settings outside the fingerprint differ (commit intervals, cluster)
             run.write_run(old)
         return run
+    refuse_foreign_folder(run.path)
     created = not run.path.exists()
     try:
         _create(run, c, keys, fp, input_record, contents)
@@ -152,6 +153,27 @@ def _prepare(cfg: DictConfig) -> RunDir:
 
 
 FILES_DIR = "files"
+# Written first into a folder prepare is making a run directory of, removed once run.yaml is there:
+# a prepare killed half way leaves it, so the next one knows the folder's contents are its own.
+PREPARING = ".batchinfer-preparing"
+
+
+def refuse_foreign_folder(path: Path) -> None:
+    """ConfigError unless path is absent, empty, or a run directory prepare left half made: a folder
+    batchinfer did not create is never cleared (its input/ could be the user's corpus)."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_dir():
+        raise ConfigError(f"output.dir {path} is a file, not a folder; choose another output.dir")
+    names = sorted(p.name for p in path.iterdir())
+    if not names or PREPARING in names:
+        return
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    raise ConfigError(
+        f"output.dir {path} is not empty and is not a batchinfer run directory (it has no run.yaml); "
+        f"it holds {shown}. batchinfer never clears a folder it did not make: choose a new or empty "
+        f"output.dir (a subfolder of it will do)"
+    )
 
 
 def _pooling_schema(c: dict[str, Any], id_type: pa.DataType, input_type: Any, columns: list[str]) -> pa.Schema:
@@ -213,6 +235,7 @@ def _create(
         raise ConfigError(
             f"output.dir {run.path}: cannot create it ({e.strerror}); choose a writable output.dir"
         ) from None
+    (run.path / PREPARING).touch()
     files = _freeze_files(run, c, contents)
     c = _with_paths(c, {key: str(run.path.absolute() / rec["path"]) for key, rec in files.items()})
     inp = c["input"]
@@ -282,4 +305,5 @@ def _create(
             "config": c,
         }
     )
+    (run.path / PREPARING).unlink()
     log.info("prepared %s: %d rows in %d shards", run.path, rows, len(shards))
