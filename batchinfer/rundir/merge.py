@@ -165,6 +165,34 @@ def _remove_leftovers(run: RunDir) -> None:
             remove_path(p)
 
 
+# The output a merge is putting in place (its name and files), until stats.json records it.
+MERGING = ".merging.json"
+
+
+def check_own_output(run: RunDir, out: Path) -> None:
+    """RunDirError unless out is absent or what a merge of this run wrote: stats.json (or the record
+    of a merge killed before writing it) names it, and a folder holds only the files it names."""
+    if not out.exists() and not out.is_symlink():
+        return
+    for record in (run.stats_json, run.path / MERGING):
+        rec = read_json(record) if record.is_file() else {}
+        if rec.get("output") != out.name:
+            continue
+        if not out.is_dir() or out.is_symlink():
+            return
+        extra = sorted({str(p.relative_to(out)) for p in out.rglob("*") if not p.is_dir()} - set(rec["files"]))
+        if not extra:
+            return
+        raise RunDirError(
+            f"{out} holds files no merge of this run wrote ({', '.join(extra[:5])}); merge replaces the "
+            f"whole folder, so move them away, then merge again"
+        )
+    raise RunDirError(
+        f"{out} was not written by a merge of this run ({run.stats_json.name} does not name it); merge "
+        f"would replace it, so move it away, then merge again"
+    )
+
+
 def _merge(run: RunDir) -> dict[str, Any]:
     missing = incomplete_shards(run)
     if missing:
@@ -175,6 +203,7 @@ def _merge(run: RunDir) -> dict[str, Any]:
         )
     t0 = time.monotonic()
     out = run.output_path
+    check_own_output(run, out)
     # A name of this merge's own: a merge that did not hold the lock (an older version) cannot
     # rename our half-written file into place, nor we its.
     tmp = out.with_name(f"{TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}-{out.name}")
@@ -203,6 +232,10 @@ def _merge(run: RunDir) -> dict[str, Any]:
         if run.output_format == "hf":
             files = _save_to_disk(tmp, files)
         faults.point("before-merge-rename")
+        # What this merge puts in place, on record before it is there: a merge killed between the
+        # rename and stats.json leaves this, and the next one knows the output is its own.
+        names = [str(f.relative_to(tmp)) for f in files] if out.name == "output" else [out.name]
+        write_json(run.path / MERGING, {"output": out.name, "files": names})
         _replace(tmp, out)
     except OSError as e:
         if refused_write(e) is None:
@@ -215,7 +248,7 @@ def _merge(run: RunDir) -> dict[str, Any]:
     stats.update(
         shards=len(shards),
         output=out.name,
-        files=[str(f.relative_to(tmp)) for f in files] if out.name == "output" else [out.name],
+        files=names,
         errors=dict(stats["errors"]),
         finish_reasons=dict(stats["finish_reasons"]),
         seconds=dict(seconds),
@@ -223,6 +256,7 @@ def _merge(run: RunDir) -> dict[str, Any]:
         fingerprint=run.run["fingerprint"],
     )
     write_json(run.stats_json, stats)
+    (run.path / MERGING).unlink()
     log.info("merged %d rows from %d shards into %s", stats["rows"], len(shards), out)
     return stats
 
