@@ -9,7 +9,7 @@ from typing import Any, Optional
 from batchinfer.errors import InputError
 from batchinfer.inputs.openai_batch import request_row
 from batchinfer.inputs.reference import ReferencedInput, plan_reference
-from batchinfer.inputs.textfiles import json_object, open_text, text_lines
+from batchinfer.inputs.textfiles import csv_header, json_object, open_text, text_lines
 
 PEEK_BATCH_BYTES = 1 << 20  # a sample needs a row or two of each row group it touches
 
@@ -49,8 +49,16 @@ def _table(files: list[Path], fmt: str) -> Any:
     if fmt in ("csv", "tsv"):
         import pyarrow.csv as pcsv
 
-        opts = pcsv.ParseOptions(delimiter="\t" if fmt == "tsv" else ",", newlines_in_values=True)
-        return pa.concat_tables([pcsv.read_csv(open_text(f), parse_options=opts) for f in files])
+        sep = "\t" if fmt == "tsv" else ","
+        opts = pcsv.ParseOptions(delimiter=sep, newlines_in_values=True)
+
+        def strings(f: Path) -> Any:  # as the conversion reads them: every cell a string, never a null
+            types = {name: pa.string() for name in csv_header(f, sep)}
+            return pcsv.ConvertOptions(column_types=types, strings_can_be_null=False, null_values=[])
+
+        return pa.concat_tables(
+            [pcsv.read_csv(open_text(f), parse_options=opts, convert_options=strings(f)) for f in files]
+        )
     if fmt == "parquet":
         import pyarrow.dataset as pds
 

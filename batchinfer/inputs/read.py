@@ -31,6 +31,7 @@ from batchinfer.inputs.reference import (
 from batchinfer.inputs.textfiles import (
     COMPRESSION_SUFFIXES,
     count_lines,
+    csv_header,
     first_line,
     open_text,
     scan_jsonl,
@@ -206,7 +207,18 @@ def _load(files: list[Path], fmt: str, cache_dir: Path, shown: str) -> Any:
     if fmt in ("jsonl", "json"):
         return datasets.Dataset.from_json(names, cache_dir=cache)
     if fmt in ("csv", "tsv"):
-        return datasets.Dataset.from_csv(names, cache_dir=cache, sep="\t" if fmt == "tsv" else ",")
+        # Cells are the strings they are: pandas' guesses would make `007` the number 7 (and a
+        # duplicate of `7`), `1e3` 1000.0, and the texts NA, null, N/A, nan nulls.
+        header = csv_header(files[0], "\t" if fmt == "tsv" else ",")
+        strings = datasets.Features({name: datasets.Value("string") for name in header})
+        return datasets.Dataset.from_csv(
+            names,
+            cache_dir=cache,
+            sep="\t" if fmt == "tsv" else ",",
+            features=strings,
+            keep_default_na=False,
+            na_filter=False,
+        )
     if fmt == "parquet":
         return datasets.Dataset.from_parquet(names, cache_dir=cache)
     if fmt == "arrow":

@@ -126,3 +126,13 @@ def _lines_with_content(path: Path) -> int:
             blank += len(_BLANK_LINE.findall(b"\n" + open_line + block[: cut + 1]))
             open_line = b"x" if block[cut + 1 :].strip(b" \t\r") else b""
     return newlines - blank + (open_line == b"x")
+
+
+def csv_header(path: Path, sep: str) -> list[str]:
+    """The column names on a CSV/TSV file's first line (a UTF-8 BOM dropped)."""
+    import csv
+    import io
+
+    with open_text(path) as f:
+        head = io.TextIOWrapper(f, encoding="utf-8-sig", errors="replace", newline="")
+        return next(csv.reader(head, delimiter=sep), [])
