@@ -13,6 +13,8 @@ from batchinfer.errors import InputError
 COMPRESSION_SUFFIXES = (".gz", ".zst", ".bz2", ".xz")
 # A newline that ends a line of JSON whitespace only (RapidJSON's: space, tab, CR), the next newline not consumed.
 _BLANK_LINE = re.compile(rb"\n[ \t\r]*(?=\n)")
+# A \uD800-\uDFFF escape: half of a UTF-16 pair (checked further only where one appears).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def first_line(path: Path) -> str:
@@ -80,7 +82,22 @@ def json_object(path: Path, lineno: int, line: str) -> dict[str, Any]:
         ) from None
     if not isinstance(obj, dict):
         raise InputError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
+    if _SURROGATE_ESCAPE.search(line):
+        _refuse_lone_surrogates(path, lineno, obj)
     return obj
+
+
+def _refuse_lone_surrogates(path: Path, lineno: int, obj: dict[str, Any]) -> None:
+    """InputError naming file:line and the field where a string holds half a UTF-16 pair (not text)."""
+    for key, value in obj.items():
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = e.object[e.start : e.end]
+            raise InputError(
+                f"{path}:{lineno}: field {key!r} holds a lone UTF-16 surrogate ({bad.encode('unicode_escape').decode()}), "
+                "which is not text; replace it (e.g. with \\ufffd) or remove it"
+            ) from None
 
 
 def scan_jsonl(path: Path) -> int:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from support.fake_engine import fake_overrides
+from support.runs import fake_model_dir
 
 from batchinfer.config.compose import compose
 from batchinfer.errors import ConfigError, InputError
@@ -52,3 +53,20 @@ def test_duplicate_ids_and_unknown_template_field(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match=r"uses \{body\} .* no column 'body' .*\{\{ or \}\}"):
         prepare(compose(fake_overrides(tmp_path, corpus, "prompt.template=Say {body}")))
+
+
+def test_a_lone_surrogate_is_named_by_file_line_and_field(tmp_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(
+        '{"id": "a", "text": "ok \\ud83d\\ude00"}\n\n{"id": "b", "meta": {"t": "x"}, "text": "bad \\ud800"}\n'
+    )
+    ov = [
+        f"input.path={corpus}",
+        "input.id_column=id",
+        f"model.path={fake_model_dir(tmp_path)}",
+        f"output.dir={tmp_path}/r",
+    ]
+    with pytest.raises(InputError, match=r"c.jsonl:3: field 'text' holds a lone UTF-16 surrogate \(\\ud800\)"):
+        prepare(compose(ov))
+    corpus.write_text('{"id": "a", "text": "ok \\ud83d\\ude00"}\n')  # a whole pair is text
+    assert prepare(compose(ov)).exists()
