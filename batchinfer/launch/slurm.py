@@ -110,6 +110,29 @@ def env_lines(env: dict[str, Any]) -> list[str]:
     return lines
 
 
+# Values that become `#SBATCH --key=value` lines: a line break would end the block early (the
+# directives after it, --requeue and --signal among them, are then ignored) and start a shell line.
+DIRECTIVE_KEYS = ("partition", "account", "qos", "mem", "constraint", "merge_mem")
+
+
+def check_directives(cluster: ClusterConfig) -> None:
+    """ConfigError naming the key where a value for an #SBATCH line holds a newline, CR or NUL."""
+    values = [(f"cluster.{k}", getattr(cluster, k)) for k in DIRECTIVE_KEYS]
+    for k, v in (cluster.sbatch_extra or {}).items():
+        values += [("cluster.sbatch_extra (a key)", k), (f"cluster.sbatch_extra.{k}", v)]
+    for key, value in values:
+        bad = [
+            name
+            for char, name in (("\n", "a newline"), ("\r", "a carriage return"), ("\0", "a NUL"))
+            if char in str(value or "")
+        ]
+        if bad:
+            raise ConfigError(
+                f"{key}={str(value)!r} contains {bad[0]}, which would end sbatch's #SBATCH lines early "
+                "and run the rest as a shell command; remove it"
+            )
+
+
 def check_log_folder(folder: Path) -> None:
     """Slurm cannot take every path: an #SBATCH line ends at a newline, and % starts a filename pattern."""
     for char, why in (("\n", "a newline"), ("%", "a % (Slurm reads %j, %A... in log paths)")):

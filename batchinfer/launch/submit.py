@@ -6,11 +6,13 @@ import json
 import os
 import shlex
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig
 
 from batchinfer import security
+from batchinfer.config.schema import to_config
 from batchinfer.errors import ConfigError, RunDirError, SlurmUnavailable, SubmissionRefused
 from batchinfer.launch import slurm, slurm_merge, slurm_task
 from batchinfer.launch.jobs import all_job_ids, submissions, unrecorded_names
@@ -44,6 +46,7 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False) -> dic
     every job it created findable by `cancel` and `status`."""
     c = run.config
     cluster = c.cluster
+    slurm.check_directives(cluster)
     engines = slurm.check_gpus(c)
     per = cluster.shards_per_task
     tasks = [indices[i : i + per] for i in range(0, len(indices), per)]
@@ -180,6 +183,10 @@ def _submitted_so_far(run: RunDir, arrays: list[dict[str, Any]]) -> str:
 
 def submit(cfg: DictConfig, dry_run: bool = False) -> RunDir:
     """`batchinfer submit`: prepare DIR, submit every incomplete shard, return at once."""
+    # What sbatch cannot take is refused before DIR is made.
+    slurm.check_directives(to_config(cfg).cluster)
+    if cfg.output.dir:
+        slurm.check_log_folder(Path(cfg.output.dir) / "logs" / "submission-000")
     run = prepare(cfg)
     todo = incomplete_shards(run)
     if not todo:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.fake_engine import prepared
+from support.corpus import write_corpus
+from support.fake_engine import fake_overrides, prepared
 
+from batchinfer.config.compose import compose
 from batchinfer.config.schema import ClusterConfig, Config, ModelConfig
 from batchinfer.errors import ConfigError
 
@@ -32,3 +34,42 @@ def test_env_lines_quote_values() -> None:
     assert env_lines({"A": "x y $(rm -rf /)", "B": None}) == ["export A='x y $(rm -rf /)'", "unset B"]
     with pytest.raises(ConfigError, match="not a valid environment variable name"):
         env_lines({"A;B": "1"})
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("partition", "gpu\n#SBATCH --time=1"),
+        ("account", "a\rb"),
+        ("qos", "x\nrm -rf ~"),
+        ("mem", "4G\n"),
+        ("constraint", "a100\x00"),
+        ("sbatch_extra", {"comment": "ok\necho injected"}),
+    ],
+)
+def test_a_line_break_in_an_sbatch_value_is_refused_before_dir_is_made(tmp_path: Path, key: str, value: object) -> None:
+    """As a YAML config file can set them (a shell's $'...' too): sbatch would end its #SBATCH
+    block at the line break and run the rest as a shell line, ignoring --requeue and --signal."""
+    from batchinfer.launch.submit import submit
+
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 4)
+    cfg = compose(fake_overrides(tmp_path, corpus, "cluster=slurm"))
+    cfg.cluster[key] = value
+    with pytest.raises(
+        ConfigError, match=rf"cluster\.{key}\S*=.* contains a (newline|carriage return|NUL).*#SBATCH lines"
+    ):
+        submit(cfg, dry_run=True)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_newline_in_output_dir_is_refused_before_it_is_made(tmp_path: Path) -> None:
+    from batchinfer.launch.submit import submit
+
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 4)
+    cfg = compose(fake_overrides(tmp_path, corpus, "cluster=slurm"))
+    cfg.output.dir = f"{tmp_path}/a\nb"
+    with pytest.raises(ConfigError, match="contains a newline"):
+        submit(cfg, dry_run=True)
+    assert not (tmp_path / "a\nb").exists()
