@@ -138,14 +138,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     """`batchinfer validate`: exit 0 when every row would run, 1 with error rows, 2 when the run would stop."""
     import json
 
-    from omegaconf import OmegaConf
-
     from batchinfer.insight.validate import format_report, validate
 
     cfg = _compose(args)
     if args.cfg:
-        print(OmegaConf.to_yaml(cfg), end="")
-        return 0
+        return _print_cfg(cfg)
     for flag, value in (("--jobs", args.jobs), ("--sample", args.sample)):
         if value is not None and value < 1:
             raise BatchinferError(f"{flag} {value}: must be at least 1")

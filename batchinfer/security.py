@@ -39,13 +39,36 @@ ROW_DATA = ("prompt.examples",)
 PRIVATE = {"user": (0o077, 0o700), "group": (0o027, 0o750)}  # umask, DIR mode
 
 
+# Environment variables written as one word (PGPASSWORD, HFTOKEN): a secret word at the end.
+SECRET_SUFFIXES = ("token", "password", "passwd", "passphrase", "secret", "apikey", "credential", "credentials")
+
+
 def is_secret_name(name: str) -> bool:
     """Whether a config key or environment variable name looks like it holds a secret."""
-    return any(part.lower() in SECRET_WORDS for part in _WORD.findall(str(name)))
+    parts = _WORD.findall(str(name))
+    if any(part.lower() in SECRET_WORDS for part in parts):
+        return True
+    return any(part.isupper() and part.lower().endswith(SECRET_SUFFIXES) for part in parts)
+
+
+# NAME=value in a shell line, the value given (not $NAME or ${NAME}): what cluster.setup stores.
+_ASSIGNMENT = re.compile(r"(?<![\w$])([A-Za-z_][A-Za-z0-9_]*)=(?![\s$\"']*\$)([^\s;&|]+)")
 
 
 def check_config_secrets(c: dict[str, Any]) -> None:
     """Refuse secret-named values outside cluster.env: everything else is stored in DIR/run.yaml."""
+    cluster = c.get("cluster") or {}
+    lines = [(f"cluster.setup[{i}]", line) for i, line in enumerate(cluster.get("setup") or [])]
+    lines += [(f"cluster.sbatch_extra.{k}", v) for k, v in (cluster.get("sbatch_extra") or {}).items()]
+    for where, line in lines:
+        for name, _ in _ASSIGNMENT.findall(str(line)):
+            if is_secret_name(name):
+                raise ConfigError(
+                    f"{where} sets {name}, which looks like a secret, and the config is stored in DIR/run.yaml "
+                    f"(and the sbatch script in DIR/logs) where others may read it. `export {name}=...` before "
+                    f"running batchinfer (Slurm passes your environment to the jobs), or pass it as "
+                    f"cluster.env.{name}=..., which is never stored"
+                )
     for key in _secret_keys(c, ""):
         raise ConfigError(
             f"{key} looks like a secret, and the config is stored in DIR/run.yaml where others may read it. "

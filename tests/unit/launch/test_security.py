@@ -22,7 +22,7 @@ from batchinfer.launch import slurm
 from batchinfer.launch.local import run_shards
 from batchinfer.launch.submit import submit_shards
 from batchinfer.rundir.merge import merge
-from batchinfer.rundir.prepare import prepare
+from batchinfer.rundir.prepare import PREPARING, prepare
 from batchinfer.rundir.store import RunDir
 
 SECRET = [
@@ -42,6 +42,9 @@ SECRET = [
     "auth",
     "GITHUB_AUTH",
     "hfToken",
+    "PGPASSWORD",
+    "HFTOKEN",
+    "MYSQL_PWD_PASSWORD",
     "HFToken",
     "token",
     "KEY",
@@ -64,6 +67,9 @@ NOT_SECRET = [
     "monkey",
     "keyboard",
     "secretary",
+    "MONKEY",
+    "NUM_TOKENS",
+    "TOKENIZERS_PARALLELISM",
     "passage",
     "PATH",
     "PWD",
@@ -137,10 +143,31 @@ def test_a_users_export_list_gets_the_secret_names() -> None:
     assert security.export_option({"export": "ALL,HF_TOKEN"}, env) == {"export": "ALL,HF_TOKEN"}
 
 
-def test_cfg_job_shows_secrets_redacted(capsys: pytest.CaptureFixture) -> None:
-    assert main(["submit", "--cfg", "job", f"+cluster.env.HF_TOKEN={PLANTED}", "+cluster.env.PLAIN=p"]) == 0
+@pytest.mark.parametrize("command", ["submit", "run", "plan", "validate"])
+def test_cfg_job_shows_secrets_redacted(capsys: pytest.CaptureFixture, command: str) -> None:
+    env = [f"+cluster.env.HF_TOKEN={PLANTED}", f"+cluster.env.PGPASSWORD={PLANTED}", "+cluster.env.PLAIN=p"]
+    assert main([command, "--cfg", "job", *env]) == 0
     out = capsys.readouterr().out
-    assert PLANTED not in out and "HF_TOKEN: <redacted>" in out and "PLAIN: p" in out
+    assert PLANTED not in out and "HF_TOKEN: <redacted>" in out and "PGPASSWORD: <redacted>" in out
+    assert "PLAIN: p" in out
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        f"cluster.setup=['module load cuda', 'export HF_TOKEN={PLANTED}']",
+        f"cluster.setup=['PGPASSWORD={PLANTED} psql -c select']",
+        f"+cluster.sbatch_extra.export='ALL,WANDB_API_KEY={PLANTED}'",
+    ],
+)
+def test_a_secret_set_in_setup_lines_or_sbatch_extra_is_refused(override: str) -> None:
+    with pytest.raises(
+        ConfigError, match=r"cluster\.(setup\[\d\]|sbatch_extra\.export) sets \w+, which looks like a secret"
+    ) as e:
+        compose([override])
+    assert PLANTED not in str(e.value)
+    # a reference to the environment is fine: the value is not in the config
+    compose(["cluster.setup=['export HF_TOKEN=$HF_TOKEN', 'PGPASSWORD=\"$PGPASSWORD\" psql']"])
 
 
 def test_output_private_values() -> None:
@@ -173,7 +200,7 @@ from support.fake_engine import FakeEngine, fake_overrides, keyed
 from batchinfer.config.compose import compose
 from batchinfer.launch.local import run_shards
 from batchinfer.rundir.merge import merge
-from batchinfer.rundir.prepare import prepare
+from batchinfer.rundir.prepare import PREPARING, prepare
 from pathlib import Path
 tmp, corpus, umask, private = Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4], 8), sys.argv[5]
 os.umask(umask)
@@ -282,6 +309,9 @@ def test_symlinked_input_and_temporaries_are_unlinked_never_followed(tmp_path: P
     run_dir.mkdir()
     for name in ("input", "input.tmp", ".hf-cache"):
         (run_dir / name).symlink_to(outside, target_is_directory=True)
+    with pytest.raises(ConfigError, match="is not a batchinfer run directory"):  # not its folder: left alone
+        prepare(compose(fake_overrides(tmp_path, corpus)))
+    (run_dir / PREPARING).touch()  # a folder prepare made and was killed in: its entries are unlinked
     run = prepare(compose(fake_overrides(tmp_path, corpus)))
     assert (outside / "precious.txt").read_text() == "keep me" and sorted(p.name for p in outside.iterdir()) == [
         "precious.txt"
