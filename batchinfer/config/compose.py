@@ -9,7 +9,16 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from batchinfer.config.schema import LITERAL_KEYS, RANGES, conf_dir, escape_interpolation, register_configs, validate
+from batchinfer.config.schema import (
+    LITERAL_KEYS,
+    RANGES,
+    conf_dir,
+    escape_interpolation,
+    register_configs,
+    unknown_key_message,
+    unknown_keys,
+    validate,
+)
 from batchinfer.errors import ConfigError
 
 
@@ -58,6 +67,9 @@ def compose(overrides: list[str], config_dir: Optional[str] = None) -> DictConfi
         raise ConfigError(_override_error(e)) from None
     finally:
         GlobalHydra.instance().clear()
+    unknown = unknown_keys(cfg)
+    if unknown:
+        raise ConfigError(unknown_key_message(unknown[0]))
     validate(cfg)
     return cfg
 
@@ -72,6 +84,9 @@ def _override_error(e: Exception) -> str:
     """Hydra's "Error merging override k=v" names neither the type nor the range: add both."""
     from omegaconf.errors import ValidationError
 
+    missing = re.search(r"Could not override '([^']+)'", str(e))
+    if missing:  # Hydra's advice (write +key) would add a key nothing reads
+        return unknown_key_message(missing.group(1))
     cause = e.__cause__
     key = getattr(cause, "full_key", None)
     if not isinstance(cause, ValidationError) or not key:

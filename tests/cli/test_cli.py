@@ -38,8 +38,18 @@ def test_cfg_job_prints_resolved_config_with_literal_template() -> None:
 def test_unknown_key_missing_input_and_bad_value_messages(tmp_path: Path) -> None:
     res = run_cli(["run", "--bogus"])
     assert res.returncode == 2 and "unrecognized arguments: --bogus" in res.stderr
-    res = run_cli(["run", "sampling.max_tokenz=3"])
-    assert res.returncode == 2 and "batchinfer: error: Could not override 'sampling.max_tokenz'" in res.stderr
+    # One line naming the key, its section's keys and the closest; not Hydra's advice to write +key.
+    for command, key in (
+        ("run", "sampling.max_tokenz=3"),
+        ("validate", "+sampling.max_tokenz=3"),
+        ("submit", "+input.idcolumn=x"),
+    ):
+        res = run_cli([command, key])
+        name = key.lstrip("+").split("=")[0]
+        assert res.returncode == 2 and f"batchinfer: error: {name} is not a key (did you mean " in res.stderr, (
+            res.stderr
+        )
+        assert "Traceback" not in res.stderr and "+" + name not in res.stderr and len(res.stderr.splitlines()) == 1
     res = run_cli(["run", f"input.path={tmp_path}/missing.jsonl", f"model.path={fake_model_dir(tmp_path)}"])
     assert res.returncode == 2 and f"input.path {tmp_path}/missing.jsonl: no such file" in res.stderr
     write_corpus(tmp_path / "c.jsonl", 3)
