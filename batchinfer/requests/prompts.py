@@ -110,10 +110,31 @@ class _RowFormatter(string.Formatter):
     raises RowError naming it."""
 
     def get_field(self, field_name: str, args: Any, kwargs: Any) -> Any:
-        try:
-            value, first = super().get_field(field_name, args, kwargs)
-        except (KeyError, AttributeError, IndexError, TypeError):
-            raise RowError("prompt", f"field {field_name!r} is missing in this row; {BRACES_HINT}") from None
+        # Dotted and [bracketed] parts are keys of an object (or a list's index), never attributes: {text.upper} or
+        # {meta.keys} would paste a method's repr (with a memory address, different per process).
+        import _string
+
+        first, rest = _string.formatter_field_name_split(field_name)
+        if first not in kwargs:
+            raise RowError("prompt", f"field {field_name!r} is missing in this row; {BRACES_HINT}")
+        value = kwargs[first]
+        for _, key in rest:
+            if isinstance(value, (list, tuple)) and isinstance(key, int):  # {items[0]}
+                if not -len(value) <= key < len(value):
+                    raise RowError(
+                        "prompt", f"field {field_name!r} is missing in this row (the list has {len(value)} items)"
+                    )
+                value = value[key]
+                continue
+            if not isinstance(value, dict):
+                raise RowError(
+                    "prompt",
+                    f"field {field_name!r}: {key!r} is not a key of an object here (the value before it is "
+                    f"{type(value).__name__}); dotted and [bracketed] parts name keys of an object field",
+                )
+            if key not in value:
+                raise RowError("prompt", f"field {field_name!r} is missing in this row; {BRACES_HINT}")
+            value = value[key]
         if value is None:
             raise RowError("prompt", f"field {field_name!r} is null or missing")
         if type(value) in NOT_TEXT:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from batchinfer.config.schema import PromptConfig
@@ -54,3 +56,23 @@ def test_overlong_policies() -> None:
     assert overlong_tokens(ids, "truncate_right", 8, 6) == ids[:4]
     with pytest.raises(InputError, match="prompt.overlong=fail"):
         overlong_tokens(ids, "fail", 10, 4)
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{meta.keys}", "field 'meta.keys' is missing in this row"),
+        ("{meta.items}", "field 'meta.items' is missing in this row"),
+        ("{text.upper}", "field 'text.upper': 'upper' is not a key of an object here (the value before it is str)"),
+        ("{text.__class__}", "field 'text.__class__': '__class__' is not a key of an object here"),
+        ("{tags[5]}", "field 'tags[5]' is missing in this row (the list has 2 items)"),
+    ],
+)
+def test_dotted_parts_are_keys_never_attributes(template: str, message: str) -> None:
+    """A method's repr holds a memory address: the prompt would differ per process (dedup, resume)."""
+    builder = PromptBuilder(PromptConfig(template=template, mode="raw"))
+    row = {"text": "abc", "meta": {"title": "T"}, "tags": ["x", "y"]}
+    with pytest.raises(RowError, match=re.escape(message)):
+        builder.build(row)
+    ok = PromptBuilder(PromptConfig(template="{meta.title} {meta[title]} {tags[1]}", mode="raw"))
+    assert ok.build(row) == "T T y"
