@@ -373,6 +373,7 @@ def validate(cfg: DictConfig) -> None:
     if labels and len(set(labels)) != len(labels):
         raise ConfigError(f"prompt.labels.names has duplicates: {list(labels)}")
     _check_task(cfg.task)
+    _check_dropped_settings(cfg)
     from batchinfer.config.engines import check_engines_value
 
     check_engines_value(cfg.cluster.engines_per_task)
@@ -382,6 +383,29 @@ def validate(cfg: DictConfig) -> None:
 
     private_mode(cfg.output.private)
     check_config_secrets(to_dict(cfg))
+
+
+def _check_dropped_settings(cfg: DictConfig) -> None:
+    """Settings a run would ignore are refused: the user meant them to change the answers."""
+    p, task = cfg.prompt, cfg.task.name
+    if task == "generate" and p.mode == "raw":
+        dropped = [k for k, v in (("prompt.system", p.system), ("prompt.examples", p.examples)) if v]
+        dropped += ["prompt.labels"] if p.labels.names else []
+        if dropped:
+            raise ConfigError(
+                f"prompt.mode=raw sends the filled template alone, without chat turns: {', '.join(dropped)} "
+                "would be dropped; use prompt.mode=chat, or unset them"
+            )
+    if task in POOLING_TASKS:
+        so = [k for k in ("choice", "regex", "json", "grammar") if cfg.sampling.structured_outputs[k] is not None]
+        dropped = [f"sampling.structured_outputs.{so[0]}"] if so else []
+        dropped += ["prompt.labels"] if p.labels.names else []
+        dropped += [f"sampling.n={cfg.sampling.n}"] if cfg.sampling.n > 1 else []
+        if dropped:
+            raise ConfigError(
+                f"task={task} computes one vector, class or score per row and samples no text: "
+                f"{', '.join(dropped)} would be ignored; unset it (they are settings of task=generate)"
+            )
 
 
 def _check_task(task: DictConfig) -> None:

@@ -142,3 +142,27 @@ def test_task_presets_compose_and_task_keys_belong_to_their_task() -> None:
         compose(["task=embed", "task.min_prob=0.5"])
     with pytest.raises(ConfigError, match=r"task.name='rank' is not one of: generate, embed, classify, score"):
         compose(["task.name=rank"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["prompt.mode=raw", "prompt.system=Be brief"], "prompt.mode=raw .* prompt.system would be dropped"),
+        (["prompt.mode=raw", "+prompt.examples=[{text: a, answer: b}]"], "prompt.examples would be dropped"),
+        (["prompt=labels", "prompt.mode=raw", "prompt.labels.names=[a,b]"], "prompt.labels would be dropped"),
+        (["task=embed", "prompt.labels.names=[a,b]"], "task=embed .* prompt.labels would be ignored"),
+        (
+            ["task=embed", "sampling.structured_outputs.regex='[a-z]+'"],
+            "sampling.structured_outputs.regex would be ignored",
+        ),
+        (["task=classify", "sampling.n=3"], "task=classify .* sampling.n=3 would be ignored"),
+    ],
+)
+def test_settings_a_run_would_drop_are_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        compose(overrides)
+
+
+def test_raw_mode_and_pooling_tasks_compose_without_those_settings() -> None:
+    assert compose(["prompt.mode=raw"]).prompt.mode == "raw"
+    assert compose(["task=embed"]).prompt.mode == "raw"  # the embed preset: raw text
