@@ -91,10 +91,47 @@ def row_sampling(cfg: Config, row: dict[str, Any], id_: Any) -> str:
         if unknown:
             raise RowError("sampling", f"field {column!r} has unknown sampling keys {unknown}")
         own.update({k: v for k, v in value.items() if v is not None})
+    check_row_sampling(own, f"field {column!r}" if column and row.get(column) is not None else "the request's body")
+    if cfg.sampling.n == 1 and int(own.get("n") or 1) > 1 and not row.get(ROW_SAMPLING):
+        raise RowError(
+            "sampling",
+            f"field {column!r} asks for n={own['n']} samples, but this run keeps one per row (sampling.n=1): "
+            "set sampling.n>1 in the config to keep a samples column, or drop n from the row",
+        )
     s = cfg.sampling
     if s.seed_per_row and "seed" not in own:
         own["seed"] = row_seed(s.seed, id_)
     return json.dumps(own, sort_keys=True) if own else ""
+
+
+# What each sampling key takes in a row's own overrides, by the config schema's type.
+_ROW_TYPES = {f.name: f.type for f in fields(SamplingConfig) if f.name != "structured_outputs"}
+
+
+def check_row_sampling(own: dict[str, Any], where: str) -> None:
+    """RowError (kind sampling) naming the key where a row's own sampling value has the wrong type
+    or is out of the range the config's value would be checked against."""
+    from batchinfer.config.schema import RANGES
+
+    for key, value in own.items():
+        kind = str(_ROW_TYPES.get(key, ""))
+        if not kind or value is None:
+            continue
+        if "bool" in kind:
+            ok, what = isinstance(value, bool), "true or false"
+        elif "int" in kind:
+            ok, what = isinstance(value, int) and not isinstance(value, bool), "an integer"
+        elif "float" in kind:
+            ok, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        elif "list" in kind:
+            ok, what = isinstance(value, list) and all(isinstance(v, str) for v in value), "a list of strings"
+        else:
+            continue
+        if not ok:
+            raise RowError("sampling", f"{where}: {key}={value!r} is not {what}")
+        check, allowed = RANGES.get(f"sampling.{key}", (None, ""))
+        if check is not None and not check(value):
+            raise RowError("sampling", f"{where}: {key}={value!r} is out of range: it takes {allowed}")
 
 
 def row_seed(seed: int, id_: Any) -> int:

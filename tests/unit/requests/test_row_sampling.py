@@ -1,0 +1,47 @@
+"""A row's own sampling values (input.sampling_column, an OpenAI request's body) are checked like the
+config's: a wrong type or range, or n > 1 in a run that keeps one sample, is an error row of kind
+`sampling` naming the key, never a TypeError that fails the shard (issue 26)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchinfer.config.compose import compose
+from batchinfer.config.schema import to_config
+from batchinfer.inputs.openai_batch import ROW_SAMPLING
+from batchinfer.requests.build import row_sampling
+from batchinfer.requests.prompts import RowError
+
+CFG = to_config(compose(["input.sampling_column=params"]))
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"max_tokens": "8"}, "field 'params': max_tokens='8' is not an integer"),
+        ({"max_tokens": 2.5}, "field 'params': max_tokens=2.5 is not an integer"),
+        ('{"max_tokens": 0}', "field 'params': max_tokens=0 is out of range: it takes an integer >= 1"),
+        ({"temperature": "hot"}, "field 'params': temperature='hot' is not a number"),
+        ({"top_p": 1.5}, "field 'params': top_p=1.5 is out of range: it takes a number in (0, 1]"),
+        ({"stop": "###"}, "field 'params': stop='###' is not a list of strings"),
+        ({"ignore_eos": 1}, "field 'params': ignore_eos=1 is not true or false"),
+        ({"n": 3}, "field 'params' asks for n=3 samples, but this run keeps one per row (sampling.n=1)"),
+    ],
+)
+def test_wrong_row_sampling_values_are_sampling_error_rows(params: object, message: str) -> None:
+    with pytest.raises(RowError) as e:
+        row_sampling(CFG, {"text": "x", "params": params}, "id-1")
+    assert e.value.kind == "sampling" and e.value.message.startswith(message), e.value.message
+
+
+def test_good_row_sampling_values_pass_as_canonical_json() -> None:
+    own = row_sampling(CFG, {"text": "x", "params": {"max_tokens": 3, "temperature": 1, "stop": ["\n"]}}, 0)
+    assert json.loads(own) == {"max_tokens": 3, "temperature": 1, "stop": ["\n"]}
+    many = to_config(compose(["input.sampling_column=params", "sampling.n=2"]))
+    assert json.loads(row_sampling(many, {"params": {"n": 4}}, 0)) == {"n": 4}  # kept: a samples column
+    # an OpenAI request may ask for n samples: its rows have a samples column
+    assert json.loads(row_sampling(CFG, {ROW_SAMPLING: json.dumps({"n": 2})}, 0)) == {"n": 2}
+    with pytest.raises(RowError, match=r"the request's body: max_tokens='9' is not an integer"):
+        row_sampling(CFG, {ROW_SAMPLING: json.dumps({"max_tokens": "9"})}, 0)
