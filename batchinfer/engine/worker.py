@@ -30,7 +30,7 @@ from batchinfer.engine.stream import (
     window_rows,
 )
 from batchinfer.engine.vllm_engine import Completion
-from batchinfer.errors import BatchinferError, StorageError
+from batchinfer.errors import BatchinferError, ConfigError, StorageError
 from batchinfer.inputs.openai_batch import task_mismatch
 from batchinfer.inputs.read import Shard, get_path, open_input
 from batchinfer.requests.build import build_request, overlong_tokens, row_id, sampling_for
@@ -117,10 +117,26 @@ class ShardWorker:
         self.prompts = PromptBuilder(self.cfg.prompt)
         self.pooling = pooling_rows(self.cfg, self.prompts)  # None: a generation run
         self._poison: set[RequestKey] = set()  # fault injection only
+        self._turns_checked = False
         self._progress: Optional[dict[str, Any]] = None  # the current shard's progress record
         self.failures: Optional[int] = None  # this shard's failures in this submission, once counted
         # {"index", "of", "devices"} when the task runs several engines (cluster.engines_per_task)
         self.engine: Optional[dict[str, Any]] = None
+
+    def _check_fixed_turns(self, engine: EngineLike) -> None:
+        """Render the config's own turns through the chat template once: a template that refuses
+        them (a model without a system role) would make every row an error row."""
+        p = self.cfg.prompt
+        if self._turns_checked or self.pooling is not None or p.mode != "chat" or not (p.system or p.examples):
+            return
+        try:
+            engine.encode(self.prompts.fixed_turns(), p.chat_template_kwargs)
+        except Exception as e:
+            raise ConfigError(
+                f"the model's chat template rejects the configured turns ({type(e).__name__}: {e}); "
+                "unset prompt.system (or put it in prompt.template) or prompt.examples, or use prompt.mode=raw"
+            ) from None
+        self._turns_checked = True
 
     @property
     def dataset(self) -> Any:
@@ -239,6 +255,7 @@ class ShardWorker:
         out = self.cfg.output
         t0 = time.monotonic()
         engine = self.get_engine()
+        self._check_fixed_turns(engine)
         self.device = getattr(engine, "device", None)
         self.dtype = getattr(engine, "dtype", self.cfg.model.dtype)
         t_ready = time.monotonic()

@@ -183,6 +183,14 @@ class PromptBuilder:
         messages.append({"role": "user", "content": text})
         return messages
 
+    def fixed_turns(self) -> Messages:
+        """The config's own chat turns (system prompt, examples) before a placeholder user turn."""
+        messages: Messages = [{"role": "system", "content": self.system}] if self.system else []
+        for ex in self.examples:
+            messages.append({"role": "user", "content": self.fill(self.template, ex)})
+            messages.append({"role": "assistant", "content": ex["answer"]})
+        return [*messages, {"role": "user", "content": "x"}]
+
     def fill(self, template: str, row: dict[str, Any]) -> str:
         """str.format the template over a row's fields (strings, numbers, bools); errors name the field."""
         try:
