@@ -54,8 +54,8 @@ class PoolingRows:
             self.params(engine, extras)
         except RowError as e:
             return dict(error_row(index, base["id"], e.kind, f"row {index}: {e.message}"), **base)
-        except ValueError as e:  # a pair that cannot be cut to fit
-            return dict(error_row(index, base["id"], "overlong", f"row {index}: {e}"), **base)
+        except ValueError as e:  # refused for another reason than its length (which is a RowError)
+            return dict(error_row(index, base["id"], "rejected", f"row {index}: {e}"), **base)
         return (tuple(ids), extras, -1)
 
     def params(self, engine: Any, extras: str) -> Any:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from batchinfer import faults
 from batchinfer.config.schema import POOLING_TASKS, Config, to_config
-from batchinfer.requests.prompts import Prompt
+from batchinfer.requests.prompts import Prompt, RowError
 from batchinfer.versions import installed_versions
 
 log = logging.getLogger("batchinfer")
@@ -275,7 +275,7 @@ class Engine:
         try:
             enc = self.tokenizer(query, document, **kw)
         except Exception as e:  # the query alone is longer than the limit
-            raise ValueError(f"the pair cannot be cut to {limit} tokens: {e}") from None
+            raise RowError("overlong", f"the pair cannot be cut to {limit} tokens: {e}") from None
         types = enc.get("token_type_ids") or []
         return list(enc["input_ids"]), types.index(1) if 1 in types else len(enc["input_ids"])
 
