@@ -11,10 +11,13 @@ from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.store import RunDir
 from support.corpus import write_corpus
 from support.runs import fake_model_dir
+from support.standin import digest
 
 
 class FakeEngine:
-    """Echoes each prompt's length; finishes `per_step` requests per step."""
+    """The unit tests' engine: answers each request from its own token ids (`answer`), so a row
+    given another row's result is caught, and finishes `per_step` requests per step, chosen by
+    digest and step number rather than in the order they came."""
 
     max_model_len = 1000
     max_num_seqs = 4
@@ -25,6 +28,12 @@ class FakeEngine:
         self.per_step = per_step
         self.queue: list[tuple[str, list[int]]] = []
         self.added: list[list[int]] = []
+        self.steps = 0
+
+    @staticmethod
+    def answer(ids: list[int]) -> str:
+        """What this engine answers a request of these token ids."""
+        return f"ans-{digest(ids) % 16**8:08x}"
 
     def sampling_params(self, sampling: dict[str, Any]) -> Any:
         return sampling
@@ -38,8 +47,10 @@ class FakeEngine:
         self.added.append(token_ids)
 
     def step(self) -> list[Completion]:
-        done, self.queue = self.queue[: self.per_step], self.queue[self.per_step :]
-        return [Completion(rid, [f"len{len(ids)}"], "stop", len(ids), 1) for rid, ids in done]
+        self.steps += 1
+        ready = sorted(self.queue, key=lambda q: (digest(q[1]) + self.steps) % 7)[: self.per_step]
+        self.queue = [q for q in self.queue if q not in ready]
+        return [Completion(rid, [self.answer(ids)], "stop", len(ids), 1) for rid, ids in ready]
 
     def has_unfinished(self) -> bool:
         return bool(self.queue)

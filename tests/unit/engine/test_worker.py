@@ -43,7 +43,11 @@ def test_fake_engine_run_commits_often_dedupes_and_merges_in_order(tmp_path: Pat
     out = read_output(run.path)
     assert [r["row"] for r in out] == list(range(30))
     assert [r["id"] for r in out] == [r["id"] for r in rows]
-    assert out[7]["text"] == out[9]["text"] == "len11"
+    assert out[7]["text"] == out[9]["text"] == FakeEngine.answer(eng.encode([{"content": "same prompt"}]))
+    # every other row its own answer: made from its own prompt's token ids
+    for r, x in zip(out, rows, strict=True):
+        if r["error"] is None:
+            assert r["text"] == FakeEngine.answer(eng.encode([{"content": x["text"]}])), r
     assert out[11]["error"] == {"kind": "prompt", "message": "row 11: field 'text' is null or missing"}
     assert stats["rows"] == 30 and stats["errors"] == {"prompt": 1}
     done = json.loads(run.done_path(0).read_text())
