@@ -126,7 +126,9 @@ def test_running_array_status_then_resume_refused_then_cancel_commits_and_does_n
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path
 ) -> None:
     extra = ["sharding.num_shards=2", "sampling.max_tokens=16", "output.commit_every_rows=16"]
-    _, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 1200, 14, *extra, HOLD, env=standin_env())
+    # 50 ms a stand-in step: rates of tens of rows/s, so the ETA of the 1,200 rows is whole seconds
+    env = dict(standin_env(), BATCHINFER_STANDIN_STEP_SECONDS="0.05")
+    _, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 1200, 14, *extra, HOLD, env=env)
     res = run_cli(["resume", str(run_dir)])
     assert res.returncode == 2 and "still has jobs queued or running" in res.stderr
 
