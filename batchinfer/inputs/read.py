@@ -209,12 +209,12 @@ def _load(files: list[Path], fmt: str, cache_dir: Path, shown: str) -> Any:
     if fmt in ("csv", "tsv"):
         # Cells are the strings they are: pandas' guesses would make `007` the number 7 (and a
         # duplicate of `7`), `1e3` 1000.0, and the texts NA, null, N/A, nan nulls.
-        header = csv_header(files[0], "\t" if fmt == "tsv" else ",")
-        strings = datasets.Features({name: datasets.Value("string") for name in header})
+        sep = "\t" if fmt == "tsv" else ","
+        strings = datasets.Features({name: datasets.Value("string") for name in csv_header(files[0], sep)})
         return datasets.Dataset.from_csv(
             names,
             cache_dir=cache,
-            sep="\t" if fmt == "tsv" else ",",
+            sep=sep,
             features=strings,
             keep_default_na=False,
             na_filter=False,

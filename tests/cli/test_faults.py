@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -70,9 +71,10 @@ def test_sigkill_at_a_random_moment_then_resume(standin_workload: Workload, seed
     proc = start_run([*workload.base, f"output.dir={out}"], dict(workload.env, BATCHINFER_STANDIN_STEP_SECONDS="0.05"))
     wait_for_part(proc, out)
     time.sleep(random.Random(seed).uniform(0.0, 2.0))  # in generation, a part write or a rename
+    assert proc.poll() is None, "the run finished before the kill"
     kill_group(proc)
-    assert group_alive(proc.pid) == []
-    committed_parts_are_whole(out)
+    assert proc.returncode == -signal.SIGKILL and group_alive(proc.pid) == []
+    assert 0 < committed_parts_are_whole(out) < len(workload.rows)  # the kill left the run partial
     resume_and_check(workload, out)
 
 
