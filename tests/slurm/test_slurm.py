@@ -65,7 +65,9 @@ def test_usr2_preemption_and_external_requeue(
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.err"))
     assert "received SIGUSR2: committing and stopping" in logs and "received SIGTERM after SIGUSR2" in logs
     assert f"requeued {array}_0" in logs and "resuming" in logs
-    assert_engine_output_kept_apart(run_dir, logs)
+    # vLLM's lines must reach neither of a task's logs: stdout (`*_log.out`) as well as stderr
+    task_output = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.*"))
+    assert_engine_output_kept_apart(run_dir, task_output)
     for shard in (0, 1):
         done = json.loads((run_dir / f"shards/0000{shard}/DONE.json").read_text())
         assert done["attempts"] >= 2, done
