@@ -17,7 +17,9 @@ COMPLETIONS_URL = "/v1/completions"
 EMBEDDINGS_URL = "/v1/embeddings"  # runs with task=embed; the other urls with task=generate
 RAW_PROMPT = "_raw_prompt"  # column of /v1/completions prompts (raw mode for that row)
 ROW_SAMPLING = "_sampling"  # column of per-row SamplingParams overrides, as JSON
-# Body fields that are SamplingParams (OpenAI name -> vLLM name).
+REFUSED = "_refused"  # column: why a request cannot run here, naming its field (an error row), or null
+# Body fields that are SamplingParams (OpenAI name -> vLLM name); the vLLM extensions among them
+# (top_k, min_p, ...) are what vLLM's own OpenAI server takes as extra body parameters.
 SAMPLING_FIELDS = {
     "max_tokens": "max_tokens",
     "max_completion_tokens": "max_tokens",
@@ -28,7 +30,23 @@ SAMPLING_FIELDS = {
     "stop": "stop",
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "min_tokens": "min_tokens",
+    "repetition_penalty": "repetition_penalty",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
 }
+# Body fields that do not change the answer (bookkeeping, or meaningless in a batch file).
+IGNORED_FIELDS = frozenset(
+    {"model", "user", "metadata", "store", "service_tier", "stream", "stream_options", "parallel_tool_calls"}
+    | {"prompt_cache_key", "safety_identifier", "encoding_format"}
+)
+# Tool calling (the request's functions in the prompt, calls parsed from the answer) does not run here.
+TOOL_FIELDS = ("tools", "functions", "tool_choice", "function_call")
+TEXT_HINT = "batchinfer runs text requests"
+TEXT_FIELD = {CHAT_URL: "messages", COMPLETIONS_URL: "prompt", EMBEDDINGS_URL: "input"}
+ASKS_NOTHING = (None, False, 0, "", [], {})  # a field with such a value changes nothing
 SCHEMA = pa.schema(
     [
         ("custom_id", pa.string()),
@@ -36,8 +54,13 @@ SCHEMA = pa.schema(
         ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
         (RAW_PROMPT, pa.string()),
         (ROW_SAMPLING, pa.string()),
+        (REFUSED, pa.string()),
     ]
 )
+
+
+class Refused(Exception):
+    """A well-formed request this run cannot honour: its row becomes an error row naming the field."""
 
 
 def looks_like_openai_batch(first_line: str) -> bool:
@@ -50,7 +73,9 @@ def looks_like_openai_batch(first_line: str) -> bool:
 
 
 def request_row(obj: Any, where: str) -> dict[str, Any]:
-    """One request line -> a row of SCHEMA; a malformed request is an error naming its line."""
+    """One request line -> a row of SCHEMA. A malformed request (no custom_id or body, an unknown
+    url, messages that are not a list of {role, content}) is an InputError naming its line; a
+    well-formed one this run cannot honour is a row whose REFUSED column names the field."""
     if not isinstance(obj, dict) or not isinstance(obj.get("custom_id"), str) or not isinstance(obj.get("body"), dict):
         raise InputError(f"{where}: an OpenAI batch request needs a string custom_id and a body object")
     body = obj["body"]
@@ -59,35 +84,112 @@ def request_row(obj: Any, where: str) -> dict[str, Any]:
         raise InputError(
             f"{where}: url {url!r} is not supported (only {CHAT_URL}, {COMPLETIONS_URL} and {EMBEDDINGS_URL})"
         )
-    messages = None
-    prompt = None
+    row: dict[str, Any] = {"custom_id": obj["custom_id"], "url": url, "messages": None, RAW_PROMPT: None}
     if url == EMBEDDINGS_URL:
         text = body.get("input")
         if isinstance(text, list) and len(text) == 1:
             text = text[0]
         # Not one string (several inputs, token ids): the row becomes an error row, the run goes on.
-        prompt = text if isinstance(text, str) else None
+        row[RAW_PROMPT] = text if isinstance(text, str) else None
     elif url == CHAT_URL:
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
         ):
             raise InputError(f"{where}: body.messages must be a list of {{role, content}} with string content")
-        messages = [{"role": m.get("role"), "content": m["content"]} for m in messages]
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise InputError(f"{where}: body.prompt must be a string for {COMPLETIONS_URL}")
+        row[RAW_PROMPT] = prompt
+    try:
+        if url == CHAT_URL:
+            row["messages"] = [chat_turn(m, f"body.messages[{i}]", where) for i, m in enumerate(body["messages"])]
+        sampling = body_sampling(body, url)
+    except Refused as e:
+        return dict(row, messages=None, **{RAW_PROMPT: None, ROW_SAMPLING: None, REFUSED: str(e)})
+    return dict(row, **{ROW_SAMPLING: json.dumps(sampling, sort_keys=True) if sampling else None, REFUSED: None})
+
+
+def chat_turn(m: dict[str, Any], name: str, where: str) -> dict[str, str]:
+    """One chat message -> {role, content}: text parts joined by a newline, as vLLM's server joins
+    them; a tool-call turn or a non-text part raises Refused naming the field."""
+    role = m["role"]
+    if role in ("tool", "function"):
+        raise Refused(f"{name}.role is {role!r}: tool results cannot run here ({TEXT_HINT}, without tool calling)")
+    for key in ("tool_calls", "function_call"):
+        if m.get(key):
+            raise Refused(f"{name}.{key}: an assistant's tool calls cannot run here ({TEXT_HINT})")
+    content = m.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list) or not content:
+        raise InputError(
+            f"{where}: {name}.content must be a string or a list of content parts, got {json.dumps(content)}"
+        )
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in ("text", None):
+            raise InputError(f'{where}: {name}.content[{j}] must be {{"type": "text", "text": "..."}}')
+        else:
+            raise Refused(f"{name}.content[{j}] is a {kind!r} part: only text parts can run here ({TEXT_HINT})")
+    return {"role": role, "content": "\n".join(texts)}
+
+
+def body_sampling(body: dict[str, Any], url: str) -> dict[str, Any]:
+    """A request's own sampling (vLLM names; response_format as structured_outputs); a field that
+    would change the answer and cannot be honoured raises Refused naming it."""
     sampling = {SAMPLING_FIELDS[k]: v for k, v in body.items() if k in SAMPLING_FIELDS and v is not None}
     if isinstance(sampling.get("stop"), str):
         sampling["stop"] = [sampling["stop"]]
-    return {
-        "custom_id": obj["custom_id"],
-        "url": url,
-        "messages": messages,
-        RAW_PROMPT: prompt,
-        ROW_SAMPLING: json.dumps(sampling, sort_keys=True) if sampling else None,
-    }
+    structured = response_format(body.get("response_format"))
+    if structured is not None:
+        sampling["structured_outputs"] = structured
+    for key, value in body.items():
+        if key in SAMPLING_FIELDS or key in IGNORED_FIELDS or key in ("response_format", TEXT_FIELD[url]):
+            continue
+        if value in ASKS_NOTHING or (key in TOOL_FIELDS and value in ("none", "auto")):
+            continue  # e.g. logprobs false, tools [], tool_choice "none": the answer is the same without it
+        raise Refused(f"body.{key}: {refusal(key)}")
+    if url == EMBEDDINGS_URL and body.get("encoding_format") not in (None, "float"):
+        raise Refused('body.encoding_format: embeddings are written as floats; drop it or set it to "float"')
+    return sampling
+
+
+def refusal(key: str) -> str:
+    """Why a body field cannot be honoured, and what to do."""
+    if key in ("logprobs", "top_logprobs"):
+        return "token logprobs are not written in the output (its logprobs are null); drop the field or set it false"
+    if key in TOOL_FIELDS:
+        return f"tool calling cannot run here ({TEXT_HINT}); drop the field"
+    if key == "dimensions":
+        return "a request cannot choose its own dimensions; drop the field and set task.dimensions for the run"
+    return "not supported by batchinfer, and it could change the answer; drop the field from the request"
+
+
+def response_format(value: Any) -> Optional[dict[str, Any]]:
+    """body.response_format -> the row's structured_outputs (None: plain text); Refused when unusable."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json": {"type": "object"}}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise Refused("body.response_format.json_schema.schema must be a JSON schema object")
+        return {"json": schema}
+    raise Refused(
+        f"body.response_format type {kind!r} is not supported: use text, json_object or json_schema"
+        if kind
+        else "body.response_format must be an object with a type (text, json_object or json_schema)"
+    )
 
 
 def task_mismatch(row: dict[str, Any], task: str) -> Optional[str]:
@@ -95,6 +197,8 @@ def task_mismatch(row: dict[str, Any], task: str) -> Optional[str]:
     url = row.get("url")
     if url is None:  # not an OpenAI batch input
         return None
+    if row.get(REFUSED):
+        return str(row[REFUSED])
     if (url == EMBEDDINGS_URL) != (task == "embed"):
         runs = "task=embed" if url == EMBEDDINGS_URL else "task=generate"
         return f"a {url} request runs with {runs}, and this run has task={task}: submit those lines as their own run"

@@ -11,7 +11,7 @@ from typing import Any
 
 from batchinfer.config.schema import Config, SamplingConfig
 from batchinfer.errors import InputError
-from batchinfer.inputs.openai_batch import ROW_SAMPLING
+from batchinfer.inputs.openai_batch import ROW_SAMPLING, task_mismatch
 from batchinfer.requests.prompts import Prompt, PromptBuilder, RowError
 
 SAMPLING_KEYS = frozenset(f.name for f in fields(SamplingConfig))
@@ -43,6 +43,9 @@ def build_request(
     cfg: Config, builder: PromptBuilder, row: dict[str, Any], index: int, encode: Callable[[Prompt], list[int]]
 ) -> RowRequest:
     """Id, sampling, prompt and token ids of a row; a bad row raises RowError."""
+    why = task_mismatch(row, cfg.task.name)  # an OpenAI request this run cannot honour
+    if why:
+        raise RowError("unsupported", why)
     id_ = row_id(cfg, row, index)
     own = row_sampling(cfg, row, id_)
     prompt = builder.build(row)
