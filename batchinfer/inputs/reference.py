@@ -52,6 +52,11 @@ def parquet_footer(path: Path) -> bytes:
         return f.read(length)
 
 
+def footer_digest(footer: bytes) -> str:
+    """The digest of a Parquet footer that reference.json keeps for each file."""
+    return hashlib.blake2b(footer, digest_size=16).hexdigest()
+
+
 def _parquet_metadata(footer: bytes) -> Any:
     """The file as pyarrow reads it (FileMetaData, Arrow schema) from its footer bytes alone: the
     data pages are never opened."""
@@ -158,7 +163,7 @@ def _plan(files: list[Path], fmt: str) -> Optional[dict[str, Any]]:
             footer = parquet_footer(path)
             parsed = _parquet_metadata(footer)
             meta = parsed.metadata
-            digest = hashlib.blake2b(footer, digest_size=16).hexdigest()
+            digest = footer_digest(footer)
             pieces = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
             file_schema = parsed.schema_arrow
         else:
@@ -365,10 +370,12 @@ class ReferencedInput:
         import pyarrow.parquet as pq
 
         rec = self.files[f]
-        check_unchanged(rec, self.dest)  # at every opening: one stat
+        check_unchanged(rec, self.dest)  # at every opening: one stat, and a Parquet file's footer
         path = str(rec["path"])
         self._open[f] = (
-            pq.ParquetFile(path) if self.format == "parquet" else _ipc_reader(pa.memory_map(path)).read_all()
+            pq.ParquetFile(path, metadata=checked_footer(rec, self.dest))
+            if self.format == "parquet"
+            else _ipc_reader(pa.memory_map(path)).read_all()
         )
         if len(self._open) > OPEN_FILES:  # thousands of files must not hold thousands of descriptors
             self._open.popitem(last=False)
@@ -398,6 +405,29 @@ def check_unchanged(rec: dict[str, Any], dest: Path) -> None:
             f"time changed (touch, a copy), `touch -d @{rec['mtime_ns'] // 10**9}.{rec['mtime_ns'] % 10**9:09d} "
             f"{path}` puts it back"
         )
+
+
+def checked_footer(rec: dict[str, Any], dest: Path) -> Any:
+    """A referenced Parquet file's metadata, from one reading of its footer; refused where the footer's
+    digest is not the manifest's: a file rewritten, then touched back to its size and mtime."""
+    path = Path(rec["path"])
+    what = f"{dest / MANIFEST} refers to {path} in place"
+    try:
+        footer = parquet_footer(path)
+    except (OSError, ValueError) as e:
+        raise InputError(
+            f"{what}, and its Parquet footer cannot be read now ({e}): restore the file as it was "
+            f"prepared, or start a new run in another output.dir"
+        ) from None
+    digest = footer_digest(footer)
+    if rec.get("digest", digest) != digest:
+        raise InputError(
+            f"{what}, and it was rewritten since the run was prepared: its size and mtime are as they were, "
+            f"but its Parquet footer (row groups, sizes, statistics) is not (digest {rec['digest']} -> {digest}), "
+            f"so outputs would not match their rows. Restore the file as it was prepared, or start a new "
+            f"run in another output.dir (touch cannot make a rewritten file the one prepared)"
+        )
+    return _parquet_metadata(footer).metadata
 
 
 def open_reference(dest: Path) -> ReferencedInput:
