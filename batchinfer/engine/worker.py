@@ -33,7 +33,7 @@ from batchinfer.engine.vllm_engine import Completion
 from batchinfer.errors import BatchinferError, ConfigError, StorageError
 from batchinfer.inputs.openai_batch import task_mismatch
 from batchinfer.inputs.read import Shard, get_path, open_input
-from batchinfer.requests.build import build_request, overlong_tokens, row_id, sampling_for
+from batchinfer.requests.build import build_request, row_id, sampling_for
 from batchinfer.requests.prompts import Prompt, PromptBuilder, RowError
 from batchinfer.rundir.locks import ShardLock, holder_info
 from batchinfer.rundir.schema import error_row, rows_to_table
@@ -234,7 +234,7 @@ class ShardWorker:
         try:
             req = build_request(self.cfg, self.prompts, row, index, lambda p: engine.encode(p, kwargs))
             sampling, own = req.sampling, req.own
-            ids = overlong_tokens(req.ids, self.cfg.prompt.overlong, engine.max_model_len, sampling["max_tokens"])
+            ids = req.fit(self.cfg.prompt.overlong, engine.max_model_len)
             engine_params(engine, self.cfg, own)
         except RowError as e:
             return base, dict(error_row(index, base["id"], e.kind, f"row {index}: {e.message}"), **base)

@@ -117,7 +117,7 @@ def check_rows(
     tokens, overlong policy."""
     from jinja2.exceptions import TemplateError
 
-    from batchinfer.requests.build import build_request, overlong_tokens, row_id
+    from batchinfer.requests.build import build_request, row_id
     from batchinfer.requests.prompts import PromptBuilder, RowError
 
     prompt = c.prompt
@@ -134,7 +134,7 @@ def check_rows(
                 req = build_request(c, builder, row, index, lambda p: tok.encode(p, kwargs))
                 lengths[len(req.ids)] += 1
                 found.overlong += len(req.ids) >= max_len
-                overlong_tokens(req.ids, prompt.overlong, max_len, req.sampling["max_tokens"])
+                req.fit(prompt.overlong, max_len)
             except RowError as e:
                 errors.add(e.kind, dict(example, message=f"row {index}: {e.message}"))
             except TemplateError as e:  # the engine's chat template raises the same: the shard would fail

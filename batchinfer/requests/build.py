@@ -6,15 +6,17 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from batchinfer.config.schema import Config, SamplingConfig
 from batchinfer.errors import InputError
 from batchinfer.inputs.openai_batch import ROW_SAMPLING, task_mismatch
-from batchinfer.requests.prompts import Prompt, PromptBuilder, RowError
+from batchinfer.requests.prompts import Messages, Prompt, PromptBuilder, RowError
 
 SAMPLING_KEYS = frozenset(f.name for f in fields(SamplingConfig))
+Encode = Callable[[Prompt], list[int]]
+MAX_RENDERS = 40  # renders of a chat being cut: halving the gap, a million characters take 20
 
 
 @dataclass
@@ -26,6 +28,11 @@ class RowRequest:
     sampling: dict[str, Any]
     prompt: Prompt
     ids: list[int]
+    encode: Encode = field(repr=False, compare=False)  # how ids were made: a cut chat is rendered again
+
+    def fit(self, policy: str, max_model_len: int) -> list[int]:
+        """The token ids to send, prompt.overlong applied (see fit_prompt)."""
+        return fit_prompt(self.prompt, self.ids, self.encode, policy, max_model_len, self.sampling["max_tokens"])
 
 
 def row_id(cfg: Config, row: dict[str, Any], index: int) -> Any:
@@ -39,9 +46,7 @@ def sampling_for(cfg: Config, own: str) -> dict[str, Any]:
     return dict(cfg.sampling.params, **json.loads(own)) if own else cfg.sampling.params
 
 
-def build_request(
-    cfg: Config, builder: PromptBuilder, row: dict[str, Any], index: int, encode: Callable[[Prompt], list[int]]
-) -> RowRequest:
+def build_request(cfg: Config, builder: PromptBuilder, row: dict[str, Any], index: int, encode: Encode) -> RowRequest:
     """Id, sampling, prompt and token ids of a row; a bad row raises RowError."""
     why = task_mismatch(row, cfg.task.name)  # an OpenAI request this run cannot honour
     if why:
@@ -49,13 +54,17 @@ def build_request(
     id_ = row_id(cfg, row, index)
     own = row_sampling(cfg, row, id_)
     prompt = builder.build(row)
+    ids = _encode(encode, prompt)
+    return RowRequest(id_, own, sampling_for(cfg, own), prompt, ids, encode)
+
+
+def _encode(encode: Encode, prompt: Prompt) -> list[int]:
     try:
-        ids = encode(prompt)
+        return encode(prompt)
     except Exception as e:  # the chat template raised on this row's messages (jinja, or a bad message)
         raise RowError(
             "chat_template", f"the chat template rejects this row's messages: {type(e).__name__}: {e}"
         ) from None
-    return RowRequest(id_, own, sampling_for(cfg, own), prompt, ids)
 
 
 def overlong_tokens(ids: list[int], policy: str, max_model_len: int, max_tokens: int) -> list[int]:
@@ -71,9 +80,63 @@ def overlong_tokens(ids: list[int], policy: str, max_model_len: int, max_tokens:
         raise RowError(
             "overlong", f"{msg}; raise model.max_model_len or set prompt.overlong=truncate_left|truncate_right"
         )
-    # Leave room for max_tokens of output, but never keep less than half the context.
-    keep = max(max_model_len - max_tokens, max_model_len // 2)
+    keep = keep_tokens(max_model_len, max_tokens)
     return ids[-keep:] if policy == "truncate_left" else ids[:keep]
+
+
+def keep_tokens(max_model_len: int, max_tokens: int) -> int:
+    """How long a cut prompt is: room for max_tokens of output, but never less than half the context."""
+    return max(max_model_len - max_tokens, max_model_len // 2)
+
+
+def fit_prompt(
+    prompt: Prompt, ids: list[int], encode: Encode, policy: str, max_model_len: int, max_tokens: int
+) -> list[int]:
+    """prompt.overlong applied: a raw prompt's tokens are cut; a chat's last user turn (the row's own
+    text) is cut and the chat rendered again, so the system prompt, examples, labels and the
+    generation header stay whole (cutting the rendered tokens would drop them)."""
+    if len(ids) < max_model_len or isinstance(prompt, str) or policy not in ("truncate_left", "truncate_right"):
+        return overlong_tokens(ids, policy, max_model_len, max_tokens)
+    return _cut_chat(prompt, ids, encode, policy == "truncate_left", max_model_len, max_tokens)
+
+
+def _cut_chat(
+    messages: Messages, ids: list[int], encode: Encode, left: bool, max_model_len: int, max_tokens: int
+) -> list[int]:
+    msg = f"prompt has {len(ids)} tokens; model.max_model_len is {max_model_len}"
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        raise RowError("overlong", f"{msg}, and the chat has no user turn to cut; raise model.max_model_len")
+    turn, text = users[-1], messages[users[-1]]["content"]
+
+    def render(cut: str) -> list[int]:
+        return _encode(encode, [*messages[:turn], dict(messages[turn], content=cut), *messages[turn + 1 :]])
+
+    fixed = len(render(""))
+    keep = keep_tokens(max_model_len, max_tokens)
+    limit = keep if fixed < keep else max_model_len - 1  # the fixed turns are long: fit at all
+    # The longest cut that fits: characters in proportion to the tokens that must go (a guess,
+    # as characters per token vary), the gap between a fitting and a too long cut halved otherwise.
+    fits, too_long, best = 0, len(text), None
+    n, cut = len(text), ids
+    for _ in range(MAX_RENDERS):
+        if len(cut) > limit:
+            too_long = n
+        else:
+            fits, best = n, cut
+        if too_long - fits <= 1 or len(cut) == limit or fixed >= limit:
+            break
+        guess = n * (limit - fixed) // max(len(cut) - fixed, 1)
+        n = guess if fits < guess < too_long else (fits + too_long) // 2
+        cut = render(text[len(text) - n :] if left else text[:n])
+    if best is None or fits == 0:
+        raise RowError(
+            "overlong",
+            f"{msg}; without its last user text the chat alone takes {fixed} tokens (system prompt, examples, "
+            "other turns, chat template), so nothing of the row's text fits: raise model.max_model_len or "
+            "shorten the fixed turns",
+        )
+    return best
 
 
 def row_sampling(cfg: Config, row: dict[str, Any], id_: Any) -> str:

@@ -5,14 +5,20 @@ config's: a wrong type or range, or n > 1 in a run that keeps one sample, is an 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+from support.corpus import read_output
+from support.fake_engine import FakeEngine, fake_overrides, keyed
 
 from batchinfer.config.compose import compose
 from batchinfer.config.schema import to_config
 from batchinfer.inputs.openai_batch import ROW_SAMPLING
+from batchinfer.launch.local import run_shards
 from batchinfer.requests.build import row_sampling
 from batchinfer.requests.prompts import RowError
+from batchinfer.rundir.merge import merge
+from batchinfer.rundir.prepare import prepare
 
 CFG = to_config(compose(["input.sampling_column=params"]))
 
@@ -45,3 +51,27 @@ def test_good_row_sampling_values_pass_as_canonical_json() -> None:
     assert json.loads(row_sampling(CFG, {ROW_SAMPLING: json.dumps({"n": 2})}, 0)) == {"n": 2}
     with pytest.raises(RowError, match=r"the request's body: max_tokens='9' is not an integer"):
         row_sampling(CFG, {ROW_SAMPLING: json.dumps({"max_tokens": "9"})}, 0)
+
+
+def test_a_bad_max_tokens_on_an_overlong_row_is_a_sampling_error_row_not_a_failed_shard(tmp_path: Path) -> None:
+    """The row's own max_tokens is checked before the overlong policy uses it (a str there was a
+    TypeError that failed the shard)."""
+    corpus = tmp_path / "c.jsonl"
+    long = " ".join(["word"] * 400)  # longer than the fake engine's window
+    rows = [
+        {"id": "bad", "text": long, "params": json.dumps({"max_tokens": "8"})},  # JSON text: one column type
+        {"id": "ok", "text": long, "params": json.dumps({"max_tokens": 8})},
+    ]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    extra = ["input.id_column=id", "input.sampling_column=params", "prompt.overlong=truncate_right"]
+    run = prepare(compose(fake_overrides(tmp_path, corpus, *extra)))
+    eng = FakeEngine()
+    assert len(eng.encode([{"content": long}])) > eng.max_model_len
+    run_shards(run, [0], engine=keyed(eng, run))
+    merge(run)
+    out = read_output(run.path)
+    assert out[0]["error"] == {
+        "kind": "sampling",
+        "message": "row 0: field 'params': max_tokens='8' is not an integer",
+    }
+    assert out[1]["error"] is None and out[1]["prompt_tokens"] == eng.max_model_len - 8  # cut, room for its 8
