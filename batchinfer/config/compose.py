@@ -11,6 +11,8 @@ from omegaconf import DictConfig
 
 from batchinfer.config.schema import (
     LITERAL_KEYS,
+    LITERAL_LIST_KEYS,
+    LITERAL_UNLESS_QUOTED_KEYS,
     RANGES,
     conf_dir,
     escape_interpolation,
@@ -29,13 +31,21 @@ def hydra_literal(value: str) -> str:
     return "'" + value.replace("'", "\\'") + "'"
 
 
+# One string in Hydra's single or double quotes, as its grammar reads it (a backslash escapes the quote).
+_HYDRA_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", re.S)
+
+
 def quote_literals(overrides: list[str]) -> list[str]:
-    """Pass prompt.template / prompt.system through Hydra literally, as typed in the shell."""
+    """Pass text keys (prompt.template, a regex, inline JSON, ...) through Hydra literally, as typed
+    in the shell; a one-string value of a list key (sampling.stop=###) becomes a list of it."""
     out = []
     for ov in overrides:
         key, sep, value = ov.partition("=")
-        if sep and key.lstrip("+~") in LITERAL_KEYS:
+        name, quoted = key.lstrip("+~"), _HYDRA_QUOTED.fullmatch(value) is not None
+        if sep and (name in LITERAL_KEYS or (name in LITERAL_UNLESS_QUOTED_KEYS and not quoted)):
             ov = f"{key}={hydra_literal(value)}"
+        elif sep and name in LITERAL_LIST_KEYS and value and not value.startswith("["):
+            ov = f"{key}=[{value if quoted else hydra_literal(value)}]"
         out.append(ov)
     return out
 
@@ -71,6 +81,9 @@ def compose(overrides: list[str], config_dir: Optional[str] = None) -> DictConfi
     if unknown:
         raise ConfigError(unknown_key_message(unknown[0]))
     validate(cfg)
+    from batchinfer.config.model_fit import check_model_fit
+
+    check_model_fit(cfg)
     return cfg
 
 

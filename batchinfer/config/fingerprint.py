@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from batchinfer.config.json_schema import KEY as JSON_KEY
+from batchinfer.config.json_schema import json_schema_path, parse_json_schema, read_json_schema
 from batchinfer.errors import ConfigError
 
 # engine_kwargs that change speed or memory, not what greedy decoding generates: a run may be
@@ -59,13 +61,6 @@ NOT_COMPARED_WHEN_MISSING = frozenset({"model.seed", "model.engine_kwargs"})
 FILE_KEYS = ("prompt.template_file", "sampling.structured_outputs.json")
 
 
-def json_schema_path(value: Any) -> Optional[str]:
-    """The file a sampling.structured_outputs.json value names; None when inline JSON or unset."""
-    if isinstance(value, str) and not value.lstrip().startswith("{"):
-        return value
-    return None
-
-
 def config_files(cfg: dict[str, Any]) -> dict[str, str]:
     """Config key -> path (as written in the config) of each file whose contents change outputs."""
     paths = {
@@ -81,16 +76,15 @@ def read_config_files(cfg: dict[str, Any]) -> dict[str, bytes]:
     """The bytes of every file the config names (read once: hashed and frozen from the same bytes)."""
     out = {}
     for key, path in config_files(cfg).items():
+        if key == JSON_KEY:
+            out[key] = read_json_schema(path)
+            parse_json_schema(out[key], f"{key} {path}")
+            continue
         p = Path(path).expanduser()
         try:
             out[key] = p.read_bytes()
         except OSError as e:
             raise ConfigError(f"{key} {path}: cannot read it ({e.strerror or e}; resolved to {p.absolute()})") from None
-        if key == "sampling.structured_outputs.json":
-            try:
-                json.loads(out[key])
-            except ValueError as e:
-                raise ConfigError(f"{key} {path}: not a JSON schema ({e})") from None
     return out
 
 

@@ -25,8 +25,19 @@ def conf_dir() -> Path:
 
 
 DEFAULT_ROWS_PER_SHARD = 10000
-# Values typed in a shell that Hydra's grammar would reject or interpolate ({ and ${).
+# Values typed in a shell that Hydra's grammar would reject or interpolate ({, [, #, ${): taken as typed.
 LITERAL_KEYS = ("prompt.template", "prompt.system", "task.query", "task.document")
+# The same, except that a value wholly in Hydra's quotes ('[a-z]+') keeps Hydra's meaning (the quotes
+# go), as these keys had to be written before they were taken literally.
+LITERAL_UNLESS_QUOTED_KEYS = (
+    "prompt.labels.description",
+    "sampling.structured_outputs.regex",
+    "sampling.structured_outputs.json",
+    "sampling.structured_outputs.grammar",
+)
+# List keys whose one-string value is one item, taken as typed (`sampling.stop=###` is ["###"]); a
+# value in brackets is Hydra's list syntax (`sampling.stop=[a,b]`).
+LITERAL_LIST_KEYS = ("sampling.stop",)
 
 
 @dataclass
@@ -374,6 +385,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"prompt.labels.names has duplicates: {list(labels)}")
     _check_task(cfg.task)
     _check_dropped_settings(cfg)
+    _check_vllm_names(cfg)
+    _check_output_format(cfg)
+    from batchinfer.config.json_schema import check_json_schema
+
+    check_json_schema(cfg.sampling.structured_outputs.json)
     from batchinfer.config.engines import check_engines_value
 
     check_engines_value(cfg.cluster.engines_per_task)
@@ -408,6 +424,55 @@ def _check_dropped_settings(cfg: DictConfig) -> None:
             )
 
 
+def _check_vllm_names(cfg: DictConfig) -> None:
+    """Names and limits vLLM refuses at engine start, after the job waited in the queue."""
+    import difflib
+
+    from batchinfer.config import vllm_names as names
+
+    m, q = cfg.model, cfg.quantization
+    kwargs = m.engine_kwargs or {}
+    checked = [
+        ("model.dtype", m.dtype, names.MODEL_DTYPES),
+        ("quantization.method", q.method, names.QUANTIZATION_METHODS),
+        ("quantization.kv_cache_dtype", q.kv_cache_dtype, names.KV_CACHE_DTYPES),
+    ]
+    if "reasoning_parser_plugin" not in kwargs:  # a plugin registers parsers of its own names
+        checked.append(("model.reasoning_parser", m.reasoning_parser, names.REASONING_PARSERS))
+    for key, value, allowed in checked:
+        if value is None or value in allowed:
+            continue
+        close = difflib.get_close_matches(str(value), allowed, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"{key}={value!r} is not a name vLLM knows{hint}; it takes one of: {', '.join(allowed)}")
+    cap, asked = kwargs.get("max_logprobs", names.MAX_LOGPROBS), cfg.sampling.logprobs
+    if asked is not None and cap != -1 and (asked == -1 or asked > cap):
+        what = "the whole vocabulary" if asked == -1 else f"{asked} log probabilities per token"
+        raise ConfigError(
+            f"sampling.logprobs={asked} asks for {what}, above vLLM's limit of {cap} (max_logprobs): "
+            f"lower sampling.logprobs, or raise the limit with model.engine_kwargs.max_logprobs={asked}"
+        )
+
+
+def _check_output_format(cfg: DictConfig) -> None:
+    """output.format=openai writes OpenAI Batch responses: chat or completion texts, or embeddings of
+    /v1/embeddings requests; other pooling rows have no such form (merge would fail on them)."""
+    task = cfg.task.name
+    if cfg.output.format != "openai" or task not in POOLING_TASKS:
+        return
+    if task == "embed" and cfg.input.format == "openai":
+        return
+    embed = (
+        " (task=embed writes them for OpenAI Batch /v1/embeddings requests: set input.format=openai)"
+        if task == "embed"
+        else ""
+    )
+    raise ConfigError(
+        f"output.format=openai writes OpenAI Batch responses, which task={task} rows are not{embed}; "
+        "choose output.format=parquet, jsonl or hf"
+    )
+
+
 def _check_task(task: DictConfig) -> None:
     """Each task.* key belongs to one task; score needs both of its texts."""
     owner = {"dimensions": "embed", "min_prob": "classify", "query": "score", "document": "score"}
@@ -419,6 +484,21 @@ def _check_task(task: DictConfig) -> None:
             "task=score needs two texts per row: task.query and task.document, templates over the row's "
             "fields, e.g. task.query={question} task.document={passage}"
         )
+
+
+def check_sampling_column(column: Optional[str], columns: list[str], source: Optional[str]) -> None:
+    """input.sampling_column must name a column of the input: a misspelt one would run every row
+    with the config's sampling, silently."""
+    if column is None or column in columns:
+        return
+    import difflib
+
+    close = difflib.get_close_matches(column, columns, n=1)
+    hint = f" (did you mean input.sampling_column={close[0]}?)" if close else ""
+    raise ConfigError(
+        f"input.sampling_column={column!r} is not a column of {source}{hint}; its columns are: "
+        f"{', '.join(columns)}. Name the column that holds each row's sampling values, or unset it"
+    )
 
 
 def to_dict(cfg: DictConfig) -> dict[str, Any]:

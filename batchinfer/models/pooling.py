@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from batchinfer.errors import ConfigError
 
@@ -29,8 +29,11 @@ def is_cross_encoder(folder: Path) -> bool:
 
 
 def embedding_dim(folder: Path) -> int:
-    """The length of the model's embeddings: a sentence-transformers Dense layer's output, else
-    its pooling config's word_embedding_dimension, else config.json's hidden_size."""
+    """The length of the model's embeddings: config.json's embedding_size, else a sentence-transformers
+    Dense layer's output, else its pooling config's word_embedding_dimension, else its hidden_size."""
+    override = _config(folder).get("embedding_size")  # vLLM's ModelConfig.embedding_size reads it first
+    if isinstance(override, int) and not isinstance(override, bool):
+        return override
     modules = folder / "modules.json"
     if modules.is_file():
         for m in reversed(_json(modules)):
@@ -58,3 +61,29 @@ def class_labels(folder: Path) -> list[str]:
             f"a sequence-classification model"
         )
     return [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n)]
+
+
+def is_matryoshka(folder: Path) -> bool:
+    """Whether the model's embeddings may be shortened (task.dimensions): vLLM's rule, from config.json."""
+    config = _config(folder)
+    return bool(config.get("matryoshka_dimensions")) or bool(config.get("is_matryoshka"))
+
+
+def check_pooling_model(task: str, dimensions: Optional[int], folder: Path) -> None:
+    """ConfigError when the model cannot do what the task asks: classify without classes,
+    task.dimensions on a model without Matryoshka embeddings or above its embedding size."""
+    if task == "classify":
+        class_labels(folder)
+    if task != "embed" or dimensions is None:
+        return
+    if not is_matryoshka(folder):
+        raise ConfigError(
+            f"task.dimensions={dimensions}: model.path {folder} does not have Matryoshka embeddings (config.json "
+            f"has no matryoshka_dimensions or is_matryoshka), so vLLM refuses to shorten them; unset task.dimensions"
+        )
+    size = embedding_dim(folder)
+    if dimensions > size:
+        raise ConfigError(
+            f"task.dimensions={dimensions} is above the model's embedding size {size} (model.path {folder}); "
+            f"set task.dimensions={size} or less, or unset it"
+        )

@@ -131,7 +131,9 @@ def test_every_model_and_quantization_preset_composes(model: str) -> None:
 def test_task_presets_compose_and_task_keys_belong_to_their_task() -> None:
     embed = compose(["task=embed"])
     assert (embed.task.name, embed.prompt.mode, embed.prompt.overlong) == ("embed", "raw", "truncate_right")
-    assert compose(["task=classify", "prompt.overlong=error_row"]).prompt.overlong == "error_row"  # the user's wins
+    # the user's wins (a classifier named: the default model has no classes, which compose refuses)
+    classify = compose(["task=classify", "model.path=org/a-classifier", "prompt.overlong=error_row"])
+    assert classify.prompt.overlong == "error_row"
     plain = compose([])
     assert (plain.task.name, plain.prompt.mode, plain.prompt.overlong) == ("generate", "chat", "error_row")
     score = compose(["task=score", "task.query=Q: {q}", "task.document={d} ${x}"])
@@ -166,3 +168,118 @@ def test_settings_a_run_would_drop_are_refused(overrides: list[str], message: st
 def test_raw_mode_and_pooling_tasks_compose_without_those_settings() -> None:
     assert compose(["prompt.mode=raw"]).prompt.mode == "raw"
     assert compose(["task=embed"]).prompt.mode == "raw"  # the embed preset: raw text
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "value"),
+    [
+        ("sampling.stop=###", "sampling.stop", ["###"]),
+        ("sampling.stop=\n\n", "sampling.stop", ["\n\n"]),
+        ("sampling.stop=[END,'###']", "sampling.stop", ["END", "###"]),  # Hydra's list syntax still works
+        ("sampling.stop='###'", "sampling.stop", ["###"]),  # in Hydra's quotes, as it had to be written
+        (
+            'sampling.structured_outputs.json={"type": "object"}',
+            "sampling.structured_outputs.json",
+            '{"type": "object"}',
+        ),
+        ("sampling.structured_outputs.regex=[a-z]+", "sampling.structured_outputs.regex", "[a-z]+"),
+        ("sampling.structured_outputs.regex='[0-9]{3}'", "sampling.structured_outputs.regex", "[0-9]{3}"),  # quoted
+        (
+            "sampling.structured_outputs.grammar=root ::= [a-z]+",
+            "sampling.structured_outputs.grammar",
+            "root ::= [a-z]+",
+        ),
+        ("prompt.labels.description=Pick {one}: a, b ${x}", "prompt.labels.description", "Pick {one}: a, b ${x}"),
+    ],
+)
+def test_values_hydra_cannot_lex_are_taken_literally(override: str, key: str, value: object) -> None:
+    """`###`, `{...}`, `[a-z]+`, a `{` in a description: the value as typed, not a Hydra lexer error."""
+    from omegaconf import OmegaConf
+
+    cfg = compose([override])
+    got = OmegaConf.select(cfg, key)
+    assert (list(got) if key == "sampling.stop" else got) == value
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["model.dtype=bf16"],
+            "model.dtype='bf16' is not a name vLLM knows (did you mean bfloat16?); it takes one of: auto, half, "
+            "float16, bfloat16, float, float32",
+        ),
+        (["quantization.method=fp9"], "quantization.method='fp9' is not a name vLLM knows (did you mean fp8?); "),
+        (["quantization.kv_cache_dtype=fp8_e4m2"], "quantization.kv_cache_dtype='fp8_e4m2' is not a name vLLM knows"),
+        (
+            ["model.reasoning_parser=qwen"],
+            "model.reasoning_parser='qwen' is not a name vLLM knows (did you mean qwen3?)",
+        ),
+        (
+            ["sampling.logprobs=21"],
+            "sampling.logprobs=21 asks for 21 log probabilities per token, above vLLM's limit of 20 (max_logprobs): "
+            "lower sampling.logprobs, or raise the limit with model.engine_kwargs.max_logprobs=21",
+        ),
+        (["sampling.logprobs=-1"], "sampling.logprobs=-1 asks for the whole vocabulary, above vLLM's limit of 20"),
+        (
+            ["sampling.logprobs=60", "+model.engine_kwargs.max_logprobs=50"],
+            "sampling.logprobs=60 asks for 60 log probabilities per token, above vLLM's limit of 50",
+        ),
+        (
+            ["task=classify", "output.format=openai"],
+            "output.format=openai writes OpenAI Batch responses, which task=classify rows are not; choose "
+            "output.format=parquet, jsonl or hf",
+        ),
+        (
+            ["task=score", "task.query={q}", "task.document={d}", "output.format=openai"],
+            "output.format=openai writes OpenAI Batch responses, which task=score rows are not;",
+        ),
+        (
+            ["task=embed", "output.format=openai"],
+            "output.format=openai writes OpenAI Batch responses, which task=embed rows are not (task=embed writes "
+            "them for OpenAI Batch /v1/embeddings requests: set input.format=openai)",
+        ),
+    ],
+)
+def test_settings_vllm_or_merge_would_refuse_are_refused_at_compose(overrides: list[str], message: str) -> None:
+    """Refused by compose, which run, submit, plan and validate all start with (before DIR exists)."""
+    with pytest.raises(ConfigError) as e:
+        compose(overrides)
+    assert str(e.value).startswith(message)
+
+
+def test_known_vllm_names_and_limits_compose() -> None:
+    for ov in (
+        ["model.dtype=float16", "quantization.method=awq_marlin", "quantization.kv_cache_dtype=fp8_e5m2"],
+        ["model.reasoning_parser=deepseek_r1", "sampling.logprobs=20"],
+        ["sampling.logprobs=-1", "+model.engine_kwargs.max_logprobs=-1"],
+        ["model.reasoning_parser=mine", "+model.engine_kwargs.reasoning_parser_plugin=/opt/my_parser.py"],
+        ["task=embed", "output.format=openai", "input.format=openai"],  # /v1/embeddings lines answered in kind
+    ):
+        compose(ov)
+
+
+def test_structured_outputs_schema_is_read_and_checked_at_compose(tmp_path: Path) -> None:
+    """A missing, non-JSON or non-schema sampling.structured_outputs.json stops compose (so validate,
+    run and submit), naming the key, the file and what is wrong."""
+    key = "sampling.structured_outputs.json"
+    cases = {
+        f"{key}={tmp_path}/nope.json": f"{key} {tmp_path}/nope.json: cannot read it (No such file or directory",
+        f'{key}={{"type": "object"': f"{key} (inline): not valid JSON (Expecting ',' delimiter",
+        f"{key}=[1, 2]": f"{key} [1, 2]: cannot read it",  # not inline JSON: a path, which is not there
+        f'{key}={{"type": "obj"}}': f"{key} (inline): not a JSON schema: it has type 'obj', not one of: array, ",
+    }
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "nested.json").write_text('{"type": "object", "properties": {"a": {"type": "str"}}}')
+    (tmp_path / "text.json").write_text("not json")
+    cases[f"{key}={tmp_path}/list.json"] = (
+        f"{key} {tmp_path}/list.json: not a JSON schema: it is a list, but a schema is an object"
+    )
+    cases[f"{key}={tmp_path}/nested.json"] = f"{key} {tmp_path}/nested.json: not a JSON schema: properties.a has type"
+    cases[f"{key}={tmp_path}/text.json"] = f"{key} {tmp_path}/text.json: not valid JSON (Expecting value"
+    for override, message in cases.items():
+        with pytest.raises(ConfigError) as e:
+            compose([override])
+        assert str(e.value).startswith(message), (override, str(e.value))
+    (tmp_path / "ok.json").write_text('{"type": "object", "properties": {"a": {"enum": [{"type": "x"}]}}}')
+    assert compose([f"{key}={tmp_path}/ok.json"]).sampling.structured_outputs.json == f"{tmp_path}/ok.json"

@@ -93,7 +93,7 @@ def test_unreadable_or_invalid_files_are_config_errors(tmp_path: Path) -> None:
         prepare(compose(_overrides(tmp_path, "prompt.template_file=nope.txt")))
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.raises(ConfigError, match=r"sampling.structured_outputs.json .*bad.json: not a JSON schema"):
+    with pytest.raises(ConfigError, match=r"sampling.structured_outputs.json .*bad.json: not valid JSON"):
         prepare(compose(_overrides(tmp_path, f"sampling.structured_outputs.json={bad}")))
     assert not (tmp_path / "run").exists()
 
@@ -196,4 +196,5 @@ def test_task_keys_are_fingerprinted_and_generation_runs_keep_theirs(tmp_path: P
     keys = embed.run["fingerprint_keys"]
     assert keys["task.name"] == "embed" and keys["prompt.overlong"] == "truncate_right" and keys["prompt.mode"] == "raw"
     ov = _overrides(tmp_path, "task=embed", "task.dimensions=128", out="embed")
+    (tmp_path / "fake-model" / "config.json").write_text('{"hidden_size": 384, "matryoshka_dimensions": [128]}')
     _refused(ov, r"task.dimensions \(None -> 128\)")
