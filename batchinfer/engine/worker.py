@@ -26,6 +26,7 @@ from batchinfer.engine.stream import (
     done_rows,
     first_window_rows,
     request_digest,
+    result_bytes,
     todo_slices,
     window_rows,
 )
@@ -45,6 +46,7 @@ log = logging.getLogger("batchinfer")
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 PREFIX_TOKENS = 32  # a system prompt or template head (longer shared runs stay in the prefix cache)
 CRASHES_TO_ISOLATE = 2  # engine deaths with a row in flight before that row becomes an error row
+_ATTEMPTS = itertools.count()  # this process's shard attempts: part of each request id
 
 
 RequestKey = tuple[tuple[int, ...], str, int]  # prompt tokens, row's own sampling (JSON), -1 or row offset
@@ -78,6 +80,8 @@ class StopFlag:
 
     def __init__(self) -> None:
         self.signum: Optional[int] = None
+        self.received: list[int] = []  # every stop signal, in order (logged by announce, not the handler)
+        self._announced = 0
 
     def block(self) -> None:
         """Hold USR2 pending while the engine starts: its processes inherit the mask, so Slurm's
@@ -91,15 +95,26 @@ class StopFlag:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
 
     def _handle(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
+        # Record, and nothing else: a handler runs between any two bytecodes of the main thread, so
+        # a log write here can land inside another write to the same stream and raise ("reentrant
+        # call") before the signal is recorded, and the stop is lost. announce() logs it later.
         if self.signum is None:
-            log.warning("received %s: committing and stopping", name)
-            self.signum = signum
-        else:
             # The first signal's intent wins: Slurm sends TERM at the time limit after the USR2
             # that asked for a requeue, and that TERM must not turn the requeue into a plain stop.
-            first = signal.Signals(self.signum).name
-            log.warning("received %s after %s: %s decides how this task stops", name, first, first)
+            self.signum = signum
+        self.received.append(signum)
+
+    def announce(self) -> None:
+        """Log the stop signals received since the last call (from the main flow, not the handler)."""
+        upto = len(self.received)
+        for i in range(self._announced, upto):
+            name = signal.Signals(self.received[i]).name
+            if i == 0 and self.received[0] == self.signum:
+                log.warning("received %s: committing and stopping", name)
+            elif self.signum is not None:
+                first = signal.Signals(self.signum).name
+                log.warning("received %s after %s: %s decides how this task stops", name, first, first)
+        self._announced = upto
 
 
 class ShardWorker:
@@ -117,6 +132,7 @@ class ShardWorker:
         self.prompts = PromptBuilder(self.cfg.prompt)
         self.pooling = pooling_rows(self.cfg, self.prompts)  # None: a generation run
         self._poison: set[RequestKey] = set()  # fault injection only
+        self._crashed: dict[bytes, int] = {}  # the current shard's progress["crashed"], by digest
         self._turns_checked = False
         self._progress: Optional[dict[str, Any]] = None  # the current shard's progress record
         self.failures: Optional[int] = None  # this shard's failures in this submission, once counted
@@ -215,6 +231,8 @@ class ShardWorker:
             "failures_by_job": old.get("failures_by_job", {}),  # cluster.max_attempts counts per submission
             # rows in flight when the engine died, with how often; done rows drop out
             "suspects": {r: n for r, n in old.get("suspects", {}).items() if not _contains(rows, int(r))},
+            # digest (hex) of a request the engine died on alone -> its row: duplicates are error rows
+            "crashed": old.get("crashed", {}),
             "seconds": old.get("seconds", {"startup": 0.0, "prepare": 0.0, "generate": 0.0, "commit": 0.0}),
             # prompt tokens sent to the engine and those it served from its prefix cache (None: not reported)
             "prefix_cache": old.get("prefix_cache"),
@@ -254,7 +272,14 @@ class ShardWorker:
         preparing the next window between engine steps; commit between steps."""
         out = self.cfg.output
         t0 = time.monotonic()
+        # A stop already pending (it came while the parts were read, or between shards) is acted on
+        # before the engine starts: a 15-40 s start would spend the warning Slurm gave.
+        self._check_stop()
         engine = self.get_engine()
+        self._check_stop()  # a USR2 held pending while the engine started is delivered as it ends
+        wake = getattr(engine, "wake_on", None)
+        if wake is not None:  # vLLM's engine: a step that hangs returns when a stop is pending
+            wake(lambda: self.stop.signum is not None)
         self._check_fixed_turns(engine)
         self.device = getattr(engine, "device", None)
         self.dtype = getattr(engine, "dtype", self.cfg.model.dtype)
@@ -269,6 +294,8 @@ class ShardWorker:
         cache = progress["prefix_cache"]
         suspects: dict[str, int] = progress["suspects"]
         crashed = sorted(int(r) for r, n in suspects.items() if n >= CRASHES_TO_ISOLATE)
+        # requests the engine died on alone: an identical one anywhere in the shard is an error row at once
+        self._crashed = {bytes.fromhex(d): r for d, r in progress["crashed"].items()}
         isolated = sorted(int(r) for r, n in suspects.items() if n < CRASHES_TO_ISOLATE)
         skip = np.union1d(committed, np.asarray(crashed + isolated, dtype=np.int64))
         target = 2 * engine.max_num_seqs
@@ -280,7 +307,11 @@ class ShardWorker:
             self._rows(todo_slices(shard.start, shard.stop, skip, max(engine.max_num_seqs, 1))),
         )
         sizes = ([len(isolated)] if isolated else []) + [first_window_rows(engine.max_num_seqs)]
-        feed = Feed(rows, lambda i, row: self._request(i, row, engine), self._result_row, sizes, window)
+
+        def request(index: int, row: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+            return self._unless_crashed(*self._request(index, row, engine))
+
+        feed = Feed(rows, request, self._result_row, sizes, window)
         pending = self._crash_rows(crashed)
         if self.bar is not None and pending:
             self.bar.update(len(pending))
@@ -295,18 +326,28 @@ class ShardWorker:
         last_commit = t_gen = time.monotonic()
         add_point(progress)  # generation starts: the gap since the last attempt's commit shows as 0 tok/s
         seq = finished = 0
+        # Request ids unique in this process: an engine reused across shards and attempts may still
+        # answer a request of an earlier attempt, which must not pass for this attempt's request.
+        attempt = next(_ATTEMPTS)
         first_request = True
-        committing = False  # a failure while committing is the filesystem's, not the engine's
+        # Set only inside the engine's add and step: only the engine's own failures (a refused add
+        # apart) make the rows in flight suspects, not an input read error, a commit or a bug.
+        in_engine = False
         try:
             while True:
                 while feed.queue and len(in_flight) < (1 if n_isolate else target):
                     key = feed.queue.popleft()
-                    rid = f"{shard.index}-{seq}"
+                    rid = f"{shard.index}-{attempt}-{seq}"
                     seq += 1
                     ids, own, _ = key
                     try:
-                        engine.add(rid, list(ids), self._params(engine, own))
+                        params = self._params(engine, own)
+                        in_engine = True
+                        engine.add(rid, list(ids), params)
+                        in_engine = False
                     except (RowError, ValueError) as e:  # vLLM refused this request alone: an error row
+                        in_engine = False
+                        n_isolate = max(0, n_isolate - 1)  # a refused isolated request is done with too
                         kind, why = (e.kind, e.message) if isinstance(e, RowError) else ("rejected", str(e))
                         members = groups.pop(key)
                         pending.extend(
@@ -335,8 +376,14 @@ class ShardWorker:
                 elif not in_flight and not feed.queue:
                     break
                 if in_flight:
-                    for c in engine.step():
-                        key = in_flight.pop(c.request_id)
+                    in_engine = True
+                    completions = engine.step()
+                    in_engine = False
+                    for c in completions:
+                        key = in_flight.pop(c.request_id, None)
+                        if key is None:  # an earlier attempt's request on this reused engine: not ours
+                            log.warning("shard %d: ignoring a result for unknown request %s", shard.index, c.request_id)
+                            continue
                         members = groups.pop(key)
                         n_isolate = max(0, n_isolate - 1)
                         pending.extend(self._result_row(m, c) for m in members)
@@ -349,21 +396,18 @@ class ShardWorker:
                             self.bar.update(len(members))
                     faults.trace_finished(finished)
                     faults.point("in-generate")
-                if self.stop.signum is not None:
-                    raise Stopped(self.stop.signum)
+                self._check_stop()
                 now = time.monotonic()
                 if len(pending) >= out.commit_every_rows or (pending and now - last_commit >= out.commit_every_seconds):
                     progress["seconds"]["generate"] += now - t_gen
-                    committing = True
                     self._commit(shard, pending, progress)
-                    committing = False
                     pending = []
                     last_commit = t_gen = time.monotonic()
         except BaseException as e:
             # Whatever stops us (signal, engine death), finished rows are committed first. A stop
             # signal may reach the engine too and kill it: that is a stop, not an error.
             try:
-                suspects_now = [] if committing else [m for k in in_flight.values() for m in groups[k]]
+                suspects_now = [(m, k) for k in in_flight.values() for m in groups[k]] if in_engine else []
                 self._after_error(shard, e, pending, progress, suspects_now)
             finally:
                 # Only after the commit: aborting requests of a dead engine can raise. A live engine
@@ -384,14 +428,16 @@ class ShardWorker:
         """Prepare up to n more rows (stopping at once on a stop signal); the rows already finished.
         Its seconds count as prepare: the engine may be computing meanwhile, or waiting for it."""
         t0 = time.monotonic()
-        done = feed.prepare(n, self._check_stop)
+        done = feed.prepare(n, self._check_stop)  # preparing a window takes a while: act on a stop now
         progress["seconds"]["prepare"] += time.monotonic() - t0
         if self.bar is not None and done:
             self.bar.update(len(done))
         return done
 
     def _check_stop(self) -> None:
-        if self.stop.signum is not None:  # preparing a window takes a while: act on a stop now
+        """Raise Stopped if a stop signal is pending (and log what arrived)."""
+        if self.stop.signum is not None:
+            self.stop.announce()
             raise Stopped(self.stop.signum)
 
     def _after_error(
@@ -400,16 +446,21 @@ class ShardWorker:
         e: BaseException,
         pending: list[dict[str, Any]],
         progress: dict[str, Any],
-        in_flight: list[dict[str, Any]],
+        in_flight: list[tuple[dict[str, Any], RequestKey]],
     ) -> None:
-        """Commit what finished; rows in flight at a failure (other than a stop) become suspects."""
+        """Commit what finished; rows in flight at an engine failure (other than a stop) become
+        suspects, and a request in flight at its CRASHES_TO_ISOLATE-th engine death is recorded."""
         if isinstance(e, StorageError):
             return  # committing again would fail the same way; the log says what to fix
         stopping = isinstance(e, Stopped) or self.stop.signum is not None
-        if not stopping:
-            suspects = progress["suspects"]
-            for m in in_flight:
-                suspects[str(m["row"])] = suspects.get(str(m["row"]), 0) + 1
+        if stopping:
+            self.stop.announce()
+        else:
+            suspects, crashed = progress["suspects"], progress["crashed"]
+            for m, key in in_flight:
+                n = suspects[str(m["row"])] = suspects.get(str(m["row"]), 0) + 1
+                if n >= CRASHES_TO_ISOLATE:
+                    crashed.setdefault(request_digest(key[0], key[1]).hex(), m["row"])
         if pending:
             self._commit(shard, pending, progress, error=None if stopping else repr(e))
         elif not stopping:
@@ -421,6 +472,20 @@ class ShardWorker:
         if progress is None or progress.get("shard") != shard.index:  # failed before reading its parts
             progress = None
         self.failures = count_failure(self.run, shard.index, f"{type(error).__name__}: {error}", progress, self.engine)
+
+    def _unless_crashed(self, base: dict[str, Any], made: Any) -> tuple[dict[str, Any], Any]:
+        """A request identical to one the engine died on alone is an error row at once: fed again,
+        it would cost CRASHES_TO_ISOLATE more engine deaths."""
+        if not self._crashed or isinstance(made, dict):
+            return base, made
+        crashed = self._crashed.get(request_digest(made[0], made[1]))
+        if crashed is None:
+            return base, made
+        msg = (
+            f"row {base['row']}: its request is identical to row {crashed}'s, which the engine died on "
+            f"{CRASHES_TO_ISOLATE} times (the second time alone); it is left out so the shard can finish"
+        )
+        return base, dict(error_row(base["row"], base["id"], "engine_crash", msg), **base)
 
     def _carried(self, row: dict[str, Any]) -> dict[str, Any]:
         """The input columns carried into the output (input.columns), if any."""
@@ -621,8 +686,7 @@ class Feed:
     def finished(self, key: RequestKey, result: Completion) -> None:
         """Keep a finished request's result for identical requests still to come."""
         if key[2] == -1:
-            held = sum(len(t or "") for t in result.texts) + (result.pooled.nbytes if result.pooled is not None else 0)
-            self.cache.put(request_digest(key[0], key[1]), result, held)
+            self.cache.put(request_digest(key[0], key[1]), result, result_bytes(result))
 
     def _flush(self) -> None:
         """The window being built joins the queue in work order; the next window starts."""

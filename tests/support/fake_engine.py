@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -17,18 +18,29 @@ from support.standin import digest
 class FakeEngine:
     """The unit tests' engine: answers each request from its own token ids (`answer`), so a row
     given another row's result is caught, and finishes `per_step` requests per step, chosen by
-    digest and step number rather than in the order they came."""
+    digest and step number rather than in the order they came. It refuses (ValueError at add, as
+    vLLM refuses a request) the prompts `refuse` names, and dies (its next step raises, as a dead
+    engine core does) once a prompt `poison` names is added; prompts are texts of one message."""
 
     max_model_len = 1000
     max_num_seqs = 4
     startup_seconds = 0.0
     device = "fake device"
 
-    def __init__(self, per_step: int = 3):
+    def __init__(self, per_step: int = 3, refuse: Iterable[str] = (), poison: Iterable[str] = ()):
         self.per_step = per_step
         self.queue: list[tuple[str, list[int]]] = []
         self.added: list[list[int]] = []
         self.steps = 0
+        self.refused = {tuple(self.ids(t)) for t in refuse}
+        self.poisoned = {tuple(self.ids(t)) for t in poison}
+        self.in_flight: list[int] = []  # requests queued at each step
+        self.died_with: list[list[int]] | None = None  # the requests queued when it died
+        self.aborted: list[list[int]] = []  # requests dropped by abort_all
+
+    def ids(self, text: str) -> list[int]:
+        """Token ids of a prompt of one message (the default chat prompt of a row's text)."""
+        return self.encode([{"content": text}])
 
     @staticmethod
     def answer(ids: list[int]) -> str:
@@ -43,11 +55,17 @@ class FakeEngine:
         return [ord(c) % 50 for c in text]
 
     def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
+        if tuple(token_ids) in self.refused:
+            raise ValueError(f"the fake engine refuses this request ({len(token_ids)} tokens)")
         self.queue.append((request_id, token_ids))
         self.added.append(token_ids)
 
     def step(self) -> list[Completion]:
+        if any(tuple(ids) in self.poisoned for _, ids in self.queue):
+            self.died_with = [ids for _, ids in self.queue]
+            raise RuntimeError("vLLM engine core died")  # what the real engine's watchdog raises
         self.steps += 1
+        self.in_flight.append(len(self.queue))
         ready = sorted(self.queue, key=lambda q: (digest(q[1]) + self.steps) % 7)[: self.per_step]
         self.queue = [q for q in self.queue if q not in ready]
         return [Completion(rid, [self.answer(ids)], "stop", len(ids), 1) for rid, ids in ready]
@@ -56,6 +74,7 @@ class FakeEngine:
         return bool(self.queue)
 
     def abort_all(self) -> None:
+        self.aborted += [ids for _, ids in self.queue]
         self.queue = []
 
 

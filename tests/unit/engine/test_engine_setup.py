@@ -180,13 +180,9 @@ def test_a_vllm_without_the_watchdogs_internals_is_refused_loudly() -> None:
     """The dead-engine watchdog reads SyncMPClient internals; where they are gone, say so at start."""
     from types import SimpleNamespace
 
-    from batchinfer.engine.vllm_engine import Engine
+    from batchinfer.engine.watchdog import Watchdog
 
-    inproc: Any = SimpleNamespace(engine=SimpleNamespace(engine_core=SimpleNamespace()), _closed=True)
     with pytest.raises(RuntimeError, match=r"SimpleNamespace has no resources, outputs_queue, which batchinfer"):
-        Engine._watch_engine_core(inproc)
-    moved: Any = SimpleNamespace(
-        engine=SimpleNamespace(engine_core=SimpleNamespace(resources=object(), outputs_queue=object())), _closed=True
-    )
+        Watchdog(SimpleNamespace())
     with pytest.raises(RuntimeError, match=r"has no resources.engine_dead"):
-        Engine._watch_engine_core(moved)
+        Watchdog(SimpleNamespace(resources=object(), outputs_queue=object()))

@@ -1,6 +1,7 @@
 """A shard streams to the engine in windows (issue 16): the first request goes out before the shard
 is read, duplicates across windows are computed once, every row is written once, and a stop while
-a later window is prepared is acted on at once. Fake engine, no vLLM."""
+a later window is prepared is acted on at once; a request the engine died on alone is not fed
+again, refused requests are error rows, and the result cache counts bytes. Fake engine, no vLLM."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from support.fake_engine import FakeEngine, fake_overrides, keyed
 
 from batchinfer.config.compose import compose
 from batchinfer.engine import stream
-from batchinfer.engine.worker import PREFIX_TOKENS, ShardWorker, StopFlag, Stopped, work_order
+from batchinfer.engine.vllm_engine import Completion
+from batchinfer.engine.worker import PREFIX_TOKENS, Feed, ShardWorker, StopFlag, Stopped, work_order
 from batchinfer.launch.local import run_shards
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.prepare import prepare
@@ -149,3 +151,51 @@ def test_result_cache_keeps_the_most_recent_results_within_its_budget() -> None:
     assert [cache.get(k) for k in keys] == ["r0", None, "r2", "r3"]
     assert stream.request_digest([1, 2], "") != stream.request_digest([1, 2], '{"seed": 1}')
     assert len(cache) == 3 and PREFIX_TOKENS > 2
+
+
+def test_a_poison_prompt_far_apart_costs_two_engine_deaths_and_refused_requests_are_error_rows(tmp_path: Path) -> None:
+    """The engine dies whenever the poison prompt is in flight and refuses two prompts. Rows 3 and
+    200 hold the poison, windows apart: the first death makes the rows in flight suspects, the
+    second (row 3 alone, isolated) makes row 3 an engine_crash row and records its request, so row
+    200 is an error row at once instead of costing two more deaths. Every other row its own answer."""
+    rows = write_corpus(tmp_path / "w.jsonl", ROWS)
+    rows[3]["text"] = rows[200]["text"] = "poison prompt"
+    rows[10]["text"], rows[150]["text"] = "refused prompt one", "refused prompt two"
+    run = _run(tmp_path, rows, "output.commit_every_rows=5")
+    engines: list[FakeEngine] = []
+    recorded: list[Any] = []  # progress.json's crashed requests after each death
+    while not run.is_done(0):
+        eng = FakeEngine(refuse=["refused prompt one", "refused prompt two"], poison=["poison prompt"])
+        engines.append(eng)
+        try:
+            ShardWorker(run, lambda e=eng: e, StopFlag()).run_shard(run.shards()[0])
+        except RuntimeError as e:
+            assert "engine core died" in str(e) and len(engines) < 6
+            recorded.append(json.loads(run.progress_path(0).read_text()).get("crashed"))
+    assert len(engines) == 3  # two engine deaths, none for row 200
+    # after the second, row 3's request is known by its digest, for its duplicates
+    assert recorded == [{}, {stream.request_digest(eng.ids("poison prompt"), "").hex(): 3}]
+    first, second, third = engines
+    assert first.died_with is not None and len(first.died_with) > 1  # a full batch in flight
+    assert second.died_with == [second.ids("poison prompt")]  # isolated, it died with the poison alone
+    assert third.ids("poison prompt") not in third.added
+    out = read_output(merge(run) and run.path)
+    assert [r["row"] for r in out] == list(range(ROWS))
+    assert out[3]["error"]["kind"] == out[200]["error"]["kind"] == "engine_crash"
+    assert "identical to row 3's" in out[200]["error"]["message"] and out[200]["text"] is None
+    for i in (10, 150):
+        assert out[i]["error"]["kind"] == "rejected" and "the fake engine refuses" in out[i]["error"]["message"]
+    for r, x in zip(out, rows, strict=True):
+        if r["row"] not in (3, 200, 10, 150):
+            assert r["error"] is None and r["text"] == FakeEngine.answer(_ids(first, x["text"])), r
+
+
+def test_result_cache_counts_the_bytes_of_texts_and_reasoning() -> None:
+    """A result holds its texts and reasoning texts as Python keeps them: an emoji is 4 bytes."""
+    feed = Feed(iter([]), lambda i, row: ({}, None), lambda base, c: {}, [], 1)
+    wide, thinking = "\N{GRINNING FACE}" * 1000, "thinking " * 500
+    feed.finished(((1, 2, 3), "", -1), Completion("r", [wide], "stop", 3, 1000, reasoning=[thinking]))
+    assert feed.cache.size >= stream.ENTRY_BYTES + 4 * len(wide) + len(thinking)
+    assert stream.result_bytes(Completion("r", ["abc"], "stop", 3, 1)) < stream.result_bytes(
+        Completion("r", ["\N{GRINNING FACE}" * 3], "stop", 3, 1)
+    )
