@@ -418,6 +418,9 @@ class ShardWorker:
                     except Exception as abort_error:
                         log.warning("shard %d: aborting requests in flight failed: %r", shard.index, abort_error)
             raise
+        finally:
+            if wake is not None:  # a reused engine's later steps answer to their own worker's stop flag
+                wake(lambda: False)
         progress["seconds"]["generate"] += time.monotonic() - t_gen
         if feed.cache.hits:
             log.info("shard %d: %d rows took an identical finished request's result", shard.index, feed.cache.hits)

@@ -110,13 +110,17 @@ class HangingEngine(FakeEngine):
         self.hang_at = hang_at
         self.client = _client()
         self.watchdog = Watchdog(self.client)
-        self.wake_on = self.watchdog.wake_on
+        self.wakes: list[Any] = []  # the stop flags it was told to wake on, in order
         self.sent: dict[str, list[int]] = {}
         self.answered: list[list[int]] = []  # token ids of the requests it answered
 
     def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
         super().add(request_id, token_ids, params)
         self.sent[request_id] = token_ids
+
+    def wake_on(self, stop_pending: Any) -> None:
+        self.wakes.append(stop_pending)
+        self.watchdog.wake_on(stop_pending)
 
     def step(self) -> list[Completion]:
         return self.watchdog.step(self._step)
@@ -145,6 +149,8 @@ def test_a_stop_during_a_hung_step_commits_what_finished_and_requeues(
     finally:
         eng.watchdog.close()
     assert requeues == ["requeue"]
+    # the stopped worker's flag woke the step; the engine is left with one that wakes nothing
+    assert eng.wakes[0]() is True and eng.wakes[-1]() is False
     # the rows answered before the hang are committed (none was due: the stop committed them)
     committed = run.read_shard(0).to_pylist()
     assert len(committed) == 3 * eng.per_step == len(eng.answered)
