@@ -30,12 +30,17 @@ from batchinfer.inputs.reference import (
 )
 from batchinfer.inputs.textfiles import (
     COMPRESSION_SUFFIXES,
+    TypeConflict,
+    TypesDiffer,
     count_lines,
     csv_header,
+    find_conflict,
     first_line,
+    line_chunks,
     open_text,
     scan_jsonl,
     text_lines,
+    unify_schemas,
 )
 from batchinfer.models.locations import looks_local
 from batchinfer.security import remove_path
@@ -57,6 +62,10 @@ HUB_PREFIX = "hf://datasets/"
 # `datasets`' JSON builder takes its types from the first 10 MB of the first file and casts the rest to
 # them; the fast path reads that chunk first and streams every file with its types.
 DATASETS_CHUNK_BYTES = 10 << 20
+# Where a later row or file does not fit those types, every file is read in chunks of about this
+# size for one schema over all rows (each chunk parsed as one block: pyarrow's reader can crash on a
+# type change between the blocks of one read).
+SCHEMA_CHUNK_BYTES = 8 << 20
 # pyarrow's streaming reader keeps ~40 blocks in flight: 1 MB blocks hold its memory to ~40 MB.
 JSONL_BLOCK_BYTES = 1 << 20
 WRITE_BATCH_BYTES = 32 << 20  # the record batches written: ~80,000 rows of ~415 bytes
@@ -286,7 +295,7 @@ def convert_input(
     try:
         ds = None
         fast = _jsonl_to_arrow(files, tmp, cache / "ids.arrow", id_column) if fmt == "jsonl" else None
-        if fast is not None:
+        if isinstance(fast, tuple):
             rows, schema = fast
             # The ids' own file: passes over them read ~20 bytes a row, not the whole data file.
             ids: IdChunks = lambda: _stream_column(cache / "ids.arrow")  # noqa: E731
@@ -297,6 +306,8 @@ def convert_input(
             except InputError:
                 raise
             except Exception as e:  # the readers raise ValueError, OSError, ArrowException, DatasetGenerationError
+                if isinstance(fast, TypeConflict):  # what `datasets` could not cast either, by line and column
+                    raise InputError(fast.message()) from None
                 raise _read_error(files, fmt, shown, e) from None
             rows, schema = len(ds), ds.data.schema
             ids = lambda: ds.data.column(id_column).chunks  # noqa: E731
@@ -335,11 +346,13 @@ def _check_input(
 
 def _jsonl_to_arrow(
     files: list[Path], dest: Path, ids_file: Path, id_column: Optional[str]
-) -> Optional[tuple[int, pa.Schema]]:
+) -> Union[tuple[int, pa.Schema], TypeConflict, None]:
     """JSON lines streamed by pyarrow into one Arrow file in `Dataset.save_to_disk`'s layout at dest,
-    the id column also into ids_file; the row count and schema. None where the line-by-line check and
-    `datasets` must decide: a line pyarrow cannot read, one that is not exactly one object, a value
-    that does not fit the types of the first chunk, or a file `datasets` would read into other types."""
+    the id column also into ids_file; the row count and schema. The types are the first chunk's or,
+    where a later row or file does not fit them, one schema over all rows (`_one_schema`). Else the
+    line-by-line check and `datasets` decide: None where a line pyarrow cannot read, one that is not
+    exactly one object, or a file `datasets` would read into other types; the first value no type
+    promotion joins with its column's (which `datasets` may still read, e.g. as JSON text)."""
     import pyarrow.json as paj
 
     head = _first_chunk(files[0])
@@ -355,21 +368,65 @@ def _jsonl_to_arrow(
     # A row must fit in a block: blocks well above the first chunk's longest line, 16x if a later one does not.
     longest = max((len(line) for line in head.splitlines()), default=0)
     block = max(JSONL_BLOCK_BYTES, 1 << (4 * longest).bit_length())
+    rows = _stream_in_blocks(files, dest, ids_file, id_column, features, block)
+    if rows is _MISFIT:
+        one = _one_schema(files)
+        if not isinstance(one, pa.Schema):
+            return one
+        if one.equals(features.arrow_schema):
+            return None  # the types fit: pyarrow refused something else, which the line-by-line check names
+        features = _features_as_datasets_reads(one)
+        if features is None:
+            return None
+        rows = _stream_in_blocks(files, dest, ids_file, id_column, features, block)
+    if not isinstance(rows, int):
+        return None
+    _write_dataset_state(dest, features)
+    return rows, features.arrow_schema
+
+
+_MISFIT = object()  # pyarrow refused a value under the types given: a later row may not fit them
+
+
+def _stream_in_blocks(
+    files: list[Path], dest: Path, ids_file: Path, id_column: Optional[str], features: Any, block: int
+) -> Any:
+    """`_stream_jsonl` into a new dest with blocks of `block` bytes, or 16x where a row is longer: the
+    row count, None (left to the line-by-line check), or _MISFIT."""
     for size in (block, 16 * block):
+        remove_path(dest, ignore_errors=True)
         try:
-            rows = _stream_jsonl(files, dest, ids_file, id_column, features, size)
+            return _stream_jsonl(files, dest, ids_file, id_column, features, size)
         except pa.ArrowInvalid as e:
             if "straddl" not in str(e):
-                return None
-            remove_path(dest, ignore_errors=True)
-            continue
+                return _MISFIT
         except (pa.ArrowException, UnicodeDecodeError, OSError):
             return None  # unreadable here: the line-by-line path says why, in the reader's words
-        if rows is None:
-            return None
-        _write_dataset_state(dest, features)
-        return rows, schema
     return None
+
+
+def _one_schema(files: list[Path]) -> Union[pa.Schema, TypeConflict, None]:
+    """One schema over every row of every file, each chunk's types joined by `unify_types` (ints and
+    decimals make decimals, a key some rows lack is null in them); the first value that joins nothing,
+    by file:line; None where pyarrow cannot read a chunk for another reason (the line-by-line check
+    names it). One chunk in memory at a time."""
+    import pyarrow.json as paj
+
+    schema: Optional[pa.Schema] = None
+    for path in files:
+        for line, chunk in line_chunks(path, SCHEMA_CHUNK_BYTES):
+            try:
+                options = paj.ReadOptions(block_size=len(chunk) + 1)
+                found = paj.read_json(io.BytesIO(chunk), read_options=options).schema
+                schema = found if schema is None else unify_schemas(schema, found)
+            except TypesDiffer:
+                return find_conflict(path, line, chunk, schema)
+            except pa.ArrowInvalid as e:
+                # pyarrow's own words for a type change within the chunk; anything else is a bad line
+                return find_conflict(path, line, chunk, schema) if "changed from" in str(e) else None
+            except (pa.ArrowException, UnicodeDecodeError):
+                return None
+    return schema
 
 
 def _first_chunk(path: Path) -> bytes:

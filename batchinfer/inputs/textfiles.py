@@ -1,12 +1,16 @@
-"""Reading text inputs line by line: compressed files, UTF-8 with file:line errors, JSON lines checks."""
+"""Reading text inputs line by line: compressed files, UTF-8 with file:line errors, JSON lines checks,
+and the one type each JSON lines column takes over all rows."""
 
 from __future__ import annotations
 
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
+
+import pyarrow as pa
 
 from batchinfer.errors import InputError
 
@@ -153,3 +157,160 @@ def csv_header(path: Path, sep: str) -> list[str]:
     with open_text(path) as f:
         head = io.TextIOWrapper(f, encoding="utf-8-sig", errors="replace", newline="")
         return next(csv.reader(head, delimiter=sep), [])
+
+
+# ---------------------------------------------------------------- one type per JSON lines column
+
+
+class TypesDiffer(ValueError):
+    """Two types of one column that no promotion joins; path names the column, "[]" a list's items."""
+
+    def __init__(self, path: tuple[str, ...], before: pa.DataType, found: pa.DataType):
+        super().__init__(f"{'.'.join(path)}: {before} and {found}")
+        self.path, self.before, self.found = path, before, found
+
+
+def unify_types(before: pa.DataType, found: pa.DataType, path: tuple[str, ...] = ()) -> pa.DataType:
+    """The type a column takes when some rows give it `before` and others `found`: null joins anything,
+    integers and decimals make decimals, text and ISO dates (pyarrow reads those as timestamps) make
+    text, objects take every key seen (null where a row lacks one), lists their items' joined type;
+    anything else raises TypesDiffer naming the column."""
+    if before.equals(found):
+        return before
+    if pa.types.is_null(before):
+        return found
+    if pa.types.is_null(found):
+        return before
+    if _is_number(before) and _is_number(found):
+        return pa.float64()
+    if _is_text(before) and _is_text(found):
+        return pa.string()
+    if pa.types.is_struct(before) and pa.types.is_struct(found):
+        fields = {f.name: f.type for f in before}
+        for f in found:
+            fields[f.name] = unify_types(fields[f.name], f.type, (*path, f.name)) if f.name in fields else f.type
+        return pa.struct(list(fields.items()))
+    if pa.types.is_list(before) and pa.types.is_list(found):
+        return pa.list_(unify_types(before.value_type, found.value_type, (*path, "[]")))
+    raise TypesDiffer(path, before, found)
+
+
+def unify_schemas(before: pa.Schema, found: pa.Schema) -> pa.Schema:
+    """One schema for rows read as `before` and rows read as `found` (columns in order of first sight)."""
+    return pa.schema(list(unify_types(pa.struct(before), pa.struct(found))))
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t)
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_timestamp(t)
+
+
+def json_type(value: Any, path: tuple[str, ...] = ()) -> pa.DataType:
+    """The Arrow type pyarrow's JSON reader gives one parsed JSON value (ISO dates aside: text); a
+    list whose items no promotion joins raises TypesDiffer (path: where the value is)."""
+    if value is None:
+        return pa.null()
+    if isinstance(value, bool):
+        return pa.bool_()
+    if isinstance(value, int):
+        return pa.int64() if -(1 << 63) <= value < 1 << 63 else pa.float64()
+    if isinstance(value, float):
+        return pa.float64()
+    if isinstance(value, str):
+        return pa.string()
+    if isinstance(value, list):
+        item = pa.null()
+        for x in value:
+            item = unify_types(item, json_type(x, (*path, "[]")), (*path, "[]"))
+        return pa.list_(item)
+    return pa.struct([(k, json_type(v, (*path, k))) for k, v in value.items()])
+
+
+@dataclass(frozen=True)
+class TypeConflict:
+    """A JSON lines value whose type no promotion joins with the type its column has in the rows before."""
+
+    file: Path
+    line: int
+    column: tuple[str, ...]
+    before: pa.DataType
+    found: pa.DataType
+
+    def message(self) -> str:
+        """The error the user sees: file:line, column, both kinds and what to do."""
+        column = ".".join(p for p in self.column if p != "[]")
+        inside = " (inside a list)" if "[]" in self.column else ""
+        # Inside a list the values before may be this row's own.
+        where = "before it" if inside else "in the rows before"
+        before, found = _KINDS[_kind(self.before)], _KINDS[_kind(self.found)]
+        if "text" in (before[0], found[0]):
+            other = found[1] if before[0] == "text" else before[1]
+            fix = (
+                f"write the {other} of that column as JSON text (quoted strings), or move them to a column of their own"
+            )
+        else:
+            fix = "make that column's values one kind in every row, or move the odd ones to a column of their own"
+        return (
+            f"{self.file}:{self.line}: column {column!r}{inside} holds {found[0]} here but {before[1]} {where}; "
+            f"a column takes one type over all rows and files (integers and decimals make decimals, a "
+            f"missing key is null, nothing else mixes): {fix}"
+        )
+
+
+# A kind of JSON value: (one, several).
+_KINDS = {
+    "number": ("a number", "numbers"),
+    "text": ("text", "texts"),
+    "bool": ("true/false", "true/false values"),
+    "list": ("a list", "lists"),
+    "object": ("an object", "objects"),
+}
+
+
+def _kind(t: pa.DataType) -> str:
+    """A type as the kind of JSON value it holds (a key of _KINDS)."""
+    if _is_number(t):
+        return "number"
+    if _is_text(t):
+        return "text"
+    if pa.types.is_boolean(t):
+        return "bool"
+    if pa.types.is_list(t):
+        return "list"
+    return "object"
+
+
+def find_conflict(path: Path, first_line: int, chunk: bytes, schema: Optional[pa.Schema]) -> Optional[TypeConflict]:
+    """The first line of chunk (lines of path from first_line on) whose value does not join the
+    types of schema and of the chunk's lines before it; None where none (or a line is not a JSON
+    object: the line-by-line scan names that)."""
+    seen = pa.struct(schema if schema is not None else [])
+    for offset, raw in enumerate(chunk.split(b"\n")):
+        if not raw.strip():
+            continue
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            return None
+        if not isinstance(value, dict):
+            return None
+        try:
+            seen = unify_types(seen, json_type(value))
+        except TypesDiffer as e:
+            return TypeConflict(path, first_line + offset, e.path, e.before, e.found)
+    return None
+
+
+def line_chunks(path: Path, size: int) -> Iterator[tuple[int, bytes]]:
+    """(first line number, bytes) of about `size` bytes of whole lines at a time, a leading BOM dropped."""
+    line = 1
+    with open_text(path) as f:
+        while chunk := f.read(size):
+            chunk += f.readline()
+            if line == 1:
+                chunk = chunk.removeprefix(b"\xef\xbb\xbf")
+            yield line, chunk
+            line += chunk.count(b"\n")
