@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from batchinfer.config.schema import Config, to_config
+from batchinfer.config.schema import POOLING_TASKS, Config, check_sampling_column, to_config
 from batchinfer.errors import BatchinferError, ConfigError, InputError
 
 log = logging.getLogger("batchinfer")
@@ -114,9 +114,10 @@ def check_rows(
     progress: Optional[Callable[[int], Any]] = None,
 ) -> Checked:
     """Rows (all by default, in increasing order) as the worker takes them: sampling overrides, prompt,
-    tokens, overlong policy."""
+    tokens, overlong policy; a pooling task's text(s) as PoolingRows builds them."""
     from jinja2.exceptions import TemplateError
 
+    from batchinfer.inputs.openai_batch import task_mismatch
     from batchinfer.requests.build import build_request, row_id
     from batchinfer.requests.prompts import PromptBuilder, RowError
 
@@ -125,12 +126,25 @@ def check_rows(
     found = Checked()
     errors, stops, lengths = found.errors, found.stops, found.lengths
     kwargs = prompt.chat_template_kwargs
+    pooled = PooledRows(c, tok, max_len) if c.task.name in POOLING_TASKS else None
     rows = range(len(ds)) if rows is None else rows
     for start in range(0, len(rows), BATCH_ROWS):
         batch = rows[start : start + BATCH_ROWS]
         for index, row in zip(batch, ds.select(batch).to_list(), strict=True):
             example = {"row": index, "id": row_id(c, row, index)}
             try:
+                if pooled is not None:
+                    why = task_mismatch(row, c.task.name)
+                    if why:  # PoolingRows' error row for an OpenAI request of another task
+                        errors.add("unsupported", dict(example, message=f"row {index}: {why}"))
+                        continue
+                    try:
+                        pooled.check(builder, row, index)
+                    finally:  # counted like a generation prompt: an overlong error row too
+                        if pooled.raw:
+                            lengths[sum(pooled.raw)] += 1
+                            found.overlong += any(n > max_len for n in pooled.raw)
+                    continue
                 req = build_request(c, builder, row, index, lambda p: tok.encode(p, kwargs))
                 lengths[len(req.ids)] += 1
                 found.overlong += len(req.ids) >= max_len
@@ -144,6 +158,60 @@ def check_rows(
         if progress is not None:
             progress(len(batch))
     return found
+
+
+class PooledRows:
+    """A pooling task's rows as the worker builds them (requests/pooling.py), tokenized on the login
+    node: a cross-encoder's score pair as one input, cut as the engine's tokenizer cuts it."""
+
+    def __init__(self, c: Config, tok: Any, max_len: int) -> None:
+        from batchinfer.models.pooling import is_cross_encoder
+        from batchinfer.models.tokens import model_dir
+        from batchinfer.requests.pooling import special_tokens
+
+        self.c, self.tok, self.max_len = c, tok, max_len
+        self.kwargs = c.prompt.chat_template_kwargs
+        self.raw: list[int] = []  # the last row's texts' token counts (one, two, or a pair's)
+        self.around = special_tokens(lambda text: tok.encode(text))
+        # vLLM's rule (engine/pooled.py): a classifier scores the pair as one input, an embedder as two
+        self.cross = c.task.name == "score" and is_cross_encoder(model_dir(c.model.path or "", c.model.revision))
+
+    def encode_pair(self, query: str, document: str, limit: Optional[int]) -> tuple[list[int], int]:
+        """The pair as one input and where the document starts; with limit, the document cut to fit."""
+        from batchinfer.requests.prompts import RowError
+
+        t = self.tok.tokenizer
+        if limit:
+            t.enable_truncation(limit, strategy="only_second")
+        try:
+            enc = t.encode(query, document)
+        except Exception as e:  # the query alone is longer than the limit
+            raise RowError("overlong", f"the pair cannot be cut to {limit} tokens: {e}") from None
+        finally:
+            if limit:
+                t.no_truncation()
+        return list(enc.ids), enc.type_ids.index(1) if 1 in enc.type_ids else len(enc.ids)
+
+    def check(self, builder: Any, row: dict[str, Any], index: int) -> None:
+        """Build the row's request as the worker does: RowError / InputError as it raises them. Its
+        texts' token counts before the overlong policy are left in self.raw."""
+        from batchinfer.requests.pooling import pooling_request
+
+        self.raw = raw = []
+
+        def encode(prompt: Any) -> list[int]:
+            ids = self.tok.encode(prompt, self.kwargs)
+            raw.append(len(ids))
+            return ids
+
+        def encode_pair(query: str, document: str, limit: Optional[int]) -> tuple[list[int], int]:
+            ids, boundary = self.encode_pair(query, document, limit)
+            if limit is None:
+                raw.append(len(ids))
+            return ids, boundary
+
+        pair = encode_pair if self.cross else None
+        pooling_request(self.c, builder, row, index, encode, self.max_len, self.around, pair)
 
 
 # One worker process's own tokenizer and memory-mapped dataset, loaded once by _start_worker.
@@ -329,14 +397,19 @@ def validate(
     tok = LoginTokenizer.from_model_dir(folder)
     if c.prompt.mode == "chat" and tok.chat_template is None:
         raise ConfigError(f"model.path {m.path}: the model has no chat template; use prompt.mode=raw")
-    max_len, max_len_source = max_model_len(m.max_model_len, folder)
+    max_len, max_len_source = max_model_len(m.max_model_len, folder, pooling=c.task.name in POOLING_TASKS)
     jobs = jobs or allowed_cpus()
     # Converted as `run` converts it, into a temporary folder ($TMPDIR) removed afterwards.
     with tempfile.TemporaryDirectory(prefix="batchinfer-validate-") as tmp:
         dest = Path(tmp) / "input"
         rows = convert_input(files, inp.format, dest, inp.id_column, inp.columns, strict_ids=False)
         ds = open_input(dest)
-        check_fields(load_template(c.prompt), ds.column_names, inp.path)
+        if c.task.name == "score":  # its texts are task.query and task.document, as prepare checks them
+            for text in (c.task.query, c.task.document):
+                check_fields(text or "", ds.column_names, inp.path)
+        else:
+            check_fields(load_template(c.prompt), ds.column_names, inp.path)
+        check_sampling_column(inp.sampling_column, ds.column_names, inp.path)
         # Ids on every row even in a sample: a duplicate pair is rarely both sampled, and the column is cheap.
         id_count, id_examples = id_problems(ds.data.column(inp.id_column), inp.id_column) if inp.id_column else (0, [])
         todo: Sequence[int] = Sample(rows, sample) if sample and sample < rows else range(rows)

@@ -18,7 +18,7 @@ from support.runs import fake_model_dir, model_overrides
 from support.runs import run_overrides as overrides
 
 from batchinfer.config.compose import compose
-from batchinfer.errors import InputError
+from batchinfer.errors import ConfigError, InputError
 from batchinfer.inputs.read import convert_input, detect_format
 from batchinfer.insight import validate as validate_module
 from batchinfer.insight.cpus import allowed_cpus, cgroup_cpu_limit
@@ -285,3 +285,110 @@ def test_sample_checks_n_rows_spread_over_the_corpus(tmp_path: Path, tiny_model_
     assert f"rows         {40 - len(bad)} of 40 sampled rows would run; ~{len(bad) * 25:,} of 1,000 rows" in res.stdout
     res = run_cli(["validate", "--jobs", "0", *ov])
     assert res.returncode == 2 and "batchinfer: error: --jobs 0: must be at least 1" in res.stderr
+
+
+# ---------------------------------------------------------------- what validate used to call "ok"
+
+
+def test_misspelt_sampling_column_stops_validate(tmp_path: Path, tiny_model_path: Path) -> None:
+    """A sampling column that is not in the input would run every row with the config's sampling."""
+    corpus = write_rows(tmp_path / "c.jsonl", [{"id": "a", "text": "hello", "params": {"temperature": 0.5}}])
+    ov = overrides(tiny_model_path, corpus, tmp_path / "run", "input.sampling_column=parms")
+    with pytest.raises(ConfigError) as e:
+        validate(compose(ov))
+    assert str(e.value) == (
+        f"input.sampling_column='parms' is not a column of {corpus} (did you mean input.sampling_column=params?); "
+        "its columns are: id, text, params. Name the column that holds each row's sampling values, or unset it"
+    )
+    assert validate(compose([*ov[:-1], "input.sampling_column=params"]))["exit_code"] == 0
+
+
+def test_openai_lines_a_pooling_task_cannot_run_are_predicted_error_rows(tmp_path: Path, tiny_model_path: Path) -> None:
+    """task=embed on an OpenAI Batch file: chat and completion lines are error rows (as PoolingRows
+    makes them), the /v1/embeddings line is tokenized as the worker embeds it."""
+    from support.openai_batch import request
+
+    from batchinfer.models.tokens import LoginTokenizer
+
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text(
+        request("chat", {"messages": [{"role": "user", "content": "hello"}]})
+        + request("emb", {"input": "the quick brown fox"}, url="/v1/embeddings")
+        + request("done", {"prompt": "hello world"}, url="/v1/completions")
+    )
+    report = validate(compose([f"input.path={batch}", *model_overrides(tiny_model_path), "task=embed"]))
+    assert report["exit_code"] == 1 and report["would_run"] == 1
+    unsupported = report["error_rows"]["by_kind"]["unsupported"]
+    assert [(e["row"], e["id"]) for e in unsupported["examples"]] == [(0, "chat"), (2, "done")]
+    assert unsupported["examples"][0]["message"] == (
+        "row 0: a /v1/chat/completions request runs with task=generate, and this run has task=embed: submit "
+        "those lines as their own run"
+    )
+    tok = LoginTokenizer.from_model_dir(tiny_model_path)
+    assert report["prompt_tokens"]["rows"] == 1 and report["prompt_tokens"]["total"] == tok.count("the quick brown fox")
+
+
+def test_score_rows_validate_as_a_bi_encoder_sends_them(tmp_path: Path, tiny_model_path: Path) -> None:
+    """task=score (refused before: its texts are task.query and task.document, not prompt.template):
+    each text tokenized as the worker sends it, a blank text an error row."""
+    from batchinfer.models.tokens import LoginTokenizer
+
+    rows = [
+        {"id": "a", "q": "hello world", "d": "the quick brown fox"},
+        {"id": "b", "q": "hello", "d": "   "},
+        {"id": "c", "q": "", "d": "lazy dog"},
+        {"id": "d", "q": "label this", "d": "abstract " * 200},  # over max_model_len=128: cut (truncate_right)
+    ]
+    corpus = write_rows(tmp_path / "pairs.jsonl", rows)
+    ov = overrides(tiny_model_path, corpus, tmp_path / "run", "task=score", "task.query={q}", "task.document={d}")
+    report = validate(compose(ov))
+    tok = LoginTokenizer.from_model_dir(tiny_model_path)
+    assert report["exit_code"] == 1 and report["would_run"] == 2
+    messages = {ex["id"]: ex["message"] for ex in report["error_rows"]["by_kind"]["prompt"]["examples"]}
+    assert messages == {
+        "b": "row 1: the prompt is empty (field 'd' is blank)",
+        "c": "row 2: the prompt is empty (field 'q' is blank)",
+    }
+    counts = [tok.count(rows[i]["q"]) + tok.count(rows[i]["d"]) for i in (0, 3)]
+    assert report["prompt_tokens"]["total"] == sum(counts) and report["overlong"]["rows"] == 1
+    assert report["overlong"]["outcome"].startswith("1 row at or over max_model_len=128: cut at the end")
+    stop = validate(compose([*ov, "prompt.overlong=fail"]))
+    assert stop["exit_code"] == 2 and stop["stops"]["by_kind"]["overlong"]["examples"][0]["id"] == "d"
+
+
+def cross_encoder(folder: Path) -> Path:
+    """A BERT-style cross-encoder folder: config.json and a word-level tokenizer.json whose pairs are
+    [CLS] a [SEP] b [SEP] (no weights: validate never loads them)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = "what is tea rain a word hot drink made from leaves long".split()
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"architectures": ["BertForSequenceClassification"], "model_type": "bert", "hidden_size": 32}
+    config |= {"max_position_embeddings": 64, "id2label": {"0": "LABEL_0"}}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_score_pairs_validate_as_a_cross_encoder_sends_them(tmp_path: Path) -> None:
+    """A classifier scores (query, document) as one input: counted whole, the document cut to fit, and
+    a query that alone leaves no room an overlong error row, as the engine's tokenizer refuses it."""
+    model = cross_encoder(tmp_path / "rerank")
+    rows = [
+        {"q": "what is tea", "d": "a hot drink made from leaves"},  # [CLS] 3 [SEP] 6 [SEP]: 12 tokens
+        {"q": "what is rain", "d": "a word " * 10},  # 1 + 3 + 1 + 20 + 1 = 26 > 16: the document is cut
+        {"q": "long " * 20, "d": "tea"},  # 1 + 20 + 1 + 1 + 1 = 24: the query alone is over 16
+    ]
+    corpus = write_rows(tmp_path / "pairs.jsonl", rows)
+    ov = [f"input.path={corpus}", f"model.path={model}", "model.max_model_len=16", "task=score"]
+    report = validate(compose([*ov, "task.query={q}", "task.document={d}"]))
+    assert report["prompt_tokens"]["total"] == 12 + 26 + 24 and report["overlong"]["rows"] == 2  # the error row too
+    (error,) = report["error_rows"]["by_kind"]["overlong"]["examples"]
+    assert error["row"] == 2 and error["message"].startswith("row 2: the pair cannot be cut to 16 tokens: ")
+    assert report["would_run"] == 2 and report["exit_code"] == 1
