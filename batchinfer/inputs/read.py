@@ -369,8 +369,8 @@ def _jsonl_to_arrow(
     longest = max((len(line) for line in head.splitlines()), default=0)
     block = max(JSONL_BLOCK_BYTES, 1 << (4 * longest).bit_length())
     rows = _stream_in_blocks(files, dest, ids_file, id_column, features, block)
-    if rows is _MISFIT:
-        one = _one_schema(files)
+    if isinstance(rows, _Misfit):
+        one = _one_schema(files, features.arrow_schema, rows)
         if not isinstance(one, pa.Schema):
             return one
         if one.equals(features.arrow_schema):
@@ -385,40 +385,52 @@ def _jsonl_to_arrow(
     return rows, features.arrow_schema
 
 
-_MISFIT = object()  # pyarrow refused a value under the types given: a later row may not fit them
+class _Misfit(Exception):
+    """pyarrow refused a block of files[file] under the types given, after `rows` rows of it (which,
+    and the files before it, fit those types)."""
+
+    def __init__(self, file: int, rows: int):
+        super().__init__(file, rows)
+        self.file, self.rows = file, rows
 
 
 def _stream_in_blocks(
     files: list[Path], dest: Path, ids_file: Path, id_column: Optional[str], features: Any, block: int
 ) -> Any:
     """`_stream_jsonl` into a new dest with blocks of `block` bytes, or 16x where a row is longer: the
-    row count, None (left to the line-by-line check), or _MISFIT."""
+    row count, None (left to the line-by-line check), or where a value does not fit the types, _Misfit."""
     for size in (block, 16 * block):
         remove_path(dest, ignore_errors=True)
         try:
             return _stream_jsonl(files, dest, ids_file, id_column, features, size)
+        except _Misfit as e:
+            return e
         except pa.ArrowInvalid as e:
             if "straddl" not in str(e):
-                return _MISFIT
+                return None
         except (pa.ArrowException, UnicodeDecodeError, OSError):
             return None  # unreadable here: the line-by-line path says why, in the reader's words
     return None
 
 
-def _one_schema(files: list[Path]) -> Union[pa.Schema, TypeConflict, None]:
-    """One schema over every row of every file, each chunk's types joined by `unify_types` (ints and
-    decimals make decimals, a key some rows lack is null in them); the first value that joins nothing,
-    by file:line; None where pyarrow cannot read a chunk for another reason (the line-by-line check
-    names it). One chunk in memory at a time."""
+def _one_schema(files: list[Path], schema: pa.Schema, fitted: _Misfit) -> Union[pa.Schema, TypeConflict, None]:
+    """One schema over every row of every file: schema (the types the rows before the misfit were read
+    with) joined by `unify_types` with each later chunk's types (ints and decimals make decimals, a
+    key some rows lack is null in them); the first value that joins nothing, by file:line; None where
+    pyarrow cannot read a chunk for another reason (the line-by-line check names it). One chunk in
+    memory at a time."""
     import pyarrow.json as paj
 
-    schema: Optional[pa.Schema] = None
-    for path in files:
+    for k, path in enumerate(files[fitted.file :]):
+        fit = fitted.rows if k == 0 else 0
         for line, chunk in line_chunks(path, SCHEMA_CHUNK_BYTES):
+            # A chunk whose last line is at most the rows read already was read with schema: skipped
+            # (blank lines make this skip less, never more).
+            if line - 1 + chunk.count(b"\n") + (not chunk.endswith(b"\n")) <= fit:
+                continue
             try:
                 options = paj.ReadOptions(block_size=len(chunk) + 1)
-                found = paj.read_json(io.BytesIO(chunk), read_options=options).schema
-                schema = found if schema is None else unify_schemas(schema, found)
+                schema = unify_schemas(schema, paj.read_json(io.BytesIO(chunk), read_options=options).schema)
             except TypesDiffer:
                 return find_conflict(path, line, chunk, schema)
             except pa.ArrowInvalid as e:
@@ -441,9 +453,9 @@ def _first_chunk(path: Path) -> bytes:
 def _stream_jsonl(
     files: list[Path], dest: Path, ids_file: Path, id_column: Optional[str], features: Any, block: int
 ) -> Optional[int]:
-    """Every file streamed with the first chunk's types (a field pyarrow did not see there, or a value of
-    another type, stops it) into dest's data file and the ids into ids_file; the row count, or None
-    where a file's rows are not its lines with content."""
+    """Every file streamed with the types of features into dest's data file and the ids into ids_file;
+    the row count, or None where a file's rows are not its lines with content. A block pyarrow refuses
+    under those types (a field not in them, a value of another type) raises _Misfit."""
     import pyarrow.json as paj
 
     schema = features.arrow_schema
@@ -468,20 +480,25 @@ def _stream_jsonl(
             ids = id_schema = None
         pending: list[pa.RecordBatch] = []
         pending_bytes = 0
-        for path, counted in zip(files, lines, strict=True):
+        for at, (path, counted) in enumerate(zip(files, lines, strict=True)):
             source = _arrow_source(path)
             if source is None:
                 return None
             file_rows = 0
-            for batch in paj.open_json(source, read_options=read_options, parse_options=parse_options):
-                # pyarrow passes invalid UTF-8 through into strings: the line-by-line check names it.
-                batch.validate(full=True)
-                pending.append(batch)
-                pending_bytes += batch.nbytes
-                if pending_bytes >= WRITE_BATCH_BYTES:
-                    _write_batches(pending, data, ids, id_at, id_schema)
-                    pending_bytes = 0
-                file_rows += batch.num_rows
+            try:
+                for batch in paj.open_json(source, read_options=read_options, parse_options=parse_options):
+                    # pyarrow passes invalid UTF-8 through into strings: the line-by-line check names it.
+                    batch.validate(full=True)
+                    pending.append(batch)
+                    pending_bytes += batch.nbytes
+                    if pending_bytes >= WRITE_BATCH_BYTES:
+                        _write_batches(pending, data, ids, id_at, id_schema)
+                        pending_bytes = 0
+                    file_rows += batch.num_rows
+            except pa.ArrowInvalid as e:
+                if "straddl" in str(e):
+                    raise
+                raise _Misfit(at, file_rows) from e
             # pyarrow also reads two objects on a line, or one over several lines: each line must be one row.
             if file_rows != counted.result() and file_rows != count_lines(path, exact=True):
                 return None

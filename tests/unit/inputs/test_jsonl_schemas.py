@@ -113,6 +113,28 @@ def test_a_glob_of_files_that_differ_in_columns_and_types(tmp_path: Path, no_old
     ]
 
 
+def test_the_schema_pass_starts_where_the_types_stopped_fitting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_old_path: None
+) -> None:
+    """Small blocks and chunks: the rows streamed before the misfit are not parsed again, and the last
+    line, without a newline, is not skipped with them."""
+    monkeypatch.setattr(read, "DATASETS_CHUNK_BYTES", 1 << 10)
+    monkeypatch.setattr(read, "JSONL_BLOCK_BYTES", 1 << 10)
+    monkeypatch.setattr(read, "SCHEMA_CHUNK_BYTES", 300)
+    parsed: list[int] = []
+    real = read.unify_schemas
+    monkeypatch.setattr(read, "unify_schemas", lambda a, b: (parsed.append(1), real(a, b))[1])
+    lines = [json.dumps({"id": i, "n": i}) for i in range(400)] + ['{"id": 400, "n": 0.5, "new": "k"}']
+    p = tmp_path / "c.jsonl"
+    p.write_text("\n".join(lines), encoding="utf-8")
+    ds = converted(tmp_path, [p])
+    assert ds.to_list() == [{"id": i, "n": float(i), "new": None} for i in range(400)] + [
+        {"id": 400, "n": 0.5, "new": "k"}
+    ]
+    chunks = -(-p.stat().st_size // 300)
+    assert 1 <= len(parsed) < chunks // 2
+
+
 TEXT_FIX = "write the objects of that column as JSON text (quoted strings), or move them to a column of their own"
 RULE = (
     "a column takes one type over all rows and files (integers and decimals make decimals, a missing "
