@@ -6,7 +6,6 @@ This process imports neither vllm nor torch: the members (launch/member.py) do."
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import selectors
@@ -15,13 +14,14 @@ import subprocess
 import sys
 from collections import deque
 from dataclasses import dataclass, field
-from typing import IO, Any, Optional
+from typing import Any, Optional
 
 from batchinfer import errors
 from batchinfer.config.engines import engine_devices, engine_envs, task_gpus
 from batchinfer.errors import BatchinferError, EngineFailure, RunDirError
 from batchinfer.inputs.read import Shard
 from batchinfer.launch import slurm
+from batchinfer.launch.protocol import ExitRecord, LineReader, Message, Status, answer, decode, send
 from batchinfer.rundir.locks import ShardLock
 from batchinfer.rundir.store import RunDir
 
@@ -29,6 +29,9 @@ log = logging.getLogger("batchinfer")
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 PORTS_PER_ENGINE = 100  # VLLM_PORT, when set, is offset by this per engine
 MEMBER = [sys.executable, "-m", "batchinfer.launch.member"]  # + DIR INDEX OF FD_IN FD_OUT
+POLL_S = 1.0  # how often the task looks at its members' processes, whatever their pipes say
+# A member that closed its pipe gets this long to exit before its process group is killed.
+REAP_WAIT_S = 60.0
 
 
 @dataclass
@@ -38,11 +41,13 @@ class MemberProcess:
     index: int
     devices: str
     proc: subprocess.Popen
-    to_member: IO[str]
-    from_member: IO[str]
-    current: Optional[int] = None  # the shard it works on
+    to_member: int  # raw descriptors: a dead reader leaves no buffered bytes to raise on close
+    from_member: LineReader
+    handed: Optional[int] = None  # the shard answered, not yet acknowledged (`took`)
+    current: Optional[int] = None  # the shard it took and has not finished
     finished: list[int] = field(default_factory=list)
-    outcome: Optional[dict[str, Any]] = None
+    outcome: Optional[ExitRecord] = None
+    closed: bool = False
 
     def describe(self, of: int) -> str:
         """`engine 1 of 2 (devices 2,3)`."""
@@ -65,12 +70,12 @@ class TaskStop:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is None:
+            self.signum = signum  # recorded before anything that could fail or be interrupted
             log.warning("received %s: every engine commits and stops", signal.Signals(signum).name)
-            self.signum = signum
         # Slurm may signal only this process (plain sbatch, `scancel --batch`): pass it on. An
         # engine that got it already keeps the first signal's intent.
         for m in self.members:
-            if m.proc.poll() is None:
+            if m.proc.returncode is None:
                 try:
                     os.kill(m.proc.pid, signum)
                 except ProcessLookupError:
@@ -85,17 +90,29 @@ def run_engines(run: RunDir, shards: list[Shard], n: int) -> None:
     envs = engine_envs(cfg, n, gpus, sorted(os.sched_getaffinity(0)))
     todo = deque(s.index for s in shards)
     stop = TaskStop()
+    # Members start with USR2 blocked (they inherit the mask): Slurm's group-wide USR2 stays
+    # pending in each until its own handler is in place, instead of killing it.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
     saved = stop.install()
+    members: list[MemberProcess] = []
     log.info("%d engines for shards %s: %s", n, [s.index for s in shards], "; ".join(_devices(e) for e in envs))
     try:
-        members = [_start(run, k, n, env) for k, env in enumerate(envs)]
+        for k, env in enumerate(envs):
+            members.append(_start(run, k, n, env))
         stop.members = members
-        if stop.signum is not None:  # a signal between the handlers and the list
+        # This process owns USR2 now (plain sbatch signals it alone, `B:USR2`): one sent so far
+        # is delivered here and passed on to every member.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
+        if stop.signum is not None:  # TERM or INT before the list was complete
             stop._handle(stop.signum, None)
         _serve(members, todo, stop)
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for s, h in saved.items():
             signal.signal(s, h)
+        for m in members:  # _serve cut short (a bug, KeyboardInterrupt): no member outlives the task
+            if not m.closed:
+                _close(m, todo)
     _decide(run, members, n, stop.signum, list(todo))
 
 
@@ -107,7 +124,7 @@ def _devices(env: dict[str, str]) -> str:
 
 def _start(run: RunDir, k: int, n: int, env: dict[str, str]) -> MemberProcess:
     """Start engine k's worker process with its devices in its environment."""
-    to_r, to_w = os.pipe()
+    to_r, to_w = os.pipe()  # not inheritable: only pass_fds hands the member its two ends
     from_r, from_w = os.pipe()
     cmd = [*MEMBER, str(run.path), str(k), str(n), str(to_r), str(from_w)]
     # Its own process group: when it dies, what is left of its engine is killed with the group,
@@ -116,103 +133,161 @@ def _start(run: RunDir, k: int, n: int, env: dict[str, str]) -> MemberProcess:
     if full.get("VLLM_PORT", "").isdigit():
         # vLLM scans upward from VLLM_PORT for free ports: engines starting together could pick the same
         full["VLLM_PORT"] = str(int(full["VLLM_PORT"]) + PORTS_PER_ENGINE * k)
-    proc = subprocess.Popen(cmd, env=full, pass_fds=(to_r, from_w), process_group=0)
+    try:
+        proc = subprocess.Popen(cmd, env=full, pass_fds=(to_r, from_w), process_group=0)
+    except BaseException:
+        for fd in (to_r, to_w, from_r, from_w):
+            os.close(fd)
+        raise
     os.close(to_r)
     os.close(from_w)
-    return MemberProcess(k, engine_devices(env), proc, os.fdopen(to_w, "w", buffering=1), os.fdopen(from_r, "r"))
+    os.set_blocking(from_r, False)  # read what is there; a member's silence never blocks the task
+    return MemberProcess(k, engine_devices(env), proc, to_w, LineReader(from_r))
 
 
 def _serve(members: list[MemberProcess], todo: deque[int], stop: TaskStop) -> None:
-    """Hand out shards one at a time until every engine has exited."""
+    """Hand out shards one at a time until every engine has exited, whatever each one does."""
     sel = selectors.DefaultSelector()
     for m in members:
-        sel.register(m.from_member, selectors.EVENT_READ, m)
-    open_members = len(members)
-    while open_members:
-        for key, _ in sel.select(timeout=1.0):
-            m: MemberProcess = key.data
-            line = m.from_member.readline()
-            if line.startswith("next"):
-                if m.current is not None:
-                    m.finished.append(m.current)
-                m.current = todo.popleft() if todo and stop.signum is None else None
-                _answer(m, "end" if m.current is None else str(m.current))
-            elif line.startswith("exit "):
-                m.outcome = json.loads(line[5:])
-            elif not line:  # the member closed its end: it has exited, or is about to
-                sel.unregister(m.from_member)
-                m.from_member.close()
-                m.to_member.close()
-                open_members -= 1
-                _reap(m)
+        sel.register(m.from_member.fd, selectors.EVENT_READ, m)
+    while any(not m.closed for m in members):
+        for key, _ in sel.select(timeout=POLL_S):
+            m = key.data
+            _read(m, todo, stop)
+            if m.from_member.eof:  # it closed its end: it has exited, or is about to
+                sel.unregister(m.from_member.fd)
+                _close(m, todo)
+        # A member killed alone leaves no end of file while a process it forked (vLLM's engine
+        # core) still holds its pipe: its own exit is what counts.
+        for m in members:
+            if not m.closed and m.proc.poll() is not None:
+                _read(m, todo, stop)  # its last words, if it wrote them
+                sel.unregister(m.from_member.fd)
+                _close(m, todo)
     sel.close()
 
 
-def _answer(m: MemberProcess, text: str) -> None:
-    try:
-        m.to_member.write(text + "\n")
-    except BrokenPipeError:  # it died meanwhile: its EOF comes next
-        pass
+def _read(m: MemberProcess, todo: deque[int], stop: TaskStop) -> None:
+    """Act on what the member has said."""
+    for line in m.from_member.read():
+        said = decode(line)
+        if said is None:
+            log.warning("engine %d said %r, which is not a whole message: ignored", m.index, line[:200])
+            continue
+        message, arg = said
+        if message is Message.NEXT:
+            _hand_out(m, todo, stop)
+        elif message is Message.TOOK and arg == m.handed:
+            m.current, m.handed = m.handed, None
+        elif message is Message.DONE and arg == m.current:
+            m.finished.append(m.current)
+            m.current = None
+        elif message is Message.EXIT:
+            assert isinstance(arg, ExitRecord)
+            m.outcome = arg
+        else:
+            log.warning("engine %d said %r out of turn: ignored", m.index, line[:200])
+
+
+def _hand_out(m: MemberProcess, todo: deque[int], stop: TaskStop) -> None:
+    """Answer `next`: the next shard (none once a stop signal came)."""
+    shard = todo.popleft() if todo and stop.signum is None else None
+    m.handed = shard
+    if not send(m.to_member, answer(shard)):  # it died meanwhile: the shard was never started
+        _give_back(m, todo)
+
+
+def _give_back(m: MemberProcess, todo: deque[int]) -> None:
+    """A shard answered but never acknowledged goes back to the front of the queue."""
+    if m.handed is not None:
+        todo.appendleft(m.handed)
+        m.handed = None
+
+
+def _close(m: MemberProcess, todo: deque[int]) -> None:
+    """The member is done talking: close its pipe, reap it and its process group."""
+    m.closed = True
+    for fd in (m.to_member, m.from_member.fd):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _give_back(m, todo)
+    _reap(m)
 
 
 def _reap(m: MemberProcess) -> None:
-    """Wait for a member to exit, then kill what is left of its process group (its engine)."""
-    m.proc.wait()
+    """Wait (REAP_WAIT_S at most) for a member to exit, then kill what is left of its process
+    group (its engine); a member that hangs at exit is killed with it."""
+    hung = False
+    try:
+        m.proc.wait(timeout=REAP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        hung = True
+        log.warning("engine %d closed its pipe but did not exit within %g s: killing it", m.index, REAP_WAIT_S)
     try:
         os.killpg(m.proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    if m.outcome is not None and m.outcome.get("status") == "done":
-        m.current = None
-    rc = m.proc.returncode
+    rc = m.proc.wait()
     if m.outcome is None:
-        why = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc} without a word"
-        m.outcome = {"status": "died", "error": f"the engine's worker process died ({why})"}
+        if hung:
+            why = f"it hung after closing its pipe and was killed after {REAP_WAIT_S:g} s"
+        else:
+            why = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc} without a word"
+        m.outcome = ExitRecord(Status.DIED, error=f"the engine's worker process died ({why})")
 
 
 def _decide(run: RunDir, members: list[MemberProcess], n: int, signum: Optional[int], left: list[int]) -> None:
     """One verdict for the task: finished, stopped (requeued on USR2), or failed (requeued while
-    cluster.max_attempts allows)."""
+    cluster.max_attempts allows). A stop signal decides first: what a member did after it (a config
+    error, a failure) is said, and the task stops as the signal asks."""
     from batchinfer.engine.worker import Stopped
     from batchinfer.launch.local import _stopped, requeue_after_failure
 
+    outcomes = {m.index: m.outcome or ExitRecord(Status.DIED, error="no outcome") for m in members}
     for m in members:
-        o = m.outcome or {}
         log.info(
-            "%s: %s; shards finished: %s", m.describe(n), o.get("status"), ", ".join(map(str, m.finished)) or "none"
+            "%s: %s; shards finished: %s",
+            m.describe(n),
+            outcomes[m.index].status.value,
+            ", ".join(map(str, m.finished)) or "none",
         )
-    stopped = [m.outcome["signal"] for m in members if m.outcome and m.outcome.get("status") == "stopped"]
+    stopped = [o.signal for o in outcomes.values() if o.status is Status.STOPPED and o.signal is not None]
     signum = signum if signum is not None else (stopped[0] if stopped else None)
-    failed = [m for m in members if m.outcome and m.outcome.get("status") in ("failed", "died", "error")]
+    failed = [m for m in members if outcomes[m.index].status in (Status.FAILED, Status.DIED, Status.ERROR)]
     for m in failed:
-        if m.outcome["status"] == "died" and m.current is not None:
-            m.outcome.update(shard=m.current, failures=_count_death(run, m, n))
-    if signum is not None and not failed:
-        _stopped(signum)
-        raise Stopped(signum)
-    if not failed:
+        o = outcomes[m.index]
+        if o.status is Status.DIED and m.current is not None:  # charged only to a shard it took
+            o.shard, o.failures = m.current, _count_death(run, m, n, o)
+    if not failed and signum is None:
         if left:  # cannot happen while one engine lives: every engine asks until it hears `end`
             raise EngineFailure(f"{run.path}: shards {left} were not handed to any engine; run the task again")
         return
     what = "; ".join(
         f"{m.describe(n)} failed"
-        + (f" on shard {m.outcome['shard']}" if m.outcome.get("shard") is not None else "")
-        + f": {m.outcome.get('error')}"
+        + (f" on shard {outcomes[m.index].shard}" if outcomes[m.index].shard is not None else "")
+        + f": {outcomes[m.index].error}"
         for m in failed
     )
     done = sorted(s for m in members for s in m.finished)
     summary = f"{what}. Shards finished by this task: {', '.join(map(str, done)) or 'none'}; committed rows are safe"
-    config_errors = [m for m in failed if m.outcome["status"] == "error"]
-    if config_errors:
-        raise _rebuilt(config_errors[0].outcome, summary)  # another attempt would fail the same way
     if signum is not None:
-        log.error("%s", summary)
+        if failed:
+            log.error("%s", summary)
         _stopped(signum)
         raise Stopped(signum)
+    config_errors = [outcomes[m.index] for m in failed if outcomes[m.index].status is Status.ERROR]
+    if config_errors:
+        raise _rebuilt(config_errors[0], summary)  # another attempt would fail the same way
     if slurm.this_job():
         again = [
             requeue_after_failure(
-                run, m.outcome.get("shard", -1), m.outcome.get("failures"), m.outcome.get("error"), f"{m.describe(n)}: "
+                run,
+                outcomes[m.index].shard if outcomes[m.index].shard is not None else -1,
+                outcomes[m.index].failures,
+                outcomes[m.index].error,
+                f"{m.describe(n)}: ",
             )
             for m in failed
         ]
@@ -221,25 +296,25 @@ def _decide(run: RunDir, members: list[MemberProcess], n: int, signum: Optional[
     raise EngineFailure(f"{summary}. Run the same command (or `batchinfer resume`) to finish the rest")
 
 
-def _count_death(run: RunDir, m: MemberProcess, n: int) -> Optional[int]:
+def _count_death(run: RunDir, m: MemberProcess, n: int, outcome: ExitRecord) -> Optional[int]:
     """A member that died without a word (SIGKILL, the OOM killer) counted nothing: count its
     shard's failed attempt here, under that shard's lock (free now that its group is gone)."""
     from batchinfer.engine.worker import count_failure
 
-    assert m.current is not None and m.outcome is not None
+    assert m.current is not None
     engine = {"index": m.index, "of": n, "devices": m.devices}
     try:
         with ShardLock(run.shard_dir(m.current), log=log.warning):
-            return count_failure(run, m.current, m.outcome["error"], engine=engine)
+            return count_failure(run, m.current, outcome.error or "died", engine=engine)
     except RunDirError as e:
         log.error("shard %d: could not count the failure of %s: %s", m.current, m.describe(n), e)
         return None
 
 
-def _rebuilt(outcome: dict[str, Any], summary: str) -> BatchinferError:
+def _rebuilt(outcome: ExitRecord, summary: str) -> BatchinferError:
     """The member's own error class (a config, input or storage error), with the task's summary."""
-    cls = getattr(errors, str(outcome.get("kind")), None)
-    message = f"{outcome.get('error')} ({summary})"
+    cls = getattr(errors, str(outcome.kind), None)
+    message = f"{outcome.error} ({summary})"
     if isinstance(cls, type) and issubclass(cls, BatchinferError):
         try:
             return cls(message)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -20,6 +21,7 @@ from batchinfer.errors import (
     BatchinferError,
     EngineFailure,
     RunDirError,
+    SlurmUnavailable,
 )
 from batchinfer.inputs.read import Shard
 from batchinfer.launch import slurm
@@ -131,11 +133,13 @@ def _run_shards(
     worker.engine = member.record if member is not None else solo_engine(run.config)
     try:
         stop.install()
+        if member is not None:
+            holder()  # a member's engine starts before it takes a shard: no shard lock is held meanwhile
         for current in shards:
             if not known:
                 bar.total += current.rows
                 bar.update(_rows_done(run, current.index))
-            worker.run_shard(current)
+            run_shard_retrying(worker, current, stop)
     except Stopped as e:
         if member is None:
             _stopped(e.signum)
@@ -169,6 +173,38 @@ def _run_shards(
         holder.close(owned=engine is None)
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+# A shard lock refused because Slurm did not answer about its holder is tried again after these
+# waits (seconds); the last refusal is raised as any other.
+LOCK_RETRY_WAITS = (10.0, 30.0, 60.0)
+
+
+def transient_refusal(e: BaseException) -> bool:
+    """Whether a shard lock refusal may go away by itself: Slurm did not answer about the holder."""
+    return isinstance(e, SlurmUnavailable) or (
+        isinstance(e, RunDirError) and (getattr(e, "transient", False) or "Slurm did not answer" in str(e))
+    )
+
+
+def run_shard_retrying(worker: Any, shard: Shard, stop: Any) -> None:
+    """worker.run_shard, trying again while its lock is refused only because Slurm did not answer;
+    a stop signal during a wait stops."""
+    from batchinfer.engine.worker import Stopped
+
+    for wait in (*LOCK_RETRY_WAITS, None):
+        try:
+            worker.run_shard(shard)
+            return
+        except BatchinferError as e:
+            if wait is None or not transient_refusal(e) or stop.signum is not None:
+                raise
+            log.warning("shard %d: %s; trying again in %g s", shard.index, e, wait)
+        deadline = time.monotonic() + wait
+        while stop.signum is None and time.monotonic() < deadline:
+            time.sleep(min(0.5, wait))
+        if stop.signum is not None:
+            raise Stopped(stop.signum)
 
 
 def solo_engine(cfg: Config) -> Optional[dict[str, Any]]:

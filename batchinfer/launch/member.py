@@ -2,19 +2,20 @@
 its task for shards one at a time and tells it how it ended.
 
 Started by launch/engines.py as `python -m batchinfer.launch.member DIR INDEX OF FD_IN FD_OUT`:
-it reads shard numbers from FD_IN and writes `next` and, last, `exit {json}` to FD_OUT (stdout
-and stderr carry the engine's console output, so the protocol has descriptors of its own)."""
+it speaks launch/protocol.py on FD_IN and FD_OUT (stdout and stderr carry the engine's console
+output, so the protocol has descriptors of its own). Its engine starts before it asks for a
+shard, so no shard lock is held while it starts, and no process it forks keeps the descriptors."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Optional
 
 from batchinfer.inputs.read import Shard
+from batchinfer.launch.protocol import ExitRecord, LineReader, Message, Status, encode, parse_answer, send
 from batchinfer.rundir.store import RunDir
 
 log = logging.getLogger("batchinfer")
@@ -22,33 +23,53 @@ EXIT_DONE, EXIT_FAILED, EXIT_STOPPED = 0, 1, 3
 
 
 class Member:
-    """This process's link to its task: shards in, how it ended out."""
+    """This process's link to its task: shards in, `took`/`done` and how it ended out."""
 
     def __init__(self, index: int, of: int, devices: str, fd_in: int, fd_out: int):
         self.index = index
         self.record = {"index": index, "of": of, "devices": devices}
-        self._in = os.fdopen(fd_in, "r")
-        self._out = os.fdopen(fd_out, "w", buffering=1)
-        self.failure: dict[str, Any] = {}
+        self._in = LineReader(fd_in)
+        self._out = fd_out
+        self.failure = ExitRecord(Status.FAILED)
+        for fd in (fd_in, fd_out):
+            os.set_inheritable(fd, False)  # a process it starts (exec) never holds the task's pipe
+        # vLLM forks its engine core (no exec): the fork must not keep the pipe either, or the task
+        # would wait for an end of file that never comes once this process is killed alone.
+        os.register_at_fork(after_in_child=self._close_in_child)
+
+    def _close_in_child(self) -> None:
+        for fd in (self._in.fd, self._out):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _answer(self) -> Optional[int]:
+        """The task's answer to `next` (None: `end`, or the task is gone)."""
+        while not self._in.eof:
+            for line in self._in.read():  # one answer per `next`
+                return parse_answer(line.decode(errors="replace")) if line.endswith(b"\n") else None
+        return None
 
     def shards(self, run: RunDir) -> Iterator[Shard]:
-        """The shards the task hands this engine, one at a time, until it says `end`."""
+        """The shards the task hands this engine, one at a time, until it says `end`; each is
+        acknowledged when taken and when finished, so the task charges a death to the right one."""
         by_index = {s.index: s for s in run.shards()}
-        while True:
-            self._out.write("next\n")
-            line = self._in.readline().strip()
-            if not line or line == "end":
+        while send(self._out, encode(Message.NEXT)):
+            index = self._answer()
+            if index is None or not send(self._out, encode(Message.TOOK, index)):
                 return
-            yield by_index[int(line)]
+            yield by_index[index]
+            send(self._out, encode(Message.DONE, index))
 
     def failed(self, shard: Optional[Shard], failures: Optional[int]) -> None:
         """Remember which shard failed and its failures in this submission (counted under its lock)."""
-        self.failure = {"shard": shard.index if shard is not None else None, "failures": failures}
+        self.failure = ExitRecord(Status.FAILED, shard=shard.index if shard is not None else None, failures=failures)
 
-    def finish(self, outcome: dict[str, Any]) -> None:
+    def finish(self, record: ExitRecord) -> None:
         """Tell the task how this engine ended."""
-        self._out.write("exit " + json.dumps(outcome) + "\n")
-        self._out.close()
+        send(self._out, encode(Message.EXIT, record))
+        self._close_in_child()
 
 
 def devices_of_this_engine() -> str:
@@ -84,16 +105,19 @@ def main(argv: list[str]) -> int:
         ):
             _run_shards(run, member.shards(run), None, output, member)
     except Stopped as e:
-        member.finish({"status": "stopped", "signal": e.signum})
+        member.finish(ExitRecord(Status.STOPPED, signal=e.signum))
         return EXIT_STOPPED
     except BatchinferError as e:
-        member.finish({"status": "error", "kind": type(e).__name__, "error": str(e)})
+        member.finish(ExitRecord(Status.ERROR, kind=type(e).__name__, error=str(e)))
         return EXIT_FAILED
     except Exception as e:
         log.exception("engine %s failed", index)
-        member.finish({"status": "failed", "error": f"{type(e).__name__}: {e}", **member.failure})
+        failure = member.failure
+        member.finish(
+            ExitRecord(Status.FAILED, error=f"{type(e).__name__}: {e}", shard=failure.shard, failures=failure.failures)
+        )
         return EXIT_FAILED
-    member.finish({"status": "done"})
+    member.finish(ExitRecord(Status.DONE))
     return EXIT_DONE
 
 
