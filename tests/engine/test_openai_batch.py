@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +50,39 @@ def test_malformed_openai_request_names_the_line(tmp_path: Path, tiny_model_path
     lines = request("ok", {"messages": [{"role": "user", "content": "hi"}]}) + request("bad", {"messages": "hi"})
     with pytest.raises(InputError, match=r"batch.jsonl:2: body.messages must be a list"):
         run_batch(tmp_path, tiny_model_path, engine, lines)
+
+
+def test_each_line_runs_its_own_way_response_format_text_parts_and_error_rows(
+    tmp_path: Path, tiny_model_path: Path, engine: Any
+) -> None:
+    """response_format constrains its own row only; text parts are joined as vLLM's server joins
+    them; a line that cannot run is an error row naming the field, the others answered (issue 26)."""
+    user = {"role": "user", "content": "the lazy dog"}
+    yes_no = {"type": "json_schema", "json_schema": {"name": "yn", "schema": {"type": "string", "enum": ["yes", "no"]}}}
+    parts = [{"type": "text", "text": "the lazy"}, {"type": "text", "text": "dog"}]
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    lines = (
+        request("schema", {"messages": [user], "max_tokens": 20, "response_format": yes_no})
+        + request("plain", {"messages": [user], "max_tokens": 3})
+        + request("parts", {"messages": [{"role": "user", "content": parts}], "max_tokens": 3})
+        + request("joined", {"messages": [{"role": "user", "content": "the lazy\ndog"}], "max_tokens": 3})
+        + request("image", {"messages": [{"role": "user", "content": [*parts, image]}]})
+        + request("logprobs", {"messages": [user], "logprobs": True, "top_logprobs": 2})
+    )
+    out = {o["custom_id"]: o for o in run_batch(tmp_path, tiny_model_path, engine, lines)}
+    assert list(out) == ["schema", "plain", "parts", "joined", "image", "logprobs"]
+
+    def choice(cid: str) -> dict[str, Any]:
+        assert out[cid]["error"] is None, out[cid]
+        return out[cid]["response"]["body"]["choices"][0]
+
+    assert json.loads(choice("schema")["message"]["content"]) in ("yes", "no")
+    assert choice("schema")["finish_reason"] == "stop"
+    assert choice("plain")["message"]["content"].strip().startswith("dog")  # unconstrained: the tiny model echoes
+    assert choice("parts") == choice("joined")
+    usage = [out[c]["response"]["body"]["usage"]["prompt_tokens"] for c in ("parts", "joined")]
+    assert usage[0] == usage[1]
+    assert out["image"]["error"]["code"] == "unsupported" and out["image"]["response"] is None
+    assert "body.messages[0].content[2] is a 'image_url' part" in out["image"]["error"]["message"]
+    assert out["logprobs"]["error"]["code"] == "unsupported"
+    assert "body.logprobs: token logprobs are not written in the output" in out["logprobs"]["error"]["message"]
