@@ -30,7 +30,7 @@ lock file (`<lock>.excl`)
     - An existing holder is judged (`judge_holder`) and its lock is free only when it is
       provably dead:
         * on this machine (same host name, boot and pid namespace) by its pid: no such process,
-          or the pid now belongs to a process started after the lock was taken;
+          or the pid now names another process (its start, in ticks since boot, differs);
         * a process of our own Slurm job (two processes of one salloc, `srun -n2`, members of
           one task) only by that, or by an earlier restart count than ours (Slurm ended that
           run before requeueing the job); a live one is never taken over;
@@ -91,9 +91,6 @@ FLOCK_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EBADF}
 MOUNTINFO = "/proc/self/mountinfo"
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 PID_NAMESPACE = "/proc/self/ns/pid"
-# /proc gives a process's start in clock ticks after a boot time in whole seconds: a pid whose
-# process started later than the lock was taken by more than this was reused.
-PID_START_MARGIN_S = 2.0
 # A run.yaml that cannot be read is read again after these waits (seconds) before the lock is
 # refused: its output.lock decides the mechanism, and guessing "auto" could mix two.
 RUN_YAML_RETRY_WAITS = (0.5, 2.0)
@@ -137,6 +134,17 @@ def _pid_namespace() -> Optional[str]:
         return None
 
 
+def _pid_start(pid: int) -> Optional[int]:
+    """When a process started, in clock ticks since boot (/proc/PID/stat field 22): with the pid
+    and the boot it names one process, whatever the wall clock did; None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(")") + 2 :].split()[19])  # counted after the (name)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 @dataclass(frozen=True)
 class Holder:
     """Who holds (or held) a lock: the record in a lock file."""
@@ -150,6 +158,7 @@ class Holder:
     slurm_cluster: Optional[str] = None  # job ids are unique only within a cluster
     boot_id: Optional[str] = None  # with pid_ns: the pid means something on this machine only
     pid_ns: Optional[str] = None
+    pid_start: Optional[int] = None  # with the pid: this process, not a later one given its pid
     released: bool = False
     released_at: Optional[float] = None
 
@@ -167,6 +176,7 @@ class Holder:
             slurm_cluster=env.cluster,
             boot_id=_read_text(BOOT_ID),
             pid_ns=_pid_namespace(),
+            pid_start=_pid_start(os.getpid()),
         )
 
     @classmethod
@@ -194,6 +204,7 @@ class Holder:
             slurm_cluster=text("slurm_cluster"),
             boot_id=text("boot_id"),
             pid_ns=text("pid_ns"),
+            pid_start=number("pid_start", int),
             released=record.get("released") is True,
             released_at=number("released_at", float),
         )
@@ -216,11 +227,6 @@ class Holder:
 def holder_info() -> dict[str, Any]:
     """Who this process is, as a lock records it (host, pid, Slurm job, ...)."""
     return Holder.mine().record()
-
-
-def own_job() -> Optional[str]:
-    """This process's Slurm job id (A_T for an array task; a requeued task keeps it)."""
-    return slurm_env.current().job
 
 
 def _log_once(log: Callable[[str], None], message: str) -> None:
@@ -287,19 +293,6 @@ def _slurm_state(holder: Holder, me: slurm_env.SlurmEnv) -> Judgement:
     return _squeue_state(holder.slurm_job, SQUEUE_TIMEOUT_S)
 
 
-def _pid_started(pid: int) -> Optional[float]:
-    """When a process of this machine started (epoch seconds), from /proc; None if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22, counted after the name
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
 def _same_machine(holder: Holder) -> bool:
     """Whether the holder ran on this machine, in this boot (the same host name on two machines
     happens with containers; a different boot id is then another machine, or a reboot)."""
@@ -325,9 +318,9 @@ def _judge_locally(holder: Holder) -> Optional[Judgement]:
         return Judgement(Verdict.DEAD, "no such process")
     except PermissionError:
         pass  # someone else's live process
-    started = _pid_started(holder.pid)
-    if started is not None and holder.since is not None and started > holder.since + PID_START_MARGIN_S:
-        return Judgement(Verdict.DEAD, f"pid {holder.pid} is now a process started after the lock was taken")
+    started = _pid_start(holder.pid)
+    if holder.pid_start is not None and started is not None and started != holder.pid_start:
+        return Judgement(Verdict.DEAD, f"pid {holder.pid} is now another process, started after the holder")
     return Judgement(Verdict.ALIVE, "process running")
 
 

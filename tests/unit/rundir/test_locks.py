@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -533,16 +532,20 @@ def test_two_takers_of_one_stale_lock_one_wins(tmp_path: Path, monkeypatch: pyte
 
 
 def test_a_pid_is_judged_only_on_its_own_machine_and_run(tmp_path: Path) -> None:
-    here = dict(host=socket.gethostname(), slurm_job=None, since=time.time(), nonce="n")
+    mine = Holder.mine()
+    here = dict(host=mine.host, slurm_job=None, since=1.0, nonce="n", boot_id=mine.boot_id, pid_ns=mine.pid_ns)
     sleeper = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
-        mine = Holder.mine()
-        alive = Holder.from_record(dict(here, pid=sleeper.pid, boot_id=mine.boot_id, pid_ns=mine.pid_ns))
+        started = locks._pid_start(sleeper.pid)
+        assert started is not None and mine.pid_start == locks._pid_start(os.getpid())
+        alive = Holder.from_record(dict(here, pid=sleeper.pid, pid_start=started))
         assert locks.judge_holder(alive) == locks.Judgement(Verdict.ALIVE, "process running")  # type: ignore[arg-type]
-        # The pid now runs a process started after the lock was taken: reused, the holder is gone.
-        reused = Holder.from_record(dict(here, pid=sleeper.pid, since=time.time() - 3600))
+        # The pid runs another process than the one that took the lock: reused, the holder is gone.
+        reused = Holder.from_record(dict(here, pid=sleeper.pid, pid_start=started - 1))
         judged = locks.judge_holder(reused)  # type: ignore[arg-type]
-        assert judged.verdict is Verdict.DEAD and "started after the lock was taken" in judged.why
+        assert judged == locks.Judgement(
+            Verdict.DEAD, f"pid {sleeper.pid} is now another process, started after the holder"
+        )
     finally:
         sleeper.communicate(b"", timeout=30)
     gone = dict(here, pid=dead_pid())
@@ -551,7 +554,7 @@ def test_a_pid_is_judged_only_on_its_own_machine_and_run(tmp_path: Path) -> None
     # The same host name on another machine (containers) or another pid namespace: the pid
     # means nothing here, and a holder without a Slurm job cannot be judged.
     for other in (dict(boot_id="another-machine"), dict(pid_ns="pid:[1]")):
-        before = write_holder(d / "lock.excl", **gone, **other)
+        before = write_holder(d / "lock.excl", **dict(gone, **other))
         with pytest.raises(RunDirError, match=r"on another host without a Slurm job: it cannot be checked from here"):
             with ShardLock(d, mode="file"):
                 pass
