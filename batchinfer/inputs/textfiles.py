@@ -283,11 +283,11 @@ def _kind(t: pa.DataType) -> str:
     return "object"
 
 
-def find_conflict(path: Path, first_line: int, chunk: bytes, schema: Optional[pa.Schema]) -> Optional[TypeConflict]:
+def find_conflict(path: Path, first_line: int, chunk: bytes, schema: pa.Schema) -> Optional[TypeConflict]:
     """The first line of chunk (lines of path from first_line on) whose value does not join the
     types of schema and of the chunk's lines before it; None where none (or a line is not a JSON
     object: the line-by-line scan names that)."""
-    seen = pa.struct(schema if schema is not None else [])
+    seen = pa.struct(schema)
     for offset, raw in enumerate(chunk.split(b"\n")):
         if not raw.strip():
             continue
