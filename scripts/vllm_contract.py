@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Static contract check of the vLLM API that batchinfer/engine/vllm_engine.py relies on.
 
-Imports vllm (and nothing of batchinfer), starts no engine and needs no GPU, then checks every
-name, signature, field and attribute that the engine code uses, one line per check:
+Imports vllm (and of batchinfer only the data file config/vllm_names.py, by its path), starts no
+engine and needs no GPU, then checks every name, signature, field and attribute that the engine code
+uses, one line per check:
 
     ok       LLMEngine.add_request: accepts (self, request_id, prompt, params)
     MISSING  BackgroundResources.engine_dead: no field engine_dead (has: ctx, ...)  [vllm_engine.py: ...]
@@ -16,6 +17,11 @@ Each check is one row of CHECKS: a kind (a function in KINDS), a target written
 "module:Qualified.name" (imported only when the check runs), the kind's arguments and what
 vllm_engine.py does with it (printed when the check fails). Add a row when vllm_engine.py starts using
 something new of vLLM.
+
+The names config checks take without importing vllm (model.dtype, quantization.method,
+quantization.kv_cache_dtype, model.reasoning_parser, the logprobs cap) live in
+batchinfer/config/vllm_names.py, a data-only file this script loads by its path (NAMES): the `names`
+checks compare each of its tables with vLLM's own list.
 """
 
 from __future__ import annotations
@@ -33,6 +39,21 @@ from importlib import metadata
 from typing import Any, NamedTuple
 
 OK, MISSING, CHANGED = "ok", "MISSING", "CHANGED"
+NAMES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "batchinfer", "config", "vllm_names.py")
+
+
+def _load_names() -> Any:
+    """batchinfer/config/vllm_names.py as a module of its own (data only: no batchinfer import)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("batchinfer_vllm_names", NAMES_FILE)
+    assert spec and spec.loader, NAMES_FILE
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+NAMES = _load_names()
 
 
 class Check(NamedTuple):
@@ -418,6 +439,42 @@ CHECKS: tuple[Check, ...] = (
         ("qwen3",),
         "conf/model/qwen3-8b.yaml: reasoning_parser: qwen3",
     ),
+    # The names compose accepts without importing vllm (batchinfer/config/vllm_names.py).
+    Check(
+        "model.dtype names",
+        "names",
+        "vllm.config.model:ModelDType",
+        ("MODEL_DTYPES",),
+        "config/schema.py refuses a model.dtype not in vllm_names.MODEL_DTYPES",
+    ),
+    Check(
+        "quantization.method names",
+        "names",
+        "vllm.model_executor.layers.quantization:QUANTIZATION_METHODS",
+        ("QUANTIZATION_METHODS",),
+        "config/schema.py refuses a quantization.method not in vllm_names.QUANTIZATION_METHODS",
+    ),
+    Check(
+        "quantization.kv_cache_dtype names",
+        "names",
+        "vllm.config.cache:CacheDType",
+        ("KV_CACHE_DTYPES",),
+        "config/schema.py refuses a kv_cache_dtype not in vllm_names.KV_CACHE_DTYPES",
+    ),
+    Check(
+        "model.reasoning_parser names",
+        "names",
+        "vllm.reasoning:ReasoningParserManager.list_registered",
+        ("REASONING_PARSERS",),
+        "config/schema.py refuses a reasoning parser not in vllm_names.REASONING_PARSERS",
+    ),
+    Check(
+        "max_logprobs default",
+        "param_default",
+        "vllm.engine.arg_utils:EngineArgs.__init__",
+        ("max_logprobs", NAMES.MAX_LOGPROBS),
+        "config/schema.py refuses sampling.logprobs above vllm_names.MAX_LOGPROBS (or engine_kwargs.max_logprobs)",
+    ),
 )
 
 
@@ -704,6 +761,31 @@ def check_reasoning_parser(check: Check) -> tuple[str, str]:
     return OK, f"{parser.__module__}.{parser.__qualname__}"
 
 
+def vllm_names(obj: Any) -> set[Any]:
+    """The values of one of vLLM's lists of names: a Literal alias, a list, or what a function returns."""
+    import typing
+
+    if typing.get_origin(obj) is typing.Literal:
+        return set(typing.get_args(obj))
+    if callable(obj) and not isinstance(obj, type):
+        obj = obj()
+    return set(obj)
+
+
+def check_names(check: Check) -> tuple[str, str]:
+    """vLLM's list of names for a setting equals batchinfer's table of them (config/vllm_names.py)."""
+    _, obj = resolve(check.target)
+    (table,) = check.args
+    ours, theirs = set(getattr(NAMES, table)), vllm_names(obj)
+    if ours == theirs:
+        return OK, f"{len(theirs)} names, as vllm_names.{table}"
+    added, gone = sorted(map(str, theirs - ours)), sorted(map(str, ours - theirs))
+    return CHANGED, (
+        f"vllm_names.{table} differs from vLLM's list: only in vLLM {added}, only in the table {gone}; "
+        "update batchinfer/config/vllm_names.py"
+    )
+
+
 KINDS: dict[str, Callable[[Check], tuple[str, str]]] = {
     "exists": check_exists,
     "fields": check_fields,
@@ -717,6 +799,7 @@ KINDS: dict[str, Callable[[Check], tuple[str, str]]] = {
     "param_default": check_param_default,
     "literal_value": check_literal_value,
     "reasoning_parser": check_reasoning_parser,
+    "names": check_names,
 }
 
 

@@ -86,6 +86,25 @@ def test_contract_lists_what_engine_passes() -> None:
     assert presets - {None} <= checked
 
 
+def test_every_name_table_is_compared_with_vllm() -> None:
+    """Each table of names config accepts without vllm (config/vllm_names.py, the one the script
+    loads) has a `names` check, and the logprobs cap a default check; the presets use known names."""
+    from batchinfer.config import vllm_names
+
+    assert contract.NAMES.MODEL_DTYPES == vllm_names.MODEL_DTYPES  # the script reads batchinfer's file
+    tables = {name for name in dir(vllm_names) if name.isupper() and isinstance(getattr(vllm_names, name), tuple)}
+    assert {c.args[0] for c in contract.CHECKS if c.kind == "names"} == tables
+    assert _check("max_logprobs default").args == ("max_logprobs", vllm_names.MAX_LOGPROBS)
+    for preset in (ROOT / "conf" / "model").glob("*.yaml"):
+        model = yaml.safe_load(preset.read_text())
+        assert model.get("dtype", "auto") in vllm_names.MODEL_DTYPES, preset
+        assert model.get("reasoning_parser") in (None, *vllm_names.REASONING_PARSERS), preset
+    for preset in (ROOT / "conf" / "quantization").glob("*.yaml"):
+        quant = yaml.safe_load(preset.read_text())
+        assert quant.get("method") in (None, *vllm_names.QUANTIZATION_METHODS), preset
+        assert quant.get("kv_cache_dtype", "auto") in vllm_names.KV_CACHE_DTYPES, preset
+
+
 # A fake vLLM that lacks or changed what the contract asks for: each kind of check must fail on it.
 
 
@@ -151,6 +170,16 @@ class FakeParserManager:
         return FakeParser
 
 
+# A dtype list with one name more than batchinfer's table, and one with exactly its names.
+FAKE_DTYPES = Literal["auto", "half", "float16", "bfloat16", "float", "float32", "float8"]
+SAME_DTYPES = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
+
+
+def fake_parsers() -> list[str]:
+    """Like ReasoningParserManager.list_registered, without one of the table's names."""
+    return ["qwen3"]
+
+
 class FakeLLM:
     """An LLM whose own keywords are model and seed, with no **kwargs."""
 
@@ -164,6 +193,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> str:
     module = types.ModuleType("fake_vllm")
     for obj in (FakeResources, FakeStructuredConfig, FakeEngine, FakeParserManager, FakeLLM, fake_take, fake_give):
         setattr(module, obj.__name__, obj)
+    module.FAKE_DTYPES, module.SAME_DTYPES, module.fake_parsers = FAKE_DTYPES, SAME_DTYPES, fake_parsers
     monkeypatch.setitem(sys.modules, "fake_vllm", module)
     return "fake_vllm"
 
@@ -184,6 +214,8 @@ FAILING = [
     ("literal_value", "fake_vllm:FakeStructuredConfig", ("backend", "xgrammar"), "CHANGED", "not 'xgrammar'"),
     ("reasoning_parser", "fake_vllm:FakeParserManager", ("qwen3",), "MISSING", "KeyError"),
     ("reasoning_parser", "fake_vllm:FakeParserManager", ("fake",), "CHANGED", "extract_reasoning cannot call"),
+    ("names", "fake_vllm:FAKE_DTYPES", ("MODEL_DTYPES",), "CHANGED", "only in vLLM ['float8'], only in the table []"),
+    ("names", "fake_vllm:fake_parsers", ("REASONING_PARSERS",), "CHANGED", "only in vLLM [], only in the table ["),
 ]
 
 
@@ -210,6 +242,7 @@ PASSING = [
     ("llm_kwargs", "fake_vllm:FakeLLM", ("fake_vllm:FakeResources", ("model", "seed"))),
     ("annotation_covers", "fake_vllm:fake_take", ("prompt", "fake_vllm:fake_take", "prompt")),
     ("literal_value", "fake_vllm:FakeStructuredConfig", ("backend", "guidance")),
+    ("names", "fake_vllm:SAME_DTYPES", ("MODEL_DTYPES",)),
 ]
 
 
