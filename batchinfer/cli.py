@@ -250,6 +250,24 @@ COMMANDS = {
 }
 
 
+# Set by slurm/batchinfer.sbatch when its shell caught a USR2 before it exec'd this process.
+PENDING_STOP_ENV = "BATCHINFER_PENDING_STOP"
+
+
+def _take_over_usr2() -> None:
+    """USR2 is blocked: make it pending-able again and re-raise one the batch shell caught.
+
+    The sbatch script ignores USR2 across its exec (a signal in that instant is lost, not fatal);
+    blocked now, the default action only marks it pending until the worker's handler takes it."""
+    import os
+    import signal
+
+    if signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN:
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+    if os.environ.pop(PENDING_STOP_ENV, "") == "USR2":
+        os.kill(os.getpid(), signal.SIGUSR2)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the console script."""
     import signal
@@ -257,6 +275,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # A USR2 (Slurm's preemption / time-limit warning) before the worker's handler is in place
     # would kill the process by default: hold it pending until the worker installs its handler.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    _take_over_usr2()
     parser = build_parser()
     # Overrides may come before and after options (`submit --config-dir D a=1 b=2`).
     args, extra = parser.parse_known_args(argv)

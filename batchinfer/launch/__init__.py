@@ -18,6 +18,11 @@ log = logging.getLogger("batchinfer")
 
 def slurm_task(run_dir: str, shards: list[int]) -> None:
     """What one array task runs (submitit pickles this call)."""
+    import signal
+
+    # Before anything else: submitit's own USR2 handler would requeue behind the worker's back,
+    # and the engine's processes must start with USR2 blocked (they inherit the mask).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
     from batchinfer.engine.worker import Stopped
 
     setup_logging()
@@ -32,7 +37,14 @@ def slurm_task(run_dir: str, shards: list[int]) -> None:
 
 
 def slurm_merge(run_dir: str) -> str:
-    """What the merge job runs: refuses, naming them, when shards are incomplete."""
+    """What the merge job runs: submits again the shards of tasks killed by USR2 before their
+    worker owned it (submit.heal); otherwise merges, refusing, naming them, incomplete shards."""
+    from batchinfer.launch.submit import heal
+
     setup_logging()
-    stats = merge(RunDir(run_dir))
+    run = RunDir(run_dir)
+    again = heal(run)
+    if again is not None:
+        return f"submitted shards of killed tasks again as submission {again['submission']}; its merge job merges"
+    stats = merge(run)
     return f"merged {stats['rows']} rows"

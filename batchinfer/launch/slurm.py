@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -177,9 +178,25 @@ def merge_parameters(cluster: ClusterConfig, after: list[str]) -> dict[str, Any]
     return params
 
 
+# The step's Python blocks USR2 as its first statement, then runs submitit's entry point: a
+# preemption notice while the interpreter loads submitit and unpickles the task stays pending for
+# the worker instead of killing the task by USR2's default action (or meeting submitit's handler).
+# Only the interpreter's own start-up is left uncovered (`heal` resubmits a task killed there).
+STEP_BOOT = (
+    "import signal, sys, runpy; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2}); "
+    "i = sys.argv.index('-m'); module = sys.argv[i + 1]; sys.argv = [sys.argv[0], *sys.argv[i + 2:]]; "
+    "runpy.run_module(module, run_name='__main__', alter_sys=True)"
+)
+
+
+def step_python() -> str:
+    """submitit's `python`: it appends `-u -m submitit.core._submit FOLDER`, which STEP_BOOT runs."""
+    return f"{shlex.quote(sys.executable)} -u -c {shlex.quote(STEP_BOOT)}"
+
+
 def executor(folder: Path, params: dict[str, Any]) -> Any:
     """A submitit SlurmExecutor writing its scripts and logs under folder, its sbatch under a timeout."""
-    ex = _timed_executor_class()(folder=folder)
+    ex = _timed_executor_class()(folder=folder, python=step_python())
     ex.update_parameters(**params)
     return ex
 
@@ -258,6 +275,40 @@ def sacct_states(text: str) -> dict[str, str]:
         elif jid:
             own[jid] = state
     return {**ranged, **own}
+
+
+USR2_NUMBER = "12"  # SIGUSR2 on Linux, as sacct prints it in ExitCode
+
+
+def usr2_deaths(text: str) -> set[str]:
+    """Tasks (A_T) that `sacct -n -P -o JobID,State,ExitCode` (steps included) shows killed by
+    USR2: a line of the task with signal 12 in its ExitCode (`0:12`, its batch shell or step), or
+    the task FAILED with exit code 12 (srun passing on its task's death by signal 12)."""
+    out: set[str] = set()
+    for line in text.splitlines():
+        jid, state, code = (line.strip().split("|") + ["", ""])[:3]
+        task, _, step = jid.partition(".")
+        status, _, sig = code.partition(":")
+        if "[" in task or not task:
+            continue
+        if sig == USR2_NUMBER or (not step and state.startswith("FAILED") and status == USR2_NUMBER):
+            out.add(task)
+    return out
+
+
+def tasks_killed_by_usr2(arrays: list[str]) -> set[str]:
+    """Tasks of these arrays whose last run was killed by USR2 (usr2_deaths); empty if sacct cannot say."""
+    if not arrays:
+        return set()
+    try:
+        res = _run(["sacct", "-n", "-P", "-o", "JobID,State,ExitCode", "-j", ",".join(arrays)])
+    except (SlurmUnavailable, ConfigError) as e:
+        log.warning("cannot ask sacct how the tasks ended: %s", e)
+        return set()
+    if res.returncode != 0:
+        log.warning("sacct: %s", first_error_line(res.stderr))
+        return set()
+    return usr2_deaths(res.stdout)
 
 
 def job_states(job_ids: list[str], names: Iterable[str] = (), problems: Optional[list[str]] = None) -> dict[str, str]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import shlex
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,6 +22,8 @@ from batchinfer.launch.jobs import all_job_ids, submissions, unrecorded_names
 from batchinfer.rundir.merge import incomplete_shards
 from batchinfer.rundir.prepare import freeze_paths, prepare
 from batchinfer.rundir.store import RunDir
+
+log = logging.getLogger("batchinfer")
 
 
 def job_name(run: RunDir, number: int) -> str:
@@ -38,7 +43,7 @@ def _record(run: RunDir, line: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False) -> dict[str, Any]:
+def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False, heal: bool = False) -> dict[str, Any]:
     """Submit arrays over the given shards (split at MaxArraySize) and an afterany merge job.
 
     jobs.jsonl gets a line before the first sbatch (the job name), one per array as soon as sbatch
@@ -67,7 +72,7 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False) -> dic
         return {"submission": number, "dry_run": True, "arrays": [{"tasks": dict(enumerate(ch))} for ch in chunks]}
     security.make_private(run.path, c.output.private)  # set by `resume output.private=true`
     record: dict[str, Any] = {"submission": number, "time": time.time(), "folder": str(folder), "name": name}
-    _record(run, {**record, "arrays_planned": len(chunks)})
+    _record(run, {**record, "arrays_planned": len(chunks), **({"heal": True} if heal else {})})
     arrays: list[dict[str, Any]] = []
     # Secrets reach the jobs through sbatch's environment (--export=ALL), never a file; the jobs
     # keep this umask, so with output.private their logs and parts are private too.
@@ -179,6 +184,71 @@ def _submitted_so_far(run: RunDir, arrays: list[dict[str, Any]]) -> str:
         f"Already queued: {done}, recorded in jobs.jsonl; `batchinfer cancel {shown}` cancels them, "
         f"or let them run and resume the rest later"
     )
+
+
+def heal(run: RunDir) -> Optional[dict[str, Any]]:
+    """The merge job's first step: shards whose array task was killed by USR2 before its worker
+    could act on it (a preemption notice in the instant Python starts) are submitted again, with
+    a merge job of their own, at most cluster.max_attempts times in a row; returns that submission."""
+    todo = set(incomplete_shards(run))
+    subs = submissions(run)
+    if not todo or not subs:
+        return None
+    last = subs[-1]
+    tasks = {f"{a['job_id']}_{i}": shards for a in last["arrays"] for i, shards in a["tasks"].items()}
+    killed = slurm.tasks_killed_by_usr2([a["job_id"] for a in last["arrays"]])
+    shards = sorted({s for task, of_task in tasks.items() if task in killed for s in of_task} & todo)
+    if not shards:
+        return None
+    limit = run.config.cluster.max_attempts
+    streak = _heal_streak(run)
+    if streak >= limit:
+        log.error(
+            "shards %s: their tasks were killed by USR2 again; %d automatic resubmissions in a row "
+            "(cluster.max_attempts) is the limit: `batchinfer resume %s` submits them",
+            shards,
+            streak,
+            shlex.quote(str(run.path)),
+        )
+        return None
+    log.warning(
+        "shards %s: their tasks were killed by USR2 before the worker could act on it; submitting them again "
+        "(%d of %d in a row)",
+        shards,
+        streak + 1,
+        limit,
+    )
+    with _outside_this_job():
+        return submit_shards(run, shards, heal=True)
+
+
+def _heal_streak(run: RunDir) -> int:
+    """How many of the latest submissions in a row were made by `heal`."""
+    marked: dict[int, bool] = {}
+    for line in (run.path / "jobs.jsonl").read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the torn last line of a submit killed while writing it
+        if isinstance(rec, dict) and "submission" in rec:
+            marked[rec["submission"]] = marked.get(rec["submission"], False) or bool(rec.get("heal"))
+    streak = 0
+    for number in sorted(marked, reverse=True):
+        if not marked[number]:
+            break
+        streak += 1
+    return streak
+
+
+@contextlib.contextmanager
+def _outside_this_job() -> Iterator[None]:
+    """This job's SLURM_* variables out of the environment while sbatch runs (its jobs get their
+    own; srun would read a stale SLURM_MEM_PER_CPU or SLURM_CPUS_PER_TASK), SLURM_CONF kept."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("SLURM_") and k != "SLURM_CONF"}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def submit(cfg: DictConfig, dry_run: bool = False) -> RunDir:
