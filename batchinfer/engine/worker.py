@@ -177,20 +177,24 @@ class ShardWorker:
     def _finish(self, shard: Shard) -> dict[str, Any]:
         # Under the shard lock: what a killed writer left (temporaries, parts a finished shard's
         # compacted file replaces, a compacted file no DONE.json names) goes, finished or not.
-        if self.run.clean_temporaries(shard.index):
+        # DONE.json is read once: a second read (NFS negative lookup cache) could disagree with the
+        # one the cleanup went by.
+        sealed = self.run.done_record(shard.index)
+        if self.run.clean_temporaries(shard.index, sealed):
             log.info("shard %d: removed temporaries left by a killed writer", shard.index)
-        if self.run.is_done(shard.index):
-            return read_json(self.run.done_path(shard.index))
+        if sealed is not None:
+            return sealed
         self._progress = progress = self._progress_from_parts(shard)
         committed = progress.pop("_rows")
         if len(committed):
             log.info("shard %d: resuming, %d of %d rows already committed", shard.index, len(committed), shard.rows)
-        if len(committed) < shard.rows:
+        if np.count_nonzero((committed >= shard.start) & (committed < shard.stop)) < shard.rows:
             self._generate(shard, committed, progress)
         faults.point("before-done")
         done = dict(with_rates(progress), finished=time.time(), **self._reproducibility())
-        self.run.finish_shard(shard.index, done)
-        return done
+        # Sealed only when the committed rows are exactly the shard's range (a later copy of a row
+        # dropped); missing rows raise and leave the shard for resume.
+        return self.run.finish_shard(shard.index, done)
 
     def _reproducibility(self) -> dict[str, Any]:
         """What a reader needs to reproduce these rows: model, revision, settings, software, hardware."""

@@ -25,15 +25,16 @@ from batchinfer.errors import RunDirError
 from batchinfer.inputs.read import Shard
 from batchinfer.rundir.locks import RunLock
 from batchinfer.rundir.schema import jsonl_columns, jsonl_to_table, table_to_jsonl
+from batchinfer.rundir.shardrows import ShardRows, keep_mask_sorted, take_lines
 from batchinfer.rundir.store import (
     OUTPUT_EXT,
     TMP_PREFIX,
+    UNREAD,
     RunDir,
     fsync_dir,
+    group_rows,
     read_json,
     refused_write,
-    sorted_jsonl,
-    sorted_parts,
     storage_error,
     write_json,
 )
@@ -72,50 +73,73 @@ def stat_columns(run: RunDir) -> list[str]:
     return [c for c in wanted if c in run.schema.names]
 
 
-def shard_rows_in_order(run: RunDir, shard: Shard, done: Optional[dict[str, Any]] = None) -> Iterator[Rows]:
-    """A shard's committed rows in row order, streamed, checked as they come to be exactly its range.
+def shard_rows_in_order(run: RunDir, shard: Shard, done: Any = UNREAD) -> Iterator[Rows]:
+    """A shard's committed rows in row order, each once, streamed, checked as they come to be exactly
+    its range: a later copy of a row is dropped as sealing drops it (the first copy kept, logged),
+    a missing row refuses the merge. done: the shard's DONE.json as already read.
 
     A compacted shard is read a row group (or a block of lines) at a time; a shard still in parts
-    (run directories of earlier versions) is read whole and sorted."""
+    (run directories of earlier versions) is merged from its parts a window at a time."""
+    if done is UNREAD:
+        done = run.done_record(shard.index)
     compacted = run.compacted(shard.index, done)
     lines = run.output_format == "jsonl"
     if compacted is None:
-        pieces = _sorted_parts(run, run.part_files(shard.index), lines)
-    elif compacted.suffix == ".jsonl":
-        pieces = _jsonl_blocks(run, compacted, lines)
-    else:
-        pieces = _row_groups(run, compacted)
+        yield from _parts_in_order(run, shard, run.parts(shard.index, done), lines)
+        return
+    if not compacted.is_file():
+        run.check_compacted(shard.index, compacted)  # raises, naming the file and what to do
+    pieces = _jsonl_blocks(run, compacted, lines) if compacted.suffix == ".jsonl" else _row_groups(run, compacted)
     expected = shard.start
+    dropped = 0
     for piece in pieces:
         rows = piece.table.column("row").to_numpy()
+        keep = keep_mask_sorted(rows, expected - 1)
+        if not keep.all():  # sealed by an earlier version with a row twice
+            dropped += int((~keep).sum())
+            rows = rows[keep]
+            mask = pa.array(keep)
+            piece = Rows(piece.table.filter(mask), take_lines(piece.lines, keep) if piece.lines is not None else None)
         n = len(rows)
         if n and (rows[0] != expected or expected + n > shard.stop or (n > 1 and (np.diff(rows) != 1).any())):
-            _rows_mismatch(run, shard)
+            _rows_mismatch(run, shard, [compacted])
         expected += n
-        yield piece
+        if n:
+            yield piece
     if expected != shard.stop:
-        _rows_mismatch(run, shard)
+        _rows_mismatch(run, shard, [compacted])
+    if dropped:
+        log.warning(
+            "shard %d: %s holds %d extra copies of rows; each row is merged once (its first copy)",
+            shard.index,
+            compacted,
+            dropped,
+        )
 
 
-def _rows_mismatch(run: RunDir, shard: Shard) -> None:
-    """Raise, naming some duplicate and missing rows of the shard (read whole: this is the error path)."""
-    rows = run.read_shard(shard.index, columns=["row"]).column("row").to_numpy()
-    seen = Counter(rows.tolist())
-    dup = sorted(r for r, n in seen.items() if n > 1)[:5]
-    missing = sorted(set(range(shard.start, shard.stop)) - set(seen))[:5]
+def _rows_mismatch(run: RunDir, shard: Shard, files: list[Path]) -> None:
+    """Raise, naming what is wrong with the shard's rows (read again: this is the error path)."""
+    problem = ShardRows(shard, files, run.schema).check.problem() or "rows out of order"
     raise RunDirError(
         f"shard {shard.index}: committed rows do not match rows {shard.start}..{shard.stop - 1} "
-        f"(duplicates {dup}, missing {missing}); the shard folder was changed by hand or by two writers"
+        f"({problem}); the shard folder was changed by hand or by two writers"
     )
 
 
-def _sorted_parts(run: RunDir, parts: list[Path], lines: bool) -> Iterator[Rows]:
-    """A shard in parts, read whole and sorted by row (JSONL to JSONL: the lines as committed)."""
-    if lines and parts and all(p.suffix == ".jsonl" for p in parts):
-        text, table = sorted_jsonl([p.read_bytes() for p in parts], run.schema, stat_columns(run))
-        yield Rows(table, text)
-        return
-    yield Rows(sorted_parts(parts, run.schema))
+def _parts_in_order(run: RunDir, shard: Shard, parts: list[Path], lines: bool) -> Iterator[Rows]:
+    """A shard in parts, merged in row order a window at a time, each row once (JSONL to JSONL: the
+    lines as committed)."""
+    rows = ShardRows(shard, parts, run.schema)
+    if not rows.check.complete:
+        _rows_mismatch(run, shard, parts)
+    if rows.check.dropped:
+        log.warning("shard %d: %s; each row is merged once (its first copy)", shard.index, rows.check.duplicates_text())
+    columns = stat_columns(run)
+    for _, data in rows.windows(group_rows(rows.row_bytes), lines=lines):
+        if isinstance(data, bytes):
+            yield Rows(jsonl_columns(data, run.schema, columns), data)
+        else:
+            yield Rows(data)
 
 
 def _row_groups(run: RunDir, path: Path) -> Iterator[Rows]:
@@ -222,7 +246,7 @@ def _merge(run: RunDir) -> dict[str, Any]:
             done = read_json(run.done_path(shard.index))
             # under the run lock, DONE.json written: no writer is compacting this shard any more
             run.remove_leftovers(shard.index, done)
-            for rows in shard_rows_in_order(run, shard):
+            for rows in shard_rows_in_order(run, shard, done):
                 writer.write(rows)
                 _accumulate(stats, rows.table)
             seconds.update(done.get("seconds", {}))

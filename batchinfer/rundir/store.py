@@ -5,15 +5,15 @@ from __future__ import annotations
 import errno
 import io
 import json
+import logging
 import os
 import re
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import yaml
 
@@ -21,16 +21,23 @@ from batchinfer import faults
 from batchinfer.config.schema import Config, to_config
 from batchinfer.errors import RunDirError, StorageError
 from batchinfer.inputs.read import Shard
-from batchinfer.rundir.schema import jsonl_columns, jsonl_to_table, schema_from_text, table_to_jsonl
+from batchinfer.rundir.schema import jsonl_to_table, schema_from_text, table_to_jsonl
+from batchinfer.rundir.shardrows import ShardRows, count_rows, covers
 from batchinfer.security import redact_config
+
+log = logging.getLogger("batchinfer")
 
 PART_RE = re.compile(r"^part-(\d{6})\.(parquet|jsonl)$")
 # A finished shard's parts compacted into one file sorted by row; DONE.json names it (the rule:
 # named -> it holds the shard and leftover parts are ignored; not named -> parts hold the shard and
 # a file of this name is a leftover of a killed compaction).
 COMPACTED_RE = re.compile(r"^rows\.(parquet|jsonl)$")
-# Row groups of a compacted Parquet file: merge streams them, so its memory is one group, not a shard.
+# Row groups of a compacted Parquet file: compaction writes one at a time and merge streams them,
+# so the memory of either is one group, not a shard. At most this many rows, and about
+# GROUP_BYTES of rows (long outputs: fewer rows), never fewer than MIN_GROUP_ROWS.
 ROW_GROUP_ROWS = 65536
+GROUP_BYTES = 32 << 20
+MIN_GROUP_ROWS = 1024
 TMP_PREFIX = ".tmp-"
 OUTPUT_EXT = {"jsonl": "jsonl", "openai": "jsonl", "parquet": "parquet", "hf": "parquet"}
 
@@ -101,7 +108,7 @@ def publish_new(folder: Path, name: Callable[[int], str], first: int, data: byte
         _write_temporary(tmp, data, fault_prefix)
         while not _link_new(tmp, folder / name(n)):
             n += 1
-        os.unlink(tmp)
+        _unlink_temporary(tmp)
         fsync_dir(folder)
     except OSError as e:
         raise _write_failed(tmp, folder / name(n), e) from None
@@ -115,7 +122,7 @@ def create_once(path: Path, data: bytes, fault_prefix: Optional[str] = None) -> 
     try:
         _write_temporary(tmp, data, fault_prefix)
         created = _link_new(tmp, path)
-        os.unlink(tmp)
+        _unlink_temporary(tmp)
         fsync_dir(path.parent)
     except OSError as e:
         raise _write_failed(tmp, path, e) from None
@@ -130,9 +137,74 @@ def _link_new(tmp: Path, path: Path) -> bool:
         os.link(tmp, path)
         return True
     except FileExistsError:
-        # NFS: a retransmitted LINK can answer EEXIST although it succeeded (open(2));
-        # then the temporary has two names and these bytes are already published.
-        return os.stat(tmp).st_nlink >= 2
+        # NFS: a retransmitted LINK can answer EEXIST although it succeeded (open(2)); then the
+        # name is our file and these bytes are already published. Judged by the file the name
+        # leads to, not by st_nlink, which a stale attribute cache can still show as 1 (and the
+        # same bytes would be published again under the next name).
+        return _same_file(tmp, path)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two names lead to one file."""
+    sa, sb = os.stat(a), os.stat(b)
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def _unlink_temporary(tmp: Path) -> None:
+    """Drop the temporary name of a published file. NFS: a retransmitted REMOVE answers ENOENT
+    although the first one removed it; the file is published either way."""
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+
+
+def publish_stream(
+    path: Path, fill: Callable[[BinaryIO], None], fault_prefix: str, replace: Optional[Path] = None
+) -> bool:
+    """Write a file by fill(file) under a temporary name, fsync, then give it the name path: as a
+    new name (False if path exists: first writer wins), or over `replace` (== path) when the new
+    file holds everything the old one did. The temporary is removed on a refused write."""
+    tmp = temporary_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            fill(_FaultingFile(f, fault_prefix))
+            f.flush()
+            os.fsync(f.fileno())
+        faults.point(f"before-{fault_prefix}-rename")
+        if replace is not None:
+            os.replace(tmp, path)
+            created = True
+        else:
+            created = _link_new(tmp, path)
+            _unlink_temporary(tmp)
+        fsync_dir(path.parent)
+    except OSError as e:
+        raise _write_failed(tmp, path, e) from None
+    faults.point(f"after-{fault_prefix}-rename")
+    return created
+
+
+class _FaultingFile:
+    """A file whose first write stops half way at the fault point in-<prefix>-write (tests)."""
+
+    def __init__(self, f: BinaryIO, prefix: str):
+        self.f = f
+        self.prefix = prefix
+        self.first = True
+
+    def write(self, data: bytes) -> int:
+        if self.first and len(data) > 1:
+            self.first = False
+            self.f.write(data[: len(data) // 2])
+            self.f.flush()
+            faults.point(f"in-{self.prefix}-write")
+            self.f.write(data[len(data) // 2 :])
+            return len(data)
+        return self.f.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
 
 
 def _write_temporary(tmp: Path, data: bytes, fault_prefix: Optional[str]) -> None:
@@ -181,31 +253,24 @@ def table_bytes(table: pa.Table, fmt: str, row_group_size: Optional[int] = None)
     return buf.getvalue()
 
 
-def sorted_jsonl(chunks: list[bytes], schema: pa.Schema, columns: list[str]) -> tuple[bytes, pa.Table]:
-    """JSON lines of several files as one text sorted by row, the committed lines kept byte for
-    byte, and the given columns of those rows (in the same order)."""
-    lines = [line for data in chunks for line in data.split(b"\n") if line.strip()]
-    tables = [jsonl_columns(data, schema, columns) for data in chunks]
-    table = pa.concat_tables(tables) if tables else pa.schema([schema.field(c) for c in columns]).empty_table()
-    order = pc.sort_indices(table, sort_keys=[("row", "ascending")])
-    if len(lines) != table.num_rows:
-        raise RunDirError(f"{len(lines)} JSON lines parsed as {table.num_rows} rows")
-    text = b"".join(lines[i] + b"\n" for i in order.to_numpy())
-    return text, table.take(order)
-
-
-def sorted_parts(parts: list[Path], schema: pa.Schema) -> pa.Table:
-    """The rows of several parts as one table sorted by row (the whole shard in memory)."""
-    tables = [read_table(p, schema) for p in parts]
-    return (pa.concat_tables(tables) if tables else schema.empty_table()).sort_by("row")
-
-
 def read_table(path: Path, schema: pa.Schema, columns: Optional[list[str]] = None) -> pa.Table:
     """Read one part or output file back in the run's schema."""
     if path.suffix == ".jsonl":
         table = jsonl_to_table(path.read_bytes(), schema)
         return table.select(columns) if columns else table
     return pq.read_table(path, columns=columns, schema=schema if columns is None else None)
+
+
+def group_rows(row_bytes: float) -> int:
+    """Rows of a compacted row group (and of a compaction or merge window) for rows of this size."""
+    return min(ROW_GROUP_ROWS, max(MIN_GROUP_ROWS, int(GROUP_BYTES // max(row_bytes, 1.0))))
+
+
+class _Unread:
+    """The default of a `done` argument: the caller has not read DONE.json (None means: it has none)."""
+
+
+UNREAD: Any = _Unread()
 
 
 class _NoAliasDumper(yaml.SafeDumper):
@@ -321,9 +386,10 @@ class RunDir:
         except FileNotFoundError:
             return None
 
-    def compacted(self, index: int, done: Optional[dict[str, Any]] = None) -> Optional[Path]:
-        """The shard's compacted file when its DONE.json names one (done: that record, if already read)."""
-        if done is None:
+    def compacted(self, index: int, done: Any = UNREAD) -> Optional[Path]:
+        """The shard's compacted file when its DONE.json names one (done: that record as already
+        read, None for no DONE.json; read here when not given)."""
+        if done is UNREAD:
             done = self.done_record(index)
         name = (done or {}).get("compacted")
         if not name:
@@ -332,32 +398,80 @@ class RunDir:
             raise RunDirError(f"{self.done_path(index)}: 'compacted' is {name!r}, not rows.parquet or rows.jsonl")
         return self.shard_dir(index) / name
 
-    def finish_shard(self, index: int, done: dict[str, Any]) -> None:
-        """Mark a shard finished (under its lock): compact its parts into one file sorted by row,
-        write DONE.json naming it (the commit point), then remove the parts. A kill at any step
-        leaves either parts + no DONE (a compacted file is a leftover) or DONE naming a whole file."""
-        if self.compacted(index) is not None:  # finished already: its rows live in the compacted file
-            self.clean_temporaries(index)
-            return
+    def shard(self, index: int) -> Shard:
+        """One shard of the plan."""
+        for s in self.shards():
+            if s.index == index:
+                return s
+        raise RunDirError(f"{self.plan_json}: no shard {index}")
+
+    def finish_shard(self, index: int, done: dict[str, Any]) -> dict[str, Any]:
+        """Seal a shard (under its lock) when its committed rows are exactly its range: merge its files
+        into one file sorted by row (a window at a time), check its row count, write DONE.json naming
+        it (the commit point), then remove the parts; returns the DONE record. A later copy of a row
+        is dropped (the first committed copy is kept, and logged); missing rows or rows outside the
+        range raise RunDirError and nothing is sealed. A kill at any step leaves either the
+        committed files + no DONE (a compacted file then is a leftover copy of the parts) or DONE
+        naming a whole file."""
+        sealed = self.done_record(index)  # read once: a second read could disagree (NFS)
+        if self.compacted(index, sealed) is not None:  # finished already: its rows live in the compacted file
+            self.remove_leftovers(index, sealed, temporaries=True)
+            return sealed  # type: ignore[return-value]
+        shard = self.shard(index)
         folder = self.shard_dir(index)
-        parts = self.part_files(index)
         target = folder / self.compacted_name
-        target.unlink(missing_ok=True)  # a killed compaction's: no DONE.json names it
-        if not create_once(target, self._compacted_bytes(parts), "compact"):
-            raise RunDirError(f"{target}: written meanwhile by another writer; the shard lock was not held")
-        write_json(self.done_path(index), dict(done, compacted=target.name))
+        sources = self.parts(index, sealed)
+        rows = ShardRows(shard, sources, self.schema)
+        if not rows.check.complete:
+            raise RunDirError(
+                f"shard {index} not sealed: its committed rows are not rows {shard.start}..{shard.stop - 1} "
+                f"({rows.check.problem()}); {folder} is left as it is: `batchinfer resume` redoes missing rows, "
+                f"a file holding another shard's rows must be moved away by hand"
+            )
+        if rows.check.dropped:
+            log.warning(
+                "shard %d: %s were committed (two writers, or a part published twice); keeping each row's "
+                "first committed copy",
+                index,
+                rows.check.duplicates_text(),
+            )
+        adopted = target in sources  # rows.* no DONE.json names, holding rows no part holds
+        if not (adopted and rows.in_order):
+            if not adopted:
+                target.unlink(missing_ok=True)  # a killed compaction's copy: the parts hold every row
+            fill = self._compacted_writer(rows)
+            if not publish_stream(target, fill, "compact", replace=target if adopted else None):
+                raise RunDirError(f"{target}: written meanwhile by another writer; the shard lock was not held")
+        written = count_rows(target)
+        if written != shard.rows:
+            raise RunDirError(f"{target}: holds {written} rows, shard {index} has {shard.rows}; not sealed")
+        record = dict(done, compacted=target.name)
+        if rows.check.dropped:
+            record["duplicates_dropped"] = rows.check.dropped
+        write_json(self.done_path(index), record)
         faults.point("after-compact-done")
-        for n, p in enumerate(parts):
+        for n, p in enumerate(q for q in sources if q != target):
             p.unlink(missing_ok=True)
             if n == 0:
                 faults.point("in-compact-cleanup")
         fsync_dir(folder)
+        return record
 
-    def _compacted_bytes(self, parts: list[Path]) -> bytes:
-        """The rows of parts as one file sorted by row, in the part format."""
-        if self.part_format == "jsonl":
-            return sorted_jsonl([p.read_bytes() for p in parts], self.schema, ["row"])[0]
-        return table_bytes(sorted_parts(parts, self.schema), "parquet", ROW_GROUP_ROWS)
+    def _compacted_writer(self, rows: ShardRows) -> Callable[[BinaryIO], None]:
+        """What writes a shard's rows as one file sorted by row, in the part format, a window at a time."""
+
+        size = group_rows(rows.row_bytes)
+
+        def fill(f: BinaryIO) -> None:
+            if self.part_format == "jsonl":
+                for _, data in rows.windows(size, lines=True):
+                    f.write(data)  # type: ignore[arg-type]
+                return
+            with pq.ParquetWriter(f, self.schema, compression="zstd") as writer:
+                for _, table in rows.windows(size, lines=False):
+                    writer.write_table(table, row_group_size=size)  # type: ignore[arg-type]
+
+        return fill
 
     def part_files(self, index: int) -> list[Path]:
         """The part-NNNNNN files in the shard's folder, in commit order (whatever DONE.json says)."""
@@ -366,11 +480,20 @@ class RunDir:
             return []
         return sorted(p for p in d.iterdir() if PART_RE.match(p.name))
 
-    def parts(self, index: int, done: Optional[dict[str, Any]] = None) -> list[Path]:
+    def parts(self, index: int, done: Any = UNREAD) -> list[Path]:
         """The files holding a shard's committed rows: its compacted file when DONE.json names one,
-        else its parts in commit order."""
+        else its parts in commit order, after a compacted file no DONE.json names when the parts
+        do not hold every row (DONE.json removed by hand after the parts were: it is the only copy)."""
+        if done is UNREAD:
+            done = self.done_record(index)
         compacted = self.compacted(index, done)
-        return [compacted] if compacted is not None else self.part_files(index)
+        if compacted is not None:
+            return [compacted]
+        parts = self.part_files(index)
+        stray = self.shard_dir(index) / self.compacted_name
+        if done is None and _regular_file(stray) and not covers(self.shard(index), parts, self.schema):
+            return [stray, *parts]
+        return parts
 
     def read_shard(self, index: int, columns: Optional[list[str]] = None) -> pa.Table:
         """All committed rows of a shard (commit order, or row order once compacted)."""
@@ -387,29 +510,54 @@ class RunDir:
         fmt = self.part_format
         return publish_new(self.shard_dir(index), lambda k: f"part-{k:06d}.{fmt}", n, table_bytes(table, fmt), "part")
 
-    def clean_temporaries(self, index: int) -> int:
+    def clean_temporaries(self, index: int, done: Any = UNREAD) -> int:
         """Remove what a killed writer left (call under the shard lock): temporaries, and by the
         compaction rule parts of a shard whose DONE.json names its compacted file, or a compacted
-        file that DONE.json does not name. Never follows a symlink."""
-        return self.remove_leftovers(index, temporaries=True)
+        file that DONE.json does not name while the parts hold every row. done: the shard's DONE.json
+        as the caller read it (None: none), read here once when not given. Never follows a symlink."""
+        if done is UNREAD:
+            done = self.done_record(index)
+        return self.remove_leftovers(index, done, temporaries=True)
 
-    def remove_leftovers(self, index: int, done: Optional[dict[str, Any]] = None, temporaries: bool = False) -> int:
+    def remove_leftovers(self, index: int, done: Optional[dict[str, Any]], temporaries: bool = False) -> int:
         """Remove leftovers of a killed compaction (and temporaries if asked); the count removed.
+        done: the shard's DONE.json as read once by the caller (None: none).
 
-        Safe only where no writer can be mid-compaction: under the shard lock, or in merge (under
-        the run lock) for a shard with DONE.json."""
+        Parts go only once the compacted file DONE.json names is there with every row of the shard
+        (else RunDirError, nothing removed); a compacted file DONE.json does not name goes only when
+        the parts hold every row. Safe only where no writer can be mid-compaction: under the shard
+        lock, or in merge (under the run lock) for a shard with DONE.json."""
         d = self.shard_dir(index)
         if not d.is_dir():
             return 0
         compacted = self.compacted(index, done)
-        removed = 0
-        for p in d.iterdir():
-            leftover = (
-                (temporaries and p.name.startswith(TMP_PREFIX))
-                or (compacted is not None and PART_RE.match(p.name) is not None)
-                or (compacted is None and COMPACTED_RE.match(p.name) is not None)
-            )
-            if leftover and p.is_file() and not p.is_symlink():
-                p.unlink(missing_ok=True)
-                removed += 1
-        return removed
+        files = [p for p in d.iterdir() if _regular_file(p)]
+        doomed = [p for p in files if temporaries and p.name.startswith(TMP_PREFIX)]
+        parts = sorted(p for p in files if PART_RE.match(p.name))
+        if compacted is not None and parts:
+            self.check_compacted(index, compacted)
+            doomed += parts
+        strays = [p for p in files if COMPACTED_RE.match(p.name)]
+        if compacted is None and strays and covers(self.shard(index), parts, self.schema):
+            doomed += strays
+        for p in doomed:
+            p.unlink(missing_ok=True)
+        return len(doomed)
+
+    def check_compacted(self, index: int, path: Path) -> None:
+        """RunDirError unless the compacted file DONE.json names is there with every row of the shard."""
+        rows = self.shard(index).rows
+        found = count_rows(path) if path.is_file() else None
+        if found == rows:
+            return
+        what = "is missing" if found is None else f"holds {found} rows of {rows}"
+        raise RunDirError(
+            f"shard {index}: {self.done_path(index)} names {path.name}, which {what}; the shard's other files "
+            f"are kept. Remove {self.done_path(index)}, then `batchinfer resume {self.path}` (or the same "
+            f"`batchinfer run`) seals it again from what is committed, redoing only missing rows"
+        )
+
+
+def _regular_file(p: Path) -> bool:
+    """A regular file, not a symlink (cleanup never follows one)."""
+    return p.is_file() and not p.is_symlink()

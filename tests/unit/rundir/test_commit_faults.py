@@ -29,13 +29,25 @@ def test_a_part_name_taken_meanwhile_is_never_replaced(tmp_path: Path, monkeypat
     run.shard_dir(0).mkdir(parents=True)
     first = run.write_part(0, rows_to_table([error_row(0, "doc-00000", "x", "first")], run.schema))
     before = first.read_bytes()
-    # A listing that misses part 0 (a second writer, or NFS's attribute cache) must not overwrite it.
-    monkeypatch.setattr(RunDir, "parts", lambda self, index: [])
+    # A listing that misses part 0 (a second writer, or NFS's attribute cache) must not overwrite it:
+    # write_part lists the folder with part_files, so that is the listing that misses it.
+    listed, linked = [], []
+    monkeypatch.setattr(RunDir, "part_files", lambda self, index: listed.append(index) or [])
+    real_link = os.link
+
+    def link(src: Any, dst: Any) -> None:
+        linked.append(Path(dst).name)
+        real_link(src, dst)
+
+    monkeypatch.setattr(store.os, "link", link)
     second = run.write_part(0, rows_to_table([error_row(1, "doc-00001", "x", "second")], run.schema))
     monkeypatch.undo()
+    # The fault landed: the stale listing was used, the first name tried was taken, the next one won.
+    assert listed == [0] and linked == ["part-000000.parquet", "part-000001.parquet"]
     assert (first.name, second.name) == ("part-000000.parquet", "part-000001.parquet")
     assert first.read_bytes() == before
     assert run.read_shard(0).column("row").to_pylist() == [0, 1]
+    assert sorted(os.listdir(run.shard_dir(0))) == ["part-000000.parquet", "part-000001.parquet"]
 
 
 def test_a_link_that_answers_eexist_after_succeeding_publishes_once(
@@ -54,6 +66,67 @@ def test_a_link_that_answers_eexist_after_succeeding_publishes_once(
     monkeypatch.undo()
     assert part.name == "part-000000.parquet"
     assert sorted(os.listdir(run.shard_dir(0))) == ["part-000000.parquet"]  # no second copy, no temporary
+
+
+def test_a_stale_link_count_does_not_publish_the_same_bytes_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NFS: the LINK succeeded, its retransmission answers EEXIST, and the attribute cache still says
+    the temporary has one name (st_nlink 1): the part is published once, not again as the next name."""
+    run = prepared(tmp_path, 4)
+    run.shard_dir(0).mkdir(parents=True)
+    real_link, real_stat = os.link, os.stat
+    stale, links = [], []
+
+    def retransmitted(src: Any, dst: Any) -> None:  # the first LINK's reply is lost, its retry says EEXIST
+        links.append(Path(dst).name)
+        real_link(src, dst)
+        if len(links) == 1:
+            raise FileExistsError(errno.EEXIST, "File exists", str(dst))
+
+    def stat(path: Any, *args: Any, **kw: Any) -> os.stat_result:
+        st = real_stat(path, *args, **kw)
+        if Path(path).name.startswith(".tmp-"):
+            stale.append(st.st_nlink)  # the true count, before the stale cache hides it
+            fields = list(st)
+            fields[3] = 1  # st_nlink, as a stale attribute cache reports it
+            return os.stat_result(fields)
+        return st
+
+    monkeypatch.setattr(store.os, "link", retransmitted)
+    monkeypatch.setattr(store.os, "stat", stat)
+    part = run.write_part(0, rows_to_table([error_row(0, "doc-00000", "x", "m")], run.schema))
+    monkeypatch.undo()
+    assert stale and stale[0] == 2  # the fault landed: two names, a stat that says one
+    assert links == ["part-000000.parquet"]  # no second name tried
+    assert part.name == "part-000000.parquet"
+    assert sorted(os.listdir(run.shard_dir(0))) == ["part-000000.parquet"]
+    assert run.read_shard(0).column("row").to_pylist() == [0]
+
+
+def test_an_unlink_that_answers_enoent_after_succeeding_still_publishes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NFS: the temporary's REMOVE succeeded, its retransmission answers ENOENT: the part is published
+    and write_part says so, instead of raising (a published commit reported as failed)."""
+    run = prepared(tmp_path, 4)
+    run.shard_dir(0).mkdir(parents=True)
+    real_unlink = os.unlink
+    removed = []
+
+    def retransmitted(path: Any, *args: Any, **kw: Any) -> None:
+        real_unlink(path, *args, **kw)
+        removed.append(Path(path).name)
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
+
+    monkeypatch.setattr(store.os, "unlink", retransmitted)
+    part = run.write_part(0, rows_to_table([error_row(0, "doc-00000", "x", "m")], run.schema))
+    created = store.create_once(run.shard_dir(0) / "marker.json", b"{}")
+    monkeypatch.undo()
+    assert len(removed) == 2 and all(n.startswith(".tmp-") for n in removed)  # the fault landed twice
+    assert part.name == "part-000000.parquet" and created
+    assert sorted(os.listdir(run.shard_dir(0))) == ["marker.json", "part-000000.parquet"]
+    assert run.read_shard(0).column("row").to_pylist() == [0]
 
 
 # ---------------------------------------------------------------- failure budget (fake engine)

@@ -4,13 +4,12 @@ the leftovers are gone (issue 16). No engine: parts are written as a worker comm
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pyarrow.parquet as pq
 import pytest
@@ -20,34 +19,49 @@ from batchinfer.errors import RunDirError
 from batchinfer.insight.status import shard_status
 from batchinfer.rundir import merge as merge_mod
 from batchinfer.rundir import store
-from batchinfer.rundir.locks import ShardLock
 from batchinfer.rundir.merge import merge, shard_rows_in_order
 from batchinfer.rundir.schema import rows_to_table
 from batchinfer.rundir.stats import shard_stats
 from batchinfer.rundir.store import RunDir, read_json, write_json
 
-# What a worker does to finish a shard: under the shard's lock, RunDir.finish_shard.
+# What a worker does to finish a shard whose rows are all committed: the real ShardWorker, which
+# under the shard's lock removes a killed writer's leftovers, reads the parts and seals the shard
+# (no engine: nothing is left to generate).
 FINISH = """
-import json, sys
-from batchinfer.rundir.locks import ShardLock
+import sys
+from batchinfer.engine.worker import ShardWorker, StopFlag
 from batchinfer.rundir.store import RunDir
+
+def no_engine():
+    raise SystemExit("a shard whose rows are all committed needs no engine")
+
 run = RunDir(sys.argv[1])
-with ShardLock(run.shard_dir(int(sys.argv[2]))):
-    run.finish_shard(int(sys.argv[2]), json.loads(sys.argv[3]))
+ShardWorker(run, no_engine, StopFlag()).run_shard(run.shards()[int(sys.argv[2])])
 """
 
 
+def no_engine() -> Any:
+    pytest.fail("a shard whose rows are all committed needs no engine")
+
+
 def resume(run: RunDir) -> None:
-    """What a resumed worker does per shard (ShardWorker._finish): under the lock, a killed writer's
-    leftovers go; a finished shard is then left as it is, the others are finished from their parts."""
+    """What a resumed task does: the real worker over every shard, without an engine (every row is
+    committed, so none is needed; a worker that asked for one fails the test)."""
+    from batchinfer.engine.worker import ShardWorker, StopFlag
+
+    worker = ShardWorker(run, no_engine, StopFlag())
     for shard in run.shards():
-        with ShardLock(run.shard_dir(shard.index), log=lambda m: None):
-            run.clean_temporaries(shard.index)
-            if run.is_done(shard.index):
-                continue
-            rows = run.read_shard(shard.index, columns=["row"]).column("row").to_pylist()
-            assert sorted(rows) == list(range(shard.start, shard.stop))  # every row once: nothing to redo
-            run.finish_shard(shard.index, DONE)
+        worker.run_shard(shard)
+
+
+def sealed(record: Optional[dict[str, Any]], fmt: str) -> bool:
+    """Whether a DONE record is the worker's seal of a 12-row shard naming its compacted file."""
+    return record is not None and record["compacted"] == f"rows.{fmt}" and record["rows_done"] == 12
+
+
+def without_seconds(stats: dict[str, Any]) -> dict[str, Any]:
+    """stats.json without what depends on who sealed the shards and when (phase and merge seconds)."""
+    return {k: v for k, v in stats.items() if k not in ("merge_seconds", "seconds")}
 
 
 def listing(run: RunDir, index: int) -> list[str]:
@@ -91,16 +105,23 @@ def test_compaction_writes_one_sorted_file_named_by_done(tmp_path: Path, fmt: st
 
 @pytest.mark.parametrize(
     "fault",
-    ["in-compact-write", "before-compact-rename", "after-compact-rename", "after-compact-done", "in-compact-cleanup"],
+    [
+        "before-done",
+        "in-compact-write",
+        "before-compact-rename",
+        "after-compact-rename",
+        "after-compact-done",
+        "in-compact-cleanup",
+    ],
 )
-def test_a_kill_at_every_step_of_compaction(
-    tmp_path: Path, fmt: str, reference: dict[str, Any], fault: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_kill_at_every_step_of_compaction(tmp_path: Path, fmt: str, reference: dict[str, Any], fault: str) -> None:
+    """The real worker seals shard 0 and is SIGKILLed at each step; the real worker resumed finishes
+    the run without an engine, and the output is the uninterrupted run's."""
     run = committed(tmp_path, "killed", fmt)
     parts = [p.name for p in run.parts(0)]
     rows_before = run.read_shard(0).to_pylist()
     res = subprocess.run(
-        [sys.executable, "-c", FINISH, str(run.path), "0", json.dumps(DONE)],
+        [sys.executable, "-c", FINISH, str(run.path), "0"],
         env={**os.environ, "BATCHINFER_FAULT": fault},
         capture_output=True,
         text=True,
@@ -111,7 +132,9 @@ def test_a_kill_at_every_step_of_compaction(
     name, files = f"rows.{fmt}", listing(run, 0)
     temporaries = [f for f in files if f.startswith(f".tmp-{name}.")]
     done = run.done_record(0)
-    if fault in ("in-compact-write", "before-compact-rename"):
+    if fault == "before-done":
+        assert not temporaries and name not in files and done is None
+    elif fault in ("in-compact-write", "before-compact-rename"):
         assert len(temporaries) == 1 and name not in files and done is None
         whole = (run.shard_dir(0) / temporaries[0]).read_bytes() == reference["compacted"][0]
         assert whole == (fault == "before-compact-rename")  # half written, or complete and fsynced
@@ -119,7 +142,7 @@ def test_a_kill_at_every_step_of_compaction(
         assert not temporaries and done is None
         assert (run.shard_dir(0) / name).read_bytes() == reference["compacted"][0]  # published, not yet named
     else:
-        assert done == dict(DONE, compacted=name)
+        assert sealed(done, fmt)
     left = [f for f in files if f.startswith("part-")]
     assert left == (parts[1:] if fault == "in-compact-cleanup" else parts)
 
@@ -134,13 +157,13 @@ def test_a_kill_at_every_step_of_compaction(
     resume(run)
     if done is not None:  # finished: the resumed worker removed only the parts DONE.json replaced
         assert listing(run, 0) == ["DONE.json", "lock", "progress.json", name]
+        assert run.done_record(0) == done  # and kept the seal as it was
     assert merged_bytes(run) == reference["output"]
     stats, ref_stats = read_json(run.stats_json), read_json(reference["run"].stats_json)
-    assert {k: v for k, v in stats.items() if k != "merge_seconds"} == {
-        k: v for k, v in ref_stats.items() if k != "merge_seconds"
-    }
+    assert without_seconds(stats) == without_seconds(ref_stats)
     for shard in run.shards():
         assert listing(run, shard.index) == ["DONE.json", "lock", "progress.json", name]  # leftovers removed
+        assert sealed(run.done_record(shard.index), fmt)
         assert run.compacted(shard.index).read_bytes() == reference["compacted"][shard.index]  # type: ignore[union-attr]
 
 
@@ -211,13 +234,24 @@ def test_merge_streams_a_compacted_shard_in_row_groups_and_blocks(
         assert merged_bytes(run) == reference["output"]
 
 
-def test_a_compacted_shard_with_a_row_out_of_sequence_is_refused(tmp_path: Path, fmt: str) -> None:
+def test_a_row_committed_twice_is_sealed_once_keeping_the_first_copy(
+    tmp_path: Path, fmt: str, reference: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two writers: row 13 committed again, with other content, after the shard's own parts. The real
+    worker seals the shard with row 13 once, as first committed, logs it, and merge takes it."""
     run = committed(tmp_path, "run", fmt)
-    run.write_part(1, rows_to_table([output_row(run, 13)], run.schema))  # two writers: row 13 twice
-    finish_all(run)
-    with pytest.raises(RunDirError, match=r"shard 1: committed rows do not match rows 12\.\.23 \(duplicates \[13\]"):
-        merge(run)
-    assert not run.output_path.exists()
+    second = dict(output_row(run, 13), text="a second writer's copy")
+    run.write_part(1, rows_to_table([second], run.schema))
+    assert run.read_shard(1).column("row").to_pylist().count(13) == 2  # the fault is in place
+    resume(run)
+    done = run.done_record(1)
+    assert sealed(done, fmt) and done["duplicates_dropped"] == 1  # type: ignore[index]
+    table = run.read_shard(1)
+    assert table.column("row").to_pylist() == list(range(12, 24))
+    assert table.to_pylist()[1] == rows_to_table([output_row(run, 13)], run.schema).to_pylist()[0]
+    assert run.compacted(1).read_bytes() == reference["compacted"][1]  # type: ignore[union-attr]
+    assert "shard 1: 1 extra copies of rows 13" in caplog.text
+    assert merged_bytes(run) == reference["output"]
 
 
 def test_the_worker_removes_parts_a_finished_shard_left_without_an_engine(tmp_path: Path, fmt: str) -> None:
@@ -229,7 +263,7 @@ def test_the_worker_removes_parts_a_finished_shard_left_without_an_engine(tmp_pa
     compacted = run.compacted(0).read_bytes()  # type: ignore[union-attr]
     for name, data in parts.items():  # as a kill during the parts' removal leaves them
         (run.shard_dir(0) / name).write_bytes(data)
-    worker = ShardWorker(run, lambda: pytest.fail("a finished shard needs no engine"), StopFlag())
+    worker = ShardWorker(run, no_engine, StopFlag())
     assert worker.run_shard(run.shards()[0]) == dict(DONE, compacted=f"rows.{fmt}")
     assert sorted(os.listdir(run.shard_dir(0))) == ["DONE.json", "lock", "progress.json", f"rows.{fmt}"]
     assert run.compacted(0).read_bytes() == compacted  # type: ignore[union-attr]
