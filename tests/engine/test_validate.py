@@ -102,3 +102,29 @@ def part_bytes(run_dir: Path) -> dict[str, bytes]:
     """Committed rows' files: parts, and the compacted rows.* of finished shards."""
     files = sorted([*run_dir.glob("shards/*/part-*"), *run_dir.glob("shards/*/rows.*")])
     return {str(p.relative_to(run_dir)): p.read_bytes() for p in files}
+
+
+@pytest.mark.engine
+def test_pooling_rows_validate_as_the_engine_runs_them(tmp_path: Path, minilm: Path, embed_engine: Any) -> None:
+    """task=score on all-MiniLM-L6-v2 (a bi-encoder): validate predicts the run's error rows, with the
+    same messages, and counts the tokens the engine was given."""
+    from support.pooling import LONG
+
+    good = [
+        {"id": f"g{i}", "q": f"what is {w}?", "d": f"{w} is word number {i}"} for i, w in enumerate(["tea", "rain"])
+    ]
+    bad = [{"id": "blank", "q": "what?", "d": "  "}, {"id": "long", "q": "and this?", "d": LONG}]
+    corpus = write_rows(tmp_path / "pairs.jsonl", [*good, *bad])
+    texts = ["model=all-minilm-l6-v2", f"model.path={minilm}", "task=score", "task.query={q}", "task.document={d}"]
+    ov = [*texts, f"input.path={corpus}", "input.id_column=id", "prompt.overlong=error_row"]
+    out = read_output(run_local(compose([*ov, f"output.dir={tmp_path / 'run'}"]), engine=embed_engine).path)
+    errors = {r["row"]: (r["error"]["kind"], r["error"]["message"]) for r in out if r["error"]}
+    assert set(errors) == {2, 3}
+    report = validate(compose(ov))
+    predicted = {
+        ex["row"]: (k, ex["message"]) for k, e in report["error_rows"]["by_kind"].items() for ex in e["examples"]
+    }
+    assert predicted == errors and report["exit_code"] == 1 and report["would_run"] == 2
+    clean = validate(compose([*texts, f"input.path={write_rows(tmp_path / 'good.jsonl', good)}"]))
+    assert clean["exit_code"] == 0
+    assert clean["prompt_tokens"]["total"] == sum(r["prompt_tokens"] for r in out if not r["error"])
