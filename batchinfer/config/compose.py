@@ -42,7 +42,9 @@ def quote_literals(overrides: list[str]) -> list[str]:
     for ov in overrides:
         key, sep, value = ov.partition("=")
         name, quoted = key.lstrip("+~"), _HYDRA_QUOTED.fullmatch(value) is not None
-        if sep and (name in LITERAL_KEYS or (name in LITERAL_UNLESS_QUOTED_KEYS and not quoted)):
+        # `null` unsets an optional key, as before (a regex that is the word null: write 'null')
+        hydra = quoted or value == "null"
+        if sep and (name in LITERAL_KEYS or (name in LITERAL_UNLESS_QUOTED_KEYS and not hydra)):
             ov = f"{key}={hydra_literal(value)}"
         elif sep and name in LITERAL_LIST_KEYS and value and not value.startswith("["):
             ov = f"{key}=[{value if quoted else hydra_literal(value)}]"

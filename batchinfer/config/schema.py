@@ -28,7 +28,7 @@ DEFAULT_ROWS_PER_SHARD = 10000
 # Values typed in a shell that Hydra's grammar would reject or interpolate ({, [, #, ${): taken as typed.
 LITERAL_KEYS = ("prompt.template", "prompt.system", "task.query", "task.document")
 # The same, except that a value wholly in Hydra's quotes ('[a-z]+') keeps Hydra's meaning (the quotes
-# go), as these keys had to be written before they were taken literally.
+# go), as these keys had to be written before they were taken literally, and `null` unsets the key.
 LITERAL_UNLESS_QUOTED_KEYS = (
     "prompt.labels.description",
     "sampling.structured_outputs.regex",

@@ -190,6 +190,8 @@ def test_raw_mode_and_pooling_tasks_compose_without_those_settings() -> None:
             "root ::= [a-z]+",
         ),
         ("prompt.labels.description=Pick {one}: a, b ${x}", "prompt.labels.description", "Pick {one}: a, b ${x}"),
+        ("sampling.structured_outputs.regex=null", "sampling.structured_outputs.regex", None),  # null unsets
+        ("sampling.structured_outputs.regex='null'", "sampling.structured_outputs.regex", "null"),
     ],
 )
 def test_values_hydra_cannot_lex_are_taken_literally(override: str, key: str, value: object) -> None:
