@@ -22,7 +22,7 @@ from batchinfer.inputs.read import Shard
 from batchinfer.rundir.schema import jsonl_columns, jsonl_to_table, table_to_jsonl
 
 # JSON lines are read in blocks of about this size (whole lines).
-BLOCK_BYTES = 8 << 20
+BLOCK_BYTES = 1 << 20
 SHOWN = 5  # rows named in a message
 
 
@@ -271,7 +271,7 @@ def count_rows(path: Path) -> int:
     if path.suffix == ".jsonl":
         n = 0
         with open(path, "rb") as f:
-            while block := f.read(BLOCK_BYTES):
+            for block in iter(lambda: f.read(BLOCK_BYTES), b""):
                 n += block.count(b"\n")
         return n
     with pq.ParquetFile(path) as f:
