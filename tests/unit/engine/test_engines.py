@@ -356,11 +356,16 @@ def run_task_signalled(run: RunDir, tmp_path: Path, signum: int) -> dict[str, An
         text=True,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
     )
-    deadline = time.monotonic() + 50
-    while len(hand_outs(run)) < 2 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    os.kill(proc.pid, signum)
-    out, _ = proc.communicate(timeout=50)
+    try:
+        deadline = time.monotonic() + 50
+        while len(hand_outs(run)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        os.kill(proc.pid, signum)
+        out, _ = proc.communicate(timeout=50)
+    finally:
+        if proc.poll() is None:  # it never acted on the signal: TERM stops it and its members
+            proc.terminate()
+            proc.communicate(timeout=30)
     (line,) = [ln for ln in out.splitlines() if ln.startswith("ENDED ")]
     return json.loads(line[6:])
 
