@@ -12,6 +12,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -47,7 +48,8 @@ class MemberProcess:
     current: Optional[int] = None  # the shard it took and has not finished
     finished: list[int] = field(default_factory=list)
     outcome: Optional[ExitRecord] = None
-    closed: bool = False
+    closed_at: Optional[float] = None  # when it closed its pipe (monotonic)
+    reaped: bool = False  # it and its process group are gone
 
     def describe(self, of: int) -> str:
         """`engine 1 of 2 (devices 2,3)`."""
@@ -111,8 +113,10 @@ def run_engines(run: RunDir, shards: list[Shard], n: int) -> None:
         for s, h in saved.items():
             signal.signal(s, h)
         for m in members:  # _serve cut short (a bug, KeyboardInterrupt): no member outlives the task
-            if not m.closed:
+            if m.closed_at is None:
                 _close(m, todo)
+            if not m.reaped:
+                _reap(m, force=True)
     _decide(run, members, n, stop.signum, list(todo))
 
 
@@ -150,20 +154,23 @@ def _serve(members: list[MemberProcess], todo: deque[int], stop: TaskStop) -> No
     sel = selectors.DefaultSelector()
     for m in members:
         sel.register(m.from_member.fd, selectors.EVENT_READ, m)
-    while any(not m.closed for m in members):
+    while not all(m.reaped for m in members):
         for key, _ in sel.select(timeout=POLL_S):
             m = key.data
             _read(m, todo, stop)
             if m.from_member.eof:  # it closed its end: it has exited, or is about to
                 sel.unregister(m.from_member.fd)
                 _close(m, todo)
-        # A member killed alone leaves no end of file while a process it forked (vLLM's engine
-        # core) still holds its pipe: its own exit is what counts.
         for m in members:
-            if not m.closed and m.proc.poll() is not None:
+            if m.closed_at is None and m.proc.poll() is not None:
+                # Killed alone, it leaves no end of file while a process it forked (vLLM's engine
+                # core) still holds its pipe: its own exit is what counts.
                 _read(m, todo, stop)  # its last words, if it wrote them
                 sel.unregister(m.from_member.fd)
                 _close(m, todo)
+            if m.closed_at is not None and not m.reaped:
+                # its siblings are served meanwhile; one that hangs after closing its pipe is killed
+                _reap(m, force=time.monotonic() - m.closed_at >= REAP_WAIT_S)
     sel.close()
 
 
@@ -205,31 +212,30 @@ def _give_back(m: MemberProcess, todo: deque[int]) -> None:
 
 
 def _close(m: MemberProcess, todo: deque[int]) -> None:
-    """The member is done talking: close its pipe, reap it and its process group."""
-    m.closed = True
+    """The member is done talking: close its pipe; a shard it did not acknowledge goes back."""
+    m.closed_at = time.monotonic()
     for fd in (m.to_member, m.from_member.fd):
         try:
             os.close(fd)
         except OSError:
             pass
     _give_back(m, todo)
-    _reap(m)
 
 
-def _reap(m: MemberProcess) -> None:
-    """Wait (REAP_WAIT_S at most) for a member to exit, then kill what is left of its process
-    group (its engine); a member that hangs at exit is killed with it."""
-    hung = False
-    try:
-        m.proc.wait(timeout=REAP_WAIT_S)
-    except subprocess.TimeoutExpired:
-        hung = True
+def _reap(m: MemberProcess, force: bool) -> None:
+    """Once the member has exited (or, with force, now), kill what is left of its process group
+    (its engine) and judge a member that said nothing by how it ended."""
+    hung = m.proc.poll() is None
+    if hung and not force:
+        return
+    if hung:
         log.warning("engine %d closed its pipe but did not exit within %g s: killing it", m.index, REAP_WAIT_S)
     try:
         os.killpg(m.proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     rc = m.proc.wait()
+    m.reaped = True
     if m.outcome is None:
         if hung:
             why = f"it hung after closing its pipe and was killed after {REAP_WAIT_S:g} s"
