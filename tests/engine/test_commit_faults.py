@@ -167,7 +167,7 @@ def test_rows_vllm_or_the_chat_template_refuse_become_error_rows(
         request("ok-1", chat("the lazy dog"))
         + request("top-p-0", chat("hello world", top_p=0))
         + request("max-tokens-0", chat("quick brown fox", max_tokens=0))
-        + request("bad-role", chat("physics", role="tool"))
+        + request("bad-role", chat("physics", role="narrator"))
         + request("ok-2", chat("hello world"))
     )
     out = run_batch(tmp_path, tiny_model_path, engine, lines)
@@ -177,4 +177,4 @@ def test_rows_vllm_or_the_chat_template_refuse_become_error_rows(
     errors = {o["custom_id"]: o["error"] for o in out[1:4]}
     assert errors["top-p-0"]["code"] == "sampling" and "top_p" in errors["top-p-0"]["message"]
     assert errors["max-tokens-0"]["code"] == "sampling" and "max_tokens" in errors["max-tokens-0"]["message"]
-    assert errors["bad-role"]["code"] == "chat_template" and "unknown role tool" in errors["bad-role"]["message"]
+    assert errors["bad-role"]["code"] == "chat_template" and "unknown role narrator" in errors["bad-role"]["message"]
