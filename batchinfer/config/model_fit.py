@@ -42,7 +42,6 @@ def check_model_fit(cfg: DictConfig) -> None:
     folder = local_model_folder(cfg.model.path, cfg.model.revision)
     if folder is None:
         return
-    pooling = cfg.task.name in POOLING_TASKS
-    check_max_model_len(cfg.model.max_model_len, folder, pooling, allow_long(cfg))
-    if pooling:
+    check_max_model_len(cfg.model.max_model_len, folder, allow_long(cfg))
+    if cfg.task.name in POOLING_TASKS:
         check_pooling_model(cfg.task.name, cfg.task.dimensions, folder)

@@ -397,7 +397,7 @@ def validate(
     tok = LoginTokenizer.from_model_dir(folder)
     if c.prompt.mode == "chat" and tok.chat_template is None:
         raise ConfigError(f"model.path {m.path}: the model has no chat template; use prompt.mode=raw")
-    max_len, max_len_source = max_model_len(m.max_model_len, folder, pooling=c.task.name in POOLING_TASKS)
+    max_len, max_len_source = max_model_len(m.max_model_len, folder)
     jobs = jobs or allowed_cpus()
     # Converted as `run` converts it, into a temporary folder ($TMPDIR) removed afterwards.
     with tempfile.TemporaryDirectory(prefix="batchinfer-validate-") as tmp:

@@ -53,11 +53,12 @@ SENTENCE_CONFIGS = (
 ALLOW_LONG_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 
 
-def model_limit(folder: Path, pooling: bool = False) -> tuple[Optional[int], str]:
+def model_limit(folder: Path) -> tuple[Optional[int], str]:
     """(the longest model.max_model_len vLLM accepts for the model, where it comes from), as its
     _get_and_verify_max_len derives it: smallest length key, tokenizer_config.json's model_max_length
-    (pooling models with absolute positions only), RoPE scaling factor, a sentence-transformers
-    max_seq_length. None when config.json names no length (vLLM then takes any model.max_model_len)."""
+    (vLLM reads it for pooling models with absolute positions; only encoders have those), RoPE
+    scaling factor, a sentence-transformers max_seq_length. None when config.json names no length
+    (vLLM then takes any model.max_model_len)."""
     cfg = _read(folder / "config.json")
     c = text_config(cfg)
     found = {k: c[k] for k in LENGTH_KEYS if isinstance(c.get(k), (int, float))}
@@ -67,7 +68,7 @@ def model_limit(folder: Path, pooling: bool = False) -> tuple[Optional[int], str
         length, source = c["model_max_length"], "config.json model_max_length"
     tok_len = _read(folder / "tokenizer_config.json").get("model_max_length")
     absolute = c.get("position_embedding_type") == "absolute"
-    if pooling and absolute and isinstance(tok_len, (int, float)) and (length is None or tok_len < length):
+    if absolute and isinstance(tok_len, (int, float)) and (length is None or tok_len < length):
         length, source = tok_len, "tokenizer_config.json model_max_length"
     if length is None:
         return None, "config.json names no length"
@@ -88,10 +89,10 @@ def model_limit(folder: Path, pooling: bool = False) -> tuple[Optional[int], str
     return int(length), source
 
 
-def derived_max_model_len(folder: Path, pooling: bool = False) -> tuple[int, str]:
+def derived_max_model_len(folder: Path) -> tuple[int, str]:
     """(max_model_len, where it comes from) as vLLM derives it without model.max_model_len: the
     model's limit (model_limit), vLLM's default without one, longrope's original length."""
-    length, source = model_limit(folder, pooling)
+    length, source = model_limit(folder)
     if length is None:
         return DEFAULT_LEN, f"vLLM's default {DEFAULT_LEN} (config.json names no length)"
     cfg = _read(folder / "config.json")
@@ -102,19 +103,19 @@ def derived_max_model_len(folder: Path, pooling: bool = False) -> tuple[int, str
     return length, source
 
 
-def max_model_len(configured: Optional[int], folder: Path, pooling: bool = False) -> tuple[int, str]:
+def max_model_len(configured: Optional[int], folder: Path) -> tuple[int, str]:
     """model.max_model_len when set, else what vLLM derives; with where it comes from."""
     if configured:
         return configured, "model.max_model_len"
-    return derived_max_model_len(folder, pooling)
+    return derived_max_model_len(folder)
 
 
-def check_max_model_len(configured: Optional[int], folder: Path, pooling: bool, allow_long: bool) -> None:
+def check_max_model_len(configured: Optional[int], folder: Path, allow_long: bool) -> None:
     """ConfigError when model.max_model_len is above the model's limit: vLLM refuses to start
     (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, allow_long) or, on a length key of its own, accepts it."""
     if configured is None or allow_long:
         return
-    limit, source = model_limit(folder, pooling)
+    limit, source = model_limit(folder)
     if limit is None or configured <= limit:
         return
     own = text_config(_read(folder / "config.json")).get("model_max_length")

@@ -58,11 +58,11 @@ def test_histogram_keeps_outliers_in_one_last_bin_and_max_len_follows_vllm(tmp_p
     (model / "config.json").write_text(json.dumps({"max_position_embeddings": 4096, "rope_scaling": rope}))
     assert derived_max_model_len(model) == (8192, "config.json max_position_embeddings x RoPE factor 2")
     (model / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1024}))
-    # vLLM reads the tokenizer's model_max_length only for pooling models with absolute positions.
+    # vLLM reads the tokenizer's model_max_length only for (pooling) models with absolute positions.
     assert derived_max_model_len(model) == (8192, "config.json max_position_embeddings x RoPE factor 2")
     config = {"max_position_embeddings": 4096, "rope_scaling": rope, "position_embedding_type": "absolute"}
     (model / "config.json").write_text(json.dumps(config))
-    assert derived_max_model_len(model, pooling=True) == (
+    assert derived_max_model_len(model) == (
         2048,
         "tokenizer_config.json model_max_length x RoPE factor 2",
     )
