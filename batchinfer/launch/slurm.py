@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -278,37 +279,53 @@ def sacct_states(text: str) -> dict[str, str]:
 
 
 USR2_NUMBER = "12"  # SIGUSR2 on Linux, as sacct prints it in ExitCode
+FINAL_STATES = FAILED_STATES | {"COMPLETED", "OUT_OF_MEMORY"}
 
 
-def usr2_deaths(text: str) -> set[str]:
-    """Tasks (A_T) that `sacct -n -P -o JobID,State,ExitCode` (steps included) shows killed by
-    USR2: a line of the task with signal 12 in its ExitCode (`0:12`, its batch shell or step), or
-    the task FAILED with exit code 12 (srun passing on its task's death by signal 12)."""
-    out: set[str] = set()
+def task_endings(text: str) -> dict[str, str]:
+    """{task: how its last run ended} from `sacct -n -P -o JobID,State,ExitCode` (steps included):
+    "usr2" when killed by USR2 (a line of the task with signal 12 in its ExitCode, `0:12`: its
+    batch shell or step; or the task FAILED with exit code 12, srun passing on its task's death),
+    "ended" for another end, "running" while the task has no final state (or accounting lags).
+    Tasks are A_T, or a plain job id (a submission of one task is a plain job)."""
+    out: dict[str, str] = {}
     for line in text.splitlines():
         jid, state, code = (line.strip().split("|") + ["", ""])[:3]
         task, _, step = jid.partition(".")
-        status, _, sig = code.partition(":")
         if "[" in task or not task:
             continue
-        if sig == USR2_NUMBER or (not step and state.startswith("FAILED") and status == USR2_NUMBER):
-            out.add(task)
+        status, _, sig = code.partition(":")
+        state = state.split()[0] if state.strip() else ""
+        if sig == USR2_NUMBER or (not step and state == "FAILED" and status == USR2_NUMBER):
+            out[task] = "usr2"
+        elif not step and out.get(task) != "usr2":
+            out[task] = "ended" if state in FINAL_STATES else "running"
     return out
 
 
-def tasks_killed_by_usr2(arrays: list[str]) -> set[str]:
-    """Tasks of these arrays whose last run was killed by USR2 (usr2_deaths); empty if sacct cannot say."""
-    if not arrays:
-        return set()
-    try:
-        res = _run(["sacct", "-n", "-P", "-o", "JobID,State,ExitCode", "-j", ",".join(arrays)])
-    except (SlurmUnavailable, ConfigError) as e:
-        log.warning("cannot ask sacct how the tasks ended: %s", e)
-        return set()
-    if res.returncode != 0:
-        log.warning("sacct: %s", first_error_line(res.stderr))
-        return set()
-    return usr2_deaths(res.stdout)
+def usr2_deaths(text: str) -> set[str]:
+    """Tasks that sacct's lines show killed by USR2 (task_endings)."""
+    return {task for task, how in task_endings(text).items() if how == "usr2"}
+
+
+def tasks_killed_by_usr2(arrays: list[str], tasks: list[str], wait_s: float = 60.0) -> set[str]:
+    """Those of tasks (of these arrays) whose last run was killed by USR2; sacct is asked again
+    (up to wait_s) while one of them has no final state yet: the dependency that starts the merge
+    job fires before slurmdbd has every record. Empty if sacct cannot say."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            res = _run(["sacct", "-n", "-P", "-o", "JobID,State,ExitCode", "-j", ",".join(arrays)])
+        except (SlurmUnavailable, ConfigError) as e:
+            log.warning("cannot ask sacct how the tasks ended: %s", e)
+            return set()
+        if res.returncode != 0:
+            log.warning("sacct: %s", first_error_line(res.stderr))
+            return set()
+        endings = task_endings(res.stdout)
+        if all(endings.get(t, "running") != "running" for t in tasks) or time.monotonic() > deadline:
+            return {t for t in tasks if endings.get(t) == "usr2"}
+        time.sleep(5)
 
 
 def job_states(job_ids: list[str], names: Iterable[str] = (), problems: Optional[list[str]] = None) -> dict[str, str]:

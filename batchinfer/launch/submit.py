@@ -195,8 +195,15 @@ def heal(run: RunDir) -> Optional[dict[str, Any]]:
     if not todo or not subs:
         return None
     last = subs[-1]
-    tasks = {f"{a['job_id']}_{i}": shards for a in last["arrays"] for i, shards in a["tasks"].items()}
-    killed = slurm.tasks_killed_by_usr2([a["job_id"] for a in last["arrays"]])
+    tasks = {  # a submission of one task is a plain job: sacct names it by its job id
+        (a["job_id"] if len(a["tasks"]) == 1 and "_" not in a["job_id"] else f"{a['job_id']}_{i}"): shards
+        for a in last["arrays"]
+        for i, shards in a["tasks"].items()
+    }
+    unfinished = [task for task, of_task in tasks.items() if set(of_task) & todo]
+    if not unfinished:
+        return None
+    killed = slurm.tasks_killed_by_usr2([a["job_id"] for a in last["arrays"]], unfinished)
     shards = sorted({s for task, of_task in tasks.items() if task in killed for s in of_task} & todo)
     if not shards:
         return None

@@ -39,6 +39,8 @@ SACCT = """\
 
 def test_sacct_lines_name_the_tasks_usr2_killed() -> None:
     assert slurm.usr2_deaths(SACCT) == {"700_0", "700_1"}
+    endings = slurm.task_endings(SACCT + "701|RUNNING|0:0\n702|FAILED|0:12\n702.batch|CANCELLED|0:12\n")
+    assert (endings["700_2"], endings["700_3"], endings["701"], endings["702"]) == ("ended", "ended", "running", "usr2")
 
 
 def test_the_step_python_holds_usr2_from_its_first_statement(tmp_path: Path) -> None:
