@@ -38,6 +38,19 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[ENGINE_LOG] = log
 
 
+@pytest.fixture(autouse=True)
+def _batchinfer_logger_as_it_was() -> Iterator[None]:
+    """A test that calls `setup_logging` (the CLI, the worker) leaves batchinfer's logger as it
+    found it: otherwise later tests' caplog sees nothing (propagation off) and its handler writes
+    to a stream pytest has closed."""
+    import logging
+
+    logger = logging.getLogger("batchinfer")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved
+
+
 FOLDERS = ("unit", "engine", "cli", "slurm", "contract")  # what a test needs to run: README, "Tests"
 
 

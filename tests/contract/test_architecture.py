@@ -34,6 +34,7 @@ LAYERS = {
     "logs": 0,
     "versions": 0,
     "mounts": 0,
+    "slurm_env": 0,
     "models": 1,
     "config": 2,
     "inputs": 3,
