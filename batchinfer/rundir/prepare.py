@@ -26,7 +26,13 @@ from batchinfer.config.fingerprint import (
     legacy_fingerprint,
     read_config_files,
 )
-from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, POOLING_TASKS, to_config, to_dict
+from batchinfer.config.schema import (
+    DEFAULT_ROWS_PER_SHARD,
+    POOLING_TASKS,
+    check_sampling_column,
+    to_config,
+    to_dict,
+)
 from batchinfer.errors import ConfigError, RunDirError
 from batchinfer.inputs.read import (
     GLOB_CHARS,
@@ -261,6 +267,7 @@ def _create(
         log.info("%s refers to the %s files in place (not copied)", run.input_dir, inp["format"])
     if (c.get("task") or {}).get("name") != "score":  # score's texts are task.query and task.document
         check_fields(load_template(to_config(c).prompt), ds.column_names, inp["path"])
+    check_sampling_column(inp.get("sampling_column"), ds.column_names, inp["path"])
     arrow = ds.data.schema
     id_type = arrow.field(inp["id_column"]).type if inp["id_column"] else pa.int64()
     columns = inp["columns"] or []

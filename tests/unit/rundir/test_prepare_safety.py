@@ -73,3 +73,14 @@ def test_an_output_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="is a file, not a folder"):
         prepare(compose(overrides(tmp_path, corpus, tmp_path / "out")))
     assert (tmp_path / "out").read_text() == "x"
+
+
+def test_a_misspelt_sampling_column_is_refused_before_the_run_directory_is_kept(tmp_path: Path) -> None:
+    """run/submit refuse it as validate does: a misspelt column would run every row with the
+    config's sampling, silently (issue 26)."""
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 5)
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"input.sampling_column='txt' is not a column of .*did you mean"):
+        prepare(compose([*overrides(tmp_path, corpus, out), "input.sampling_column=txt"]))
+    assert not out.exists() or not any(out.iterdir())
