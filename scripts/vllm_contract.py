@@ -297,7 +297,7 @@ CHECKS: tuple[Check, ...] = (
         ("internal", False),
         "abort_all passes the ids given to add_request, not vLLM's internal (suffixed) ones",
     ),
-    # Shutting down and the engine-dead watchdog (Engine.close, Engine._watch_engine_core).
+    # Shutting down and the engine-dead watchdog (Engine.close; engine/watchdog.py Watchdog).
     Check("LLMEngine.engine_core", "sets_attr", ENGINE, ("engine_core",), "engine.engine_core.shutdown()"),
     # Pooling models (task=embed|classify|score): Engine.pooling_params and _pooled.
     Check("PoolingParams", "exists", "vllm:PoolingParams", why="Engine.pooling_params: from vllm import PoolingParams"),
