@@ -25,7 +25,7 @@ from batchinfer.errors import RunDirError
 from batchinfer.inputs.read import Shard
 from batchinfer.rundir.locks import RunLock
 from batchinfer.rundir.schema import jsonl_columns, jsonl_to_table, table_to_jsonl
-from batchinfer.rundir.shardrows import ShardRows, keep_mask_sorted, take_lines
+from batchinfer.rundir.shardrows import ShardRows, keep_mask_sorted, line_blocks, take_lines
 from batchinfer.rundir.store import (
     OUTPUT_EXT,
     TMP_PREFIX,
@@ -153,21 +153,8 @@ def _row_groups(run: RunDir, path: Path) -> Iterator[Rows]:
 def _jsonl_blocks(run: RunDir, path: Path, lines: bool) -> Iterator[Rows]:
     """A compacted JSONL file in blocks of whole lines: the lines themselves for a JSONL output."""
     columns = stat_columns(run)
-    with open(path, "rb") as f:
-        carry = b""
-        while True:
-            block = f.read(READ_BLOCK_BYTES)
-            data = carry + block
-            cut = data.rfind(b"\n") + 1 if block else len(data)
-            data, carry = data[:cut], data[cut:]
-            if data.strip():
-                yield (
-                    Rows(jsonl_columns(data, run.schema, columns), data)
-                    if lines
-                    else Rows(jsonl_to_table(data, run.schema))
-                )
-            if not block:
-                return
+    for data in line_blocks(path, READ_BLOCK_BYTES):
+        yield Rows(jsonl_columns(data, run.schema, columns), data) if lines else Rows(jsonl_to_table(data, run.schema))
 
 
 def merge(run: RunDir) -> dict[str, Any]:

@@ -101,12 +101,12 @@ def _ordered(rows: np.ndarray) -> bool:
     return bool(len(rows) < 2 or (np.diff(rows) >= 0).all())
 
 
-def line_blocks(path: Path) -> Iterator[bytes]:
-    """A JSON lines file in blocks of whole lines."""
+def line_blocks(path: Path, block_bytes: int = BLOCK_BYTES) -> Iterator[bytes]:
+    """A JSON lines file in blocks of whole lines (about block_bytes each)."""
     with open(path, "rb") as f:
         carry = b""
         while True:
-            block = f.read(BLOCK_BYTES)
+            block = f.read(block_bytes)
             data = carry + block
             cut = data.rfind(b"\n") + 1 if block else len(data)
             data, carry = data[:cut], data[cut:]
