@@ -73,20 +73,6 @@ def merged_bytes(run: RunDir) -> bytes:
     return run.output_path.read_bytes()
 
 
-@pytest.fixture(params=["parquet", "jsonl"])
-def fmt(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def reference(tmp_path: Path, fmt: str) -> dict[str, Any]:
-    """The uninterrupted run: its compacted files and merged output."""
-    run = committed(tmp_path, "reference", fmt)
-    finish_all(run)
-    files = {s.index: run.compacted(s.index).read_bytes() for s in run.shards()}  # type: ignore[union-attr]
-    return {"run": run, "compacted": files, "output": merged_bytes(run)}
-
-
 def test_compaction_writes_one_sorted_file_named_by_done(tmp_path: Path, fmt: str) -> None:
     run = committed(tmp_path, "run", fmt)
     commit_order = run.read_shard(0).column("row").to_pylist()

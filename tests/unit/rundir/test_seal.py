@@ -34,23 +34,6 @@ def listing(run: RunDir, index: int) -> list[str]:
     return sorted(os.listdir(run.shard_dir(index)))
 
 
-@pytest.fixture(params=["parquet", "jsonl"])
-def fmt(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def reference(tmp_path: Path, fmt: str) -> dict[str, Any]:
-    """The uninterrupted run: its compacted files and merged output."""
-    run = committed(tmp_path, "reference", fmt)
-    finish_all(run)
-    merge(run)
-    return {
-        "compacted": {s.index: run.compacted(s.index).read_bytes() for s in run.shards()},  # type: ignore[union-attr]
-        "output": run.output_path.read_bytes(),
-    }
-
-
 # ---------------------------------------------------------------- item 1: checked before sealing
 
 
