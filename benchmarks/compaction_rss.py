@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
+from _common import prepared_run
 
 # Output texts of a few hundred characters, as a model's answers.
 WORDS = "the of a model answer label because review battery protein method measured week day short".split()
@@ -34,27 +34,8 @@ WORDS = "the of a model answer label because review battery protein method measu
 
 def build(root: Path, rows: int, part_rows: int, fmt: str) -> Path:
     """A run directory whose one shard has every row committed, no DONE.json."""
-    from batchinfer.config.compose import compose
-    from batchinfer.rundir.prepare import prepare
 
-    corpus = root / "corpus.parquet"  # referenced in place by prepare, not converted
-    ids = pa.array([f"doc-{i:08d}" for i in range(rows)])
-    pq.write_table(pa.table({"id": ids, "text": pa.array(["x"] * rows)}), corpus)
-    model = root / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    run = prepare(
-        compose(
-            [
-                f"input.path={corpus}",
-                "input.id_column=id",
-                f"model.path={model}",
-                "sharding.num_shards=1",
-                f"output.format={fmt}",
-                f"output.dir={root / 'run'}",
-            ]
-        )
-    )
+    run, ids = prepared_run(root, rows, fmt, "sharding.num_shards=1")
     rng = np.random.default_rng(0)
     texts = pa.array([" ".join(rng.choice(WORDS, size=60 + k % 40)) for k in range(997)])
     shard = run.shards()[0]

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from _common import prepared_run
 
 TEXTS = [
     "positive",
@@ -42,28 +43,9 @@ TEXTS = [
 
 def build(root: Path, rows: int, shard_rows: int, part_rows: int, fmt: str) -> Path:
     """A finished run directory (DONE.json naming no compacted file) of `rows` rows."""
-    from batchinfer.config.compose import compose
-    from batchinfer.rundir.prepare import prepare
     from batchinfer.rundir.store import RunDir, write_json
 
-    corpus = root / "corpus.parquet"  # referenced in place by prepare, not converted
-    ids = pa.array([f"doc-{i:08d}" for i in range(rows)])
-    pq.write_table(pa.table({"id": ids, "text": pa.array(["x"] * rows)}), corpus)
-    model = root / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    run = prepare(
-        compose(
-            [
-                f"input.path={corpus}",
-                "input.id_column=id",
-                f"model.path={model}",
-                f"sharding.rows_per_shard={shard_rows}",
-                f"output.format={fmt}",
-                f"output.dir={root / 'run'}",
-            ]
-        )
-    )
+    run, ids = prepared_run(root, rows, fmt, f"sharding.rows_per_shard={shard_rows}")
     run = RunDir(run.path)
     rng = np.random.default_rng(0)
     texts = pa.array(TEXTS)
