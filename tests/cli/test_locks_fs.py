@@ -32,6 +32,23 @@ except RunDirError as e:
 """
 
 
+@pytest.fixture(autouse=True)
+def _no_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lock judged is the run's own: a Slurm job around the suite (CI inside a job) must not
+    leak in, and each mode's one-time log line must be logged again whatever ran before."""
+    from batchinfer.rundir import locks
+
+    for var in (
+        "SLURM_JOB_ID",
+        "SLURM_ARRAY_JOB_ID",
+        "SLURM_ARRAY_TASK_ID",
+        "SLURM_RESTART_COUNT",
+        "SLURM_CLUSTER_NAME",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(locks, "_logged", set())
+
+
 @pytest.mark.engine
 @pytest.mark.kill
 @pytest.mark.parametrize("mode", ["nfs", "enosys", "enolck"])
