@@ -34,13 +34,16 @@ from batchinfer.inputs.textfiles import (
     TypesDiffer,
     count_lines,
     csv_header,
+    extend_feature,
     find_conflict,
     first_line,
+    json_type,
     line_chunks,
     open_text,
     scan_jsonl,
     text_lines,
     unify_schemas,
+    unify_types,
 )
 from batchinfer.models.locations import looks_local
 from batchinfer.security import remove_path
@@ -308,7 +311,9 @@ def convert_input(
             except Exception as e:  # the readers raise ValueError, OSError, ArrowException, DatasetGenerationError
                 if isinstance(fast, TypeConflict):  # what `datasets` could not cast either, by line and column
                     raise InputError(fast.message()) from None
-                raise _read_error(files, fmt, shown, e) from None
+                ds = _load_extended(files, cache) if fmt == "jsonl" and fast is None else None
+                if ds is None:
+                    raise _read_error(files, fmt, shown, e) from None
             rows, schema = len(ds), ds.data.schema
             ids = lambda: ds.data.column(id_column).chunks  # noqa: E731
         _check_input(shown, rows, schema, id_column, columns, ids, strict_ids)
@@ -439,6 +444,129 @@ def _one_schema(files: list[Path], schema: pa.Schema, fitted: _Misfit) -> Union[
             except (pa.ArrowException, UnicodeDecodeError):
                 return None
     return schema
+
+
+def _load_extended(files: list[Path], cache: Path) -> Any:
+    """JSON lines that `datasets` refused under its first chunk's types, read by `datasets` with those
+    types extended over every row (`_extended_features`); None where that does not help (the first
+    error stands). A value it cannot cast is named by file:line and column."""
+    import datasets
+
+    features = _extended_features(files, cache / "first-chunk")
+    if isinstance(features, TypeConflict):
+        raise InputError(features.message())
+    if features is None:
+        return None
+    try:
+        return datasets.Dataset.from_json([str(f) for f in files], cache_dir=str(cache), features=features)
+    except Exception:  # as in _load: the readers raise many kinds
+        return None
+
+
+def _extended_features(files: list[Path], scratch: Path) -> Union[Any, TypeConflict, None]:
+    """The `datasets` Features its JSON builder takes from the first chunk (JSON text columns
+    included), extended by `extend_feature` with every later chunk of every file as the builder reads
+    it; the first value the builder could not cast to them, by file:line; None where nothing changed,
+    a chunk cannot be read, or this `datasets` has no such reading."""
+    import datasets
+    import pyarrow.json as paj
+
+    try:
+        from datasets.packaged_modules.json.json import AGENT_TRACES_FEATURES
+        from datasets.utils.json import get_json_field_paths_from_feature, json_encode_fields_in_json_lines
+    except ImportError:
+        return None
+    scratch.mkdir(parents=True, exist_ok=True)
+    head = scratch / "first-chunk.jsonl"
+    head.write_bytes(_first_chunk(files[0]))
+    try:  # the builder itself on the same bytes: its types, JSON text columns and all
+        first = datasets.Dataset.from_json(str(head), cache_dir=str(scratch)).features
+    except Exception:
+        return None
+    if first == AGENT_TRACES_FEATURES:
+        return None
+    paths = get_json_field_paths_from_feature(first)
+    features = first
+    for k, path in enumerate(files):
+        for line, chunk in line_chunks(path, DATASETS_CHUNK_BYTES):
+            if k == 0 and line == 1:
+                continue  # the chunk the types come from
+            try:
+                batch = json_encode_fields_in_json_lines(chunk, paths) if paths else chunk
+                options = paj.ReadOptions(block_size=len(batch) + 1)
+                table = paj.read_json(io.BytesIO(batch), read_options=options)
+            except (pa.ArrowException, ValueError):
+                return None
+            features = extend_feature(features, pa.struct(table.schema))
+            refused = _refused_column(table, features)
+            if refused is not None:
+                return _refused_line(path, line, chunk, table[refused], refused, features)
+    return None if features == first else features
+
+
+def _refused_column(table: pa.Table, features: Any) -> Optional[str]:
+    """The first column of a chunk's table that `datasets` cannot cast to its feature, or None."""
+    from datasets import Value
+    from datasets.table import cast_array_to_feature
+
+    schema = features.arrow_schema
+    for name in table.column_names:
+        column, feature = table[name], features[name]
+        if column.type.equals(schema.field(name).type):
+            continue
+        if pa.types.is_struct(column.type) and feature == Value("string"):
+            continue  # the builder writes these objects as JSON text
+        try:
+            cast_array_to_feature(column, feature)
+        except (pa.ArrowException, TypeError, ValueError):
+            return name
+    return None
+
+
+def _refused_line(
+    path: Path, first_line: int, chunk: bytes, column: pa.ChunkedArray, name: str, features: Any
+) -> Optional[TypeConflict]:
+    """The line of chunk (lines of path from first_line on) whose value of column `name` `datasets`
+    cannot cast to its feature: the shortest prefix of its values (nulls cast to anything) that does
+    not cast ends there."""
+    from datasets.table import cast_array_to_feature
+
+    whole, feature = column.combine_chunks(), features[name]
+    array, at = whole.drop_null(), pc.indices_nonzero(whole.is_valid()).to_pylist()
+    if not len(array):
+        return None
+
+    def casts(n: int) -> bool:
+        try:
+            cast_array_to_feature(array.slice(0, n), feature)
+            return True
+        except (pa.ArrowException, TypeError, ValueError):
+            return False
+
+    good, bad = 0, len(array)
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if casts(mid) else (good, mid)
+    rows = (i for i, raw in enumerate(chunk.split(b"\n")) if raw.strip(b" \t\r"))
+    offset = next(i for n, i in enumerate(rows) if n == at[bad - 1])
+    value = json.loads(chunk.split(b"\n")[offset]).get(name)
+    before = _json_as_null(features.arrow_schema.field(name).type)
+    try:  # the field inside the column where the kinds differ
+        unify_types(before, json_type(value, (name,)), (name,))
+    except TypesDiffer as e:
+        return TypeConflict(path, first_line + offset, e.path, e.before, e.found)
+    return TypeConflict(path, first_line + offset, (name,), before, json_type(value))
+
+
+def _json_as_null(t: pa.DataType) -> pa.DataType:
+    """A type with its JSON text parts (which hold any value) as null, which joins anything."""
+    if isinstance(t, pa.BaseExtensionType):
+        return pa.null()
+    if pa.types.is_struct(t):
+        return pa.struct([(f.name, _json_as_null(f.type)) for f in t])
+    if pa.types.is_list(t):
+        return pa.list_(_json_as_null(t.value_type))
+    return t
 
 
 def _first_chunk(path: Path) -> bytes:

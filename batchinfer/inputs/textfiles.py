@@ -314,3 +314,33 @@ def line_chunks(path: Path, size: int) -> Iterator[tuple[int, bytes]]:
                 chunk = chunk.removeprefix(b"\xef\xbb\xbf")
             yield line, chunk
             line += chunk.count(b"\n")
+
+
+def extend_feature(before: Any, found: pa.DataType) -> Any:
+    """A `datasets` feature (as its JSON builder typed a column) widened to also hold values pyarrow
+    reads as `found`: keys first seen there become nullable fields, integers that meet decimals make
+    decimals, ISO dates that meet other text make text, an all-null column takes the new type;
+    anything else keeps `before` (JSON text holds any value; `datasets` casts or refuses the rest)."""
+    from datasets import Json, List, Value
+    from datasets.features.features import generate_from_arrow_type
+
+    if isinstance(before, Json) or pa.types.is_null(found):
+        return before
+    if before == Value("null"):
+        return generate_from_arrow_type(found)
+    if isinstance(before, dict) and pa.types.is_struct(found):
+        fields = dict(before)
+        for f in found:
+            fields[f.name] = (
+                extend_feature(fields[f.name], f.type) if f.name in fields else generate_from_arrow_type(f.type)
+            )
+        return type(before)(fields)
+    if isinstance(before, List) and before.length == -1 and pa.types.is_list(found):
+        return List(extend_feature(before.feature, found.value_type))
+    if isinstance(before, Value):
+        was = before.pa_type
+        if pa.types.is_integer(was) and pa.types.is_floating(found):
+            return Value("float64")
+        if pa.types.is_timestamp(was) and _is_text(found):
+            return Value("string")
+    return before

@@ -1,0 +1,105 @@
+"""JSON lines that `datasets` reads itself (objects with varying keys in its first 10 MB, kept as
+JSON text) whose later rows add a key or turn ints into floats (issue 26): read with its own types
+extended over every row, each unchanged column exactly as it read it; a value it cannot cast is named
+by file:line and column. No engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batchinfer.errors import InputError
+from batchinfer.inputs.read import convert_input, open_input
+
+# Past `datasets`' first 10 MB chunk, where it takes its types from.
+BIG_ROWS = 110_000
+
+
+def big_lines() -> list[str]:
+    """~11 MB of rows: `meta` objects whose keys vary (JSON text to `datasets`), `info` objects whose
+    keys do not (a struct), an int column `n`."""
+    return [
+        json.dumps(
+            {"id": f"doc-{i:06d}", "n": i, "meta": {"a": i} if i % 2 else {"b": "x"}, "info": {"k": i}, "t": "x" * 24}
+        )
+        for i in range(BIG_ROWS)
+    ]
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    assert path.stat().st_size > 10 << 20
+    return path
+
+
+def converted(dest: Path, files: list[Path]) -> Any:
+    rows = convert_input(files, "jsonl", dest, "id", None)
+    ds = open_input(dest)
+    assert rows == len(ds)
+    return ds
+
+
+@pytest.fixture(scope="module")
+def as_before(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The rows without a late one, as `datasets` reads them."""
+    d = tmp_path_factory.mktemp("before")
+    return converted(d / "input", [write_lines(d / "a.jsonl", big_lines())])
+
+
+@pytest.mark.parametrize(
+    "last, changed, got",
+    [
+        (
+            {"id": "late", "n": 7, "meta": {"c": [1]}, "info": {"k": 1}, "t": "t", "extra": "a new key"},
+            {"extra": "Value('string')"},
+            {"id": "late", "n": 7, "meta": {"c": [1]}, "info": {"k": 1}, "t": "t", "extra": "a new key"},
+        ),
+        (
+            {"id": "late", "n": 2.5, "meta": {"a": 1}, "info": {"k": 1}, "t": "t"},
+            {"n": "Value('float64')"},
+            {"id": "late", "n": 2.5, "meta": {"a": 1}, "info": {"k": 1}, "t": "t"},
+        ),
+        (
+            {"id": "late", "n": 7, "meta": {"a": 1}, "info": {"k": 1, "new": True}, "t": "t"},
+            {"info": "{'k': Value('int64'), 'new': Value('bool')}"},
+            {"id": "late", "n": 7, "meta": {"a": 1}, "info": {"k": 1, "new": True}, "t": "t"},
+        ),
+    ],
+    ids=["a key added", "an int column turned float", "a key added inside an object"],
+)
+def test_a_row_after_the_first_10_mb_that_changes_what_datasets_read(
+    tmp_path: Path, as_before: Any, last: dict, changed: dict, got: dict
+) -> None:
+    before = as_before
+    ds = converted(tmp_path / "input", [write_lines(tmp_path / "b.jsonl", big_lines() + [json.dumps(last)])])
+    assert {k: repr(v) for k, v in ds.features.items()} == {k: repr(v) for k, v in before.features.items()} | changed
+    assert repr(ds.features["meta"]) == "Json(decode=True)"
+    assert ds[BIG_ROWS] == got
+    # The rows before, column by column as `datasets` read them without the late row (JSON text and all).
+    head = ds.data.table.slice(0, BIG_ROWS)
+    for name in before.column_names:
+        if name not in changed:
+            assert head.column(name).equals(before.data.table.column(name)), name
+    if "extra" in changed:
+        assert head.column("extra").null_count == BIG_ROWS
+    if "n" in changed:
+        assert head.column("n").to_pylist() == [float(i) for i in range(BIG_ROWS)]
+    if "info" in changed:
+        assert ds.select([0, BIG_ROWS - 1])["info"] == [{"k": 0, "new": None}, {"k": BIG_ROWS - 1, "new": None}]
+
+
+def test_a_value_datasets_cannot_cast_in_a_later_file_is_named_by_file_line_and_column(tmp_path: Path) -> None:
+    """A key added (which alone would be read) and text where `info` held objects in the first file."""
+    a = write_lines(tmp_path / "a.jsonl", big_lines())
+    b = tmp_path / "b.jsonl"
+    b.write_text('{"id": "late", "n": 1, "extra": 1}\n{"id": "bad", "info": "t"}\n', encoding="utf-8")
+    with pytest.raises(InputError) as e:
+        converted(tmp_path / "input", [a, b])
+    assert str(e.value) == (
+        f"{b}:2: column 'info' holds text here but objects in the rows before; a column takes one type over "
+        "all rows and files (integers and decimals make decimals, a missing key is null, nothing else mixes): "
+        "write the objects of that column as JSON text (quoted strings), or move them to a column of their own"
+    )
