@@ -4,7 +4,13 @@ row order as a stream: a window of rows at a time, so memory is bounded by the w
 Parts are sorted by row at commit, so a window's rows are one run of positions in each part; a file
 that is not sorted (parts of earlier versions) is read whole for each window it has rows in (one
 file's memory, never the shard's). The row indices themselves (8 bytes a row) are read first, as
-the worker already reads them to resume."""
+the worker already reads them to resume.
+
+A Parquet part is one row group (one page a column), so it cannot be read a window at a time: an
+open reader per part holds its decoded pages, i.e. the shard. Given a spill file, Parquet files are
+instead read once each, their rows cut by window into an Arrow IPC file (a part's memory), and each
+window then reads back its own batches (a window's memory): time O(rows), disk: the shard once more
+until sealed."""
 
 from __future__ import annotations
 
@@ -176,19 +182,63 @@ class ShardRows:
         """One file, sorted, each row once: it is already the shard's rows in row order."""
         return len(self.files) == 1 and self.files[0].ordered and self.check.exact
 
-    def windows(self, size: int, lines: bool) -> Iterator[tuple[np.ndarray, pa.Table | bytes]]:
+    def windows(
+        self, size: int, lines: bool, spill: Optional[Path] = None
+    ) -> Iterator[tuple[np.ndarray, pa.Table | bytes]]:
         """(rows, their table or JSON lines) of windows of `size` rows in row order; only for a
-        complete shard (a missing row raises)."""
+        complete shard (a missing row raises). spill: a scratch file (the caller removes it) through
+        which Parquet files are read once each instead of once a window."""
         if not self.check.complete:
             raise RunDirError(f"shard {self.shard.index}: {self.check.problem()}")
         for f in self.files:
             f.next_pos = f.next_offset = 0
-        for a in range(self.shard.start, self.shard.stop, size):
-            b = min(a + size, self.shard.stop)
-            rows, data = self._window(a, b, lines)
-            if not np.array_equal(rows, np.arange(a, b)):  # a file changed since its rows were read
+        if spill is not None and self.files and self.files[0].path.suffix != ".jsonl":
+            windows = self._spilled_windows(size, lines, spill)
+        else:
+            windows = (self._window(a, min(a + size, self.shard.stop), lines) for a in self._starts(size))
+        for a, (rows, data) in zip(self._starts(size), windows, strict=True):
+            if not np.array_equal(rows, np.arange(a, min(a + size, self.shard.stop))):  # a file changed meanwhile
                 raise RunDirError(f"shard {self.shard.index}: committed files changed while being read")
             yield rows, data
+
+    def _starts(self, size: int) -> range:
+        return range(self.shard.start, self.shard.stop, size)
+
+    def _spilled_windows(self, size: int, lines: bool, spill: Path) -> Iterator[tuple[np.ndarray, pa.Table | bytes]]:
+        """Windows of Parquet files, each file read once: its kept rows cut by window into spill
+        (one record batch list per window), then each window read back from spill."""
+        count = len(self._starts(size))
+        batches: list[list[int]] = [[] for _ in range(count)]
+        rows: list[list[np.ndarray]] = [[] for _ in range(count)]
+        options = pa.ipc.IpcWriteOptions(compression="lz4")
+        with pa.OSFile(str(spill), "wb") as sink, pa.ipc.new_file(sink, self.schema, options=options) as writer:
+            n = 0
+            for f in self.files:
+                kept = np.flatnonzero(f.keep)
+                if not len(kept):
+                    continue
+                table = _read_file(f, self.schema)
+                window = (f.rows[kept] - self.shard.start) // size
+                # kept positions grouped by window, ascending within each (as _window takes them)
+                by_window = np.argsort(window, kind="stable")
+                grouped = kept[by_window]
+                ws, firsts = np.unique(window[by_window], return_index=True)
+                for w, positions in zip(ws.tolist(), np.split(grouped, firsts[1:]), strict=True):
+                    rows[w].append(f.rows[positions])
+                    for batch in table.take(pa.array(positions)).to_batches():
+                        writer.write_batch(batch)
+                        batches[w].append(n)
+                        n += 1
+                del table
+        with pa.OSFile(str(spill), "rb") as source:
+            reader = pa.ipc.open_file(source)
+            for w in range(count):
+                got = np.concatenate(rows[w]) if rows[w] else np.zeros(0, dtype=np.int64)
+                order = np.argsort(got, kind="stable")
+                table = pa.Table.from_batches([reader.get_batch(i) for i in batches[w]], schema=self.schema)
+                table = table.take(pa.array(order))
+                rows[w] = []
+                yield got[order], (table_to_jsonl(table) if lines else table)
 
     def _window(self, a: int, b: int, lines: bool) -> tuple[np.ndarray, pa.Table | bytes]:
         got_rows: list[np.ndarray] = []
@@ -233,6 +283,13 @@ def _read_positions(f: FileRows, positions: np.ndarray, schema: pa.Schema) -> pa
     if not table.schema.equals(schema):
         table = table.cast(schema)
     return table.take(pa.array(positions - starts[g0]))
+
+
+def _read_file(f: FileRows, schema: pa.Schema) -> pa.Table:
+    """A Parquet file's rows, whole, in the run's schema."""
+    with pq.ParquetFile(f.path) as pf:
+        table = pf.read(use_threads=False)
+    return table if table.schema.equals(schema) else table.cast(schema)
 
 
 def _read_lines_run(f: FileRows, lo: int, hi: int) -> list[bytes]:

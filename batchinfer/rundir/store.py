@@ -467,9 +467,16 @@ class RunDir:
                 for _, data in rows.windows(size, lines=True):
                     f.write(data)  # type: ignore[arg-type]
                 return
-            with pq.ParquetWriter(f, self.schema, compression="zstd") as writer:
-                for _, table in rows.windows(size, lines=False):
-                    writer.write_table(table, row_group_size=size)  # type: ignore[arg-type]
+            # each part read once through a scratch file beside the parts (a temporary: a killed
+            # compaction's is removed with the others)
+            spill = temporary_name(rows.files[0].path.with_name("compact.arrow")) if rows.files else None
+            try:
+                with pq.ParquetWriter(f, self.schema, compression="zstd") as writer:
+                    for _, table in rows.windows(size, lines=False, spill=spill):
+                        writer.write_table(table, row_group_size=size)  # type: ignore[arg-type]
+            finally:
+                if spill is not None:
+                    spill.unlink(missing_ok=True)
 
         return fill
 
