@@ -40,10 +40,10 @@ from batchinfer.rundir.locks import ShardLock, holder_info
 from batchinfer.rundir.schema import error_row, rows_to_table
 from batchinfer.rundir.stats import add_point, with_rates
 from batchinfer.rundir.store import RunDir, read_json, write_json
+from batchinfer.stopsignals import STOP_SIGNALS
 from batchinfer.versions import installed_versions
 
 log = logging.getLogger("batchinfer")
-STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 PREFIX_TOKENS = 32  # a system prompt or template head (longer shared runs stay in the prefix cache)
 CRASHES_TO_ISOLATE = 2  # engine deaths with a row in flight before that row becomes an error row
 _ATTEMPTS = itertools.count()  # this process's shard attempts: part of each request id

@@ -28,6 +28,7 @@ from batchinfer.launch import slurm
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.store import RunDir, read_json, refused_write, storage_error
+from batchinfer.stopsignals import STOP_SIGNALS
 
 if TYPE_CHECKING:
     from batchinfer.launch.member import Member
@@ -121,7 +122,7 @@ def _run_shards(
     from batchinfer.engine.worker import CRASHES_TO_ISOLATE, ShardWorker, StopFlag, Stopped
 
     stop = StopFlag()
-    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)}
+    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     holder = EngineHolder(run.config, stop, engine, run.path)
     known = isinstance(shards, list)  # a member learns its shards one at a time
     total = sum(s.rows for s in shards) if known else 0

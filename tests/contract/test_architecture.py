@@ -35,6 +35,7 @@ LAYERS = {
     "versions": 0,
     "mounts": 0,
     "slurm_env": 0,
+    "stopsignals": 0,
     "models": 1,
     "config": 2,
     "inputs": 3,
