@@ -25,9 +25,9 @@ from batchinfer.launch import slurm
 from batchinfer.launch.protocol import ExitRecord, LineReader, Message, Status, answer, decode, send
 from batchinfer.rundir.locks import ShardLock
 from batchinfer.rundir.store import RunDir
+from batchinfer.stopsignals import STOP_SIGNALS
 
 log = logging.getLogger("batchinfer")
-STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
 PORTS_PER_ENGINE = 100  # VLLM_PORT, when set, is offset by this per engine
 MEMBER = [sys.executable, "-m", "batchinfer.launch.member"]  # + DIR INDEX OF FD_IN FD_OUT
 POLL_S = 1.0  # how often the task looks at its members' processes, whatever their pipes say
@@ -62,6 +62,7 @@ class TaskStop:
     def __init__(self) -> None:
         self.signum: Optional[int] = None
         self.members: list[MemberProcess] = []
+        self._announced = False
 
     def install(self) -> dict[int, Any]:
         """Handlers for USR2, TERM and INT; returns the ones they replace."""
@@ -72,8 +73,9 @@ class TaskStop:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is None:
-            self.signum = signum  # recorded before anything that could fail or be interrupted
-            log.warning("received %s: every engine commits and stops", signal.Signals(signum).name)
+            # Only recorded here: a log write from a handler that interrupted another write of the
+            # same stream raises ("reentrant call"); announce() logs it from the serving loop.
+            self.signum = signum
         # Slurm may signal only this process (plain sbatch, `scancel --batch`): pass it on. An
         # engine that got it already keeps the first signal's intent.
         for m in self.members:
@@ -82,6 +84,12 @@ class TaskStop:
                     os.kill(m.proc.pid, signum)
                 except ProcessLookupError:
                     pass
+
+    def announce(self) -> None:
+        """Log the stop signal once, outside the handler."""
+        if self.signum is not None and not self._announced:
+            self._announced = True
+            log.warning("received %s: every engine commits and stops", signal.Signals(self.signum).name)
 
 
 def run_engines(run: RunDir, shards: list[Shard], n: int) -> None:
@@ -117,6 +125,7 @@ def run_engines(run: RunDir, shards: list[Shard], n: int) -> None:
                 _close(m, todo)
             if not m.reaped:
                 _reap(m, force=True)
+    stop.announce()
     _decide(run, members, n, stop.signum, list(todo))
 
 
@@ -155,6 +164,7 @@ def _serve(members: list[MemberProcess], todo: deque[int], stop: TaskStop) -> No
     for m in members:
         sel.register(m.from_member.fd, selectors.EVENT_READ, m)
     while not all(m.reaped for m in members):
+        stop.announce()
         for key, _ in sel.select(timeout=POLL_S):
             m = key.data
             _read(m, todo, stop)

@@ -161,3 +161,38 @@ def test_a_stop_during_a_hung_step_commits_what_finished_and_requeues(
     out = read_output(merge(run) and run.path)
     assert [r["row"] for r in out] == list(range(30))
     assert [r["text"] for r in out] == [FakeEngine.answer(eng.ids(x["text"])) for x in rows]
+
+
+def test_the_supervisors_handler_records_and_passes_on_without_logging(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Item 18 for the task with several engines: its handler records the signal and passes it on
+    to the members, and never writes a log line (a reentrant write would raise in the handler)."""
+    from batchinfer.launch import engines
+
+    def reentrant(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+
+    passed: list[tuple[int, int]] = []
+
+    class Member:  # what the handler reads of a running member
+        class proc:
+            pid, returncode = 4242, None
+
+    stop = engines.TaskStop()
+    stop.members = [Member()]  # type: ignore[list-item]
+    monkeypatch.setattr(engines.os, "kill", lambda pid, signum: passed.append((pid, signum)))
+    monkeypatch.setattr(engines.log, "warning", reentrant)
+    saved = stop.install()
+    try:
+        signal.raise_signal(signal.SIGUSR2)  # the handler runs in this thread, here
+        stop._handle(signal.SIGTERM, None)  # the time limit's TERM after the preemption notice
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    assert stop.signum == signal.SIGUSR2 and passed == [(4242, signal.SIGUSR2), (4242, signal.SIGTERM)]
+    monkeypatch.undo()
+    with caplog.at_level(logging.WARNING, logger="batchinfer"):
+        stop.announce()
+        stop.announce()  # logged once
+    assert caplog.messages == ["received SIGUSR2: every engine commits and stops"]
