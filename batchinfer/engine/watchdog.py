@@ -86,7 +86,9 @@ class Watchdog:
             if step and step != woken and self._stop_pending():
                 if seen == step:  # one look later the same step still runs: it may never return
                     log.warning("a stop signal is pending and the engine's step has not returned: waking it")
-                    self._outputs.put_nowait(StepInterrupted("a stop signal is pending; the engine's step did not return"))
+                    self._outputs.put_nowait(
+                        StepInterrupted("a stop signal is pending; the engine's step did not return")
+                    )
                     woken = step
                 seen = step
             time.sleep(WATCH_SECONDS)
