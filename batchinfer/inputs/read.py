@@ -469,11 +469,10 @@ def _extended_features(files: list[Path], scratch: Path) -> Union[Any, TypeConfl
     it; the first value the builder could not cast to them, by file:line; None where nothing changed,
     a chunk cannot be read, or this `datasets` has no such reading."""
     import datasets
-    import pyarrow.json as paj
 
     try:
         from datasets.packaged_modules.json.json import AGENT_TRACES_FEATURES
-        from datasets.utils.json import get_json_field_paths_from_feature, json_encode_fields_in_json_lines
+        from datasets.utils.json import get_json_field_paths_from_feature
     except ImportError:
         return None
     scratch.mkdir(parents=True, exist_ok=True)
@@ -491,17 +490,60 @@ def _extended_features(files: list[Path], scratch: Path) -> Union[Any, TypeConfl
         for line, chunk in line_chunks(path, DATASETS_CHUNK_BYTES):
             if k == 0 and line == 1:
                 continue  # the chunk the types come from
-            try:
-                batch = json_encode_fields_in_json_lines(chunk, paths) if paths else chunk
-                options = paj.ReadOptions(block_size=len(batch) + 1)
-                table = paj.read_json(io.BytesIO(batch), read_options=options)
-            except (pa.ArrowException, ValueError):
+            read = _read_as_datasets(chunk, paths)
+            if read is None:
                 return None
+            table, mixed = read
             features = extend_feature(features, pa.struct(table.schema))
             refused = _refused_column(table, features)
-            if refused is not None:
-                return _refused_line(path, line, chunk, table[refused], refused, features)
+            if refused is None:
+                continue
+            if any(p and p[0] == refused for p in mixed):  # its values are all JSON text here: kinds tell
+                one = pa.schema([(refused, _json_as_null(features.arrow_schema.field(refused).type))])
+                return find_conflict(path, line, _projected(chunk, refused), one)
+            return _refused_line(path, line, chunk, table[refused], refused, features)
     return None if features == first else features
+
+
+def _read_as_datasets(chunk: bytes, paths: list[list[Any]]) -> Optional[tuple[pa.Table, list[list[Any]]]]:
+    """A later chunk read as `datasets`' JSON builder reads it: the fields at paths (its JSON text
+    columns) encoded as JSON text, and a field whose type changes within the chunk too, its path
+    added to paths for this chunk and the rest (as the builder does); the table and the paths added
+    here; None where pyarrow cannot read it for another reason."""
+    import pyarrow.json as paj
+    from datasets.utils.json import (
+        get_json_field_path_from_pyarrow_json_error,
+        insert_json_field_path,
+        json_encode_fields_in_json_lines,
+        ujson_loads,
+    )
+
+    before = [list(p) for p in paths]
+    while True:
+        try:
+            batch = json_encode_fields_in_json_lines(chunk, paths) if paths else chunk
+            table = paj.read_json(io.BytesIO(batch), read_options=paj.ReadOptions(block_size=len(batch) + 1))
+            return table, [p for p in paths if p not in before]
+        except pa.ArrowInvalid as e:
+            if "changed from" not in str(e):
+                return None
+            try:
+                examples = (ujson_loads(line) for line in chunk.splitlines())
+                field = get_json_field_path_from_pyarrow_json_error(str(e), examples=examples)
+            except ValueError:
+                return None
+            if not field or any(field[: len(p)] == p for p in paths):
+                return None
+            insert_json_field_path(paths, field)
+        except (pa.ArrowException, ValueError):
+            return None
+
+
+def _projected(chunk: bytes, name: str) -> bytes:
+    """chunk's lines as objects of the one column `name` (lines kept in place, blank ones blank)."""
+    return b"\n".join(
+        json.dumps({name: json.loads(raw).get(name)}).encode() if raw.strip() else b"" for raw in chunk.split(b"\n")
+    )
 
 
 def _refused_column(table: pa.Table, features: Any) -> Optional[str]:

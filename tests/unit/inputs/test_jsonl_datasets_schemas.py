@@ -49,57 +49,54 @@ def as_before(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return converted(d / "input", [write_lines(d / "a.jsonl", big_lines())])
 
 
-@pytest.mark.parametrize(
-    "last, changed, got",
-    [
-        (
-            {"id": "late", "n": 7, "meta": {"c": [1]}, "info": {"k": 1}, "t": "t", "extra": "a new key"},
-            {"extra": "Value('string')"},
-            {"id": "late", "n": 7, "meta": {"c": [1]}, "info": {"k": 1}, "t": "t", "extra": "a new key"},
-        ),
-        (
-            {"id": "late", "n": 2.5, "meta": {"a": 1}, "info": {"k": 1}, "t": "t"},
-            {"n": "Value('float64')"},
-            {"id": "late", "n": 2.5, "meta": {"a": 1}, "info": {"k": 1}, "t": "t"},
-        ),
-        (
-            {"id": "late", "n": 7, "meta": {"a": 1}, "info": {"k": 1, "new": True}, "t": "t"},
-            {"info": "{'k': Value('int64'), 'new': Value('bool')}"},
-            {"id": "late", "n": 7, "meta": {"a": 1}, "info": {"k": 1, "new": True}, "t": "t"},
-        ),
-    ],
-    ids=["a key added", "an int column turned float", "a key added inside an object"],
-)
-def test_a_row_after_the_first_10_mb_that_changes_what_datasets_read(
-    tmp_path: Path, as_before: Any, last: dict, changed: dict, got: dict
-) -> None:
+def test_rows_after_the_first_10_mb_that_change_what_datasets_read(tmp_path: Path, as_before: Any) -> None:
+    """A key added, an int column turned float, a key added inside an object: one row each."""
+    late = [
+        {"id": "late-1", "n": 7, "meta": {"c": [1]}, "info": {"k": 1}, "t": "t", "extra": "a new key"},
+        {"id": "late-2", "n": 2.5, "meta": {"a": 1}, "info": {"k": 2}, "t": "t"},
+        {"id": "late-3", "n": 8, "meta": {"b": "y"}, "info": {"k": 3, "new": True}, "t": "t"},
+    ]
+    p = write_lines(tmp_path / "b.jsonl", big_lines() + [json.dumps(row) for row in late])
+    ds = converted(tmp_path / "input", [p])
     before = as_before
-    ds = converted(tmp_path / "input", [write_lines(tmp_path / "b.jsonl", big_lines() + [json.dumps(last)])])
+    changed = {
+        "n": "Value('float64')",
+        "info": "{'k': Value('int64'), 'new': Value('bool')}",
+        "extra": "Value('string')",
+    }
     assert {k: repr(v) for k, v in ds.features.items()} == {k: repr(v) for k, v in before.features.items()} | changed
     assert repr(ds.features["meta"]) == "Json(decode=True)"
-    assert ds[BIG_ROWS] == got
-    # The rows before, column by column as `datasets` read them without the late row (JSON text and all).
+    assert ds.select(range(BIG_ROWS, BIG_ROWS + 3)).to_list() == [
+        late[0] | {"info": {"k": 1, "new": None}},
+        late[1] | {"n": 2.5, "extra": None, "info": {"k": 2, "new": None}},
+        late[2] | {"n": 8.0, "extra": None},
+    ]
+    # The rows before, column by column as `datasets` read them without the late rows (JSON text and all).
     head = ds.data.table.slice(0, BIG_ROWS)
     for name in before.column_names:
         if name not in changed:
             assert head.column(name).equals(before.data.table.column(name)), name
-    if "extra" in changed:
-        assert head.column("extra").null_count == BIG_ROWS
-    if "n" in changed:
-        assert head.column("n").to_pylist() == [float(i) for i in range(BIG_ROWS)]
-    if "info" in changed:
-        assert ds.select([0, BIG_ROWS - 1])["info"] == [{"k": 0, "new": None}, {"k": BIG_ROWS - 1, "new": None}]
+    assert head.column("extra").null_count == BIG_ROWS
+    assert head.column("n").to_pylist() == [float(i) for i in range(BIG_ROWS)]
+    assert ds.select([0, BIG_ROWS - 1])["info"] == [{"k": 0, "new": None}, {"k": BIG_ROWS - 1, "new": None}]
 
 
-def test_a_value_datasets_cannot_cast_in_a_later_file_is_named_by_file_line_and_column(tmp_path: Path) -> None:
-    """A key added (which alone would be read) and text where `info` held objects in the first file."""
-    a = write_lines(tmp_path / "a.jsonl", big_lines())
-    b = tmp_path / "b.jsonl"
-    b.write_text('{"id": "late", "n": 1, "extra": 1}\n{"id": "bad", "info": "t"}\n', encoding="utf-8")
+@pytest.mark.parametrize("same_file", [False, True], ids=["in a later file", "beside objects in its chunk"])
+def test_a_value_datasets_cannot_cast_is_named_by_file_line_and_column(tmp_path: Path, same_file: bool) -> None:
+    """A key added (which alone would be read) and text where `info` held objects: in a file of its
+    own, or after the first 10 MB in a chunk whose other rows hold objects there (which `datasets`
+    turns into JSON text, that cannot be cast to objects either)."""
+    late = ['{"id": "late", "n": 1, "info": {"k": 1}, "extra": 1}', '{"id": "bad", "info": "t"}']
+    a = write_lines(tmp_path / "a.jsonl", big_lines() + (late if same_file else []))
+    files, bad = [a], f"{a}:{BIG_ROWS + 2}"
+    if not same_file:
+        b = tmp_path / "b.jsonl"
+        b.write_text("".join(line + "\n" for line in late), encoding="utf-8")
+        files, bad = [a, b], f"{b}:2"
     with pytest.raises(InputError) as e:
-        converted(tmp_path / "input", [a, b])
+        converted(tmp_path / "input", files)
     assert str(e.value) == (
-        f"{b}:2: column 'info' holds text here but objects in the rows before; a column takes one type over "
+        f"{bad}: column 'info' holds text here but objects in the rows before; a column takes one type over "
         "all rows and files (integers and decimals make decimals, a missing key is null, nothing else mixes): "
         "write the objects of that column as JSON text (quoted strings), or move them to a column of their own"
     )
