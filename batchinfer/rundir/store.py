@@ -467,9 +467,11 @@ class RunDir:
                 for _, data in rows.windows(size, lines=True):
                     f.write(data)  # type: ignore[arg-type]
                 return
-            # each part read once through a scratch file beside the parts (a temporary: a killed
-            # compaction's is removed with the others)
-            spill = temporary_name(rows.files[0].path.with_name("compact.arrow")) if rows.files else None
+            # Over several windows, each part is read once through a scratch file beside the parts
+            # (a temporary: a killed compaction's is removed with the others); a shard of one
+            # window (the default 10,000 rows) reads each part once anyway and needs none.
+            several = rows.shard.stop - rows.shard.start > size
+            spill = temporary_name(rows.files[0].path.with_name("compact.arrow")) if rows.files and several else None
             try:
                 with pq.ParquetWriter(f, self.schema, compression="zstd") as writer:
                     for _, table in rows.windows(size, lines=False, spill=spill):
