@@ -437,19 +437,24 @@ class RunDir:
             )
         adopted = target in sources  # rows.* no DONE.json names, holding rows no part holds
         if not (adopted and rows.in_order):
-            if not adopted:
-                target.unlink(missing_ok=True)  # a killed compaction's copy: the parts hold every row
+            # Over a killed compaction's copy (the parts hold every row) or the adopted file, by an
+            # atomic rename: the name never goes missing, even for a writer that lost its lock.
             fill = self._compacted_writer(rows)
-            if not publish_stream(target, fill, "compact", replace=target if adopted else None):
+            replace = target if adopted or target.exists() else None
+            if not publish_stream(target, fill, "compact", replace=replace):
                 raise RunDirError(f"{target}: written meanwhile by another writer; the shard lock was not held")
-        written = count_rows(target)
+        written = count_rows(target) if target.is_file() else None
         if written != shard.rows:
-            raise RunDirError(f"{target}: holds {written} rows, shard {index} has {shard.rows}; not sealed")
+            what = "is gone (removed meanwhile by another writer)" if written is None else f"holds {written} rows"
+            raise RunDirError(f"{target}: {what}, shard {index} has {shard.rows}; not sealed")
         record = dict(done, compacted=target.name)
         if rows.check.dropped:
             record["duplicates_dropped"] = rows.check.dropped
         write_json(self.done_path(index), record)
         faults.point("after-compact-done")
+        # The parts go only while the file DONE.json names still holds every row: a second writer
+        # (an earlier incarnation on a failing node) may have removed it as a leftover meanwhile.
+        self.check_compacted(index, target)
         for n, p in enumerate(q for q in sources if q != target):
             p.unlink(missing_ok=True)
             if n == 0:

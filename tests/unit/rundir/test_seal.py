@@ -219,3 +219,37 @@ def test_merge_checks_the_compacted_file_before_removing_leftover_parts(tmp_path
     merge(run)  # rows.parquet is whole: the leftover part goes
     assert not list(run.shard_dir(1).glob("part-*"))
     assert pq.ParquetFile(run.shard_dir(1) / "rows.parquet").metadata.num_rows == 12
+
+
+@pytest.mark.parametrize(
+    "when, refusal",
+    [
+        ("after-compact-rename", r"rows\.\w+: is gone \(removed meanwhile by another writer\)"),
+        ("after-compact-done", r"names rows\.\w+, which is missing"),
+    ],
+)
+def test_a_compacted_file_removed_by_a_second_writer_keeps_the_parts(
+    tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch, when: str, refusal: str
+) -> None:
+    """Two writers (one an earlier incarnation that lost its lock): B removes A's compacted file as a
+    leftover, before or just after A writes DONE.json. A must not then delete the parts, the only
+    copy: it refuses, and the next seal makes the shard whole from the parts."""
+    from batchinfer import faults
+
+    run = committed(tmp_path, "race", fmt)
+    real_point = faults.point
+
+    def second_writer_cleans_up(name: str) -> None:
+        if name == when:
+            (run.shard_dir(0) / f"rows.{fmt}").unlink()  # B's cleanup of what it takes for a leftover
+        real_point(name)
+
+    before = {p.name: p.read_bytes() for p in run.parts(0)}
+    monkeypatch.setattr(faults, "point", second_writer_cleans_up)
+    with pytest.raises(RunDirError, match=refusal):
+        run.finish_shard(0, {"rows_done": 12})
+    assert {p.name: p.read_bytes() for p in run.parts(0, None)} == before  # every committed part kept
+    monkeypatch.setattr(faults, "point", real_point)
+    run.done_path(0).unlink(missing_ok=True)  # what the error says to do
+    record = run.finish_shard(0, {"rows_done": 12})
+    assert record["compacted"] == f"rows.{fmt}" and rows_in(run.shard_dir(0) / f"rows.{fmt}", run) == 12
