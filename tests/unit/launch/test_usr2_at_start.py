@@ -155,6 +155,7 @@ def test_the_sbatch_script_hands_a_usr2_it_caught_to_the_worker(tmp_path: Path, 
         PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         PYTHONPATH=str(REPO),
         SLURM_ARRAY_TASK_ID="3",
+        BATCHINFER_PENDING_STOP="USR2",  # left in the submitting shell: sbatch's --export=ALL hands it on
     )
     proc = subprocess.Popen(["bash", str(tmp_path / "job.sh"), "DIR"], env=env, stdout=subprocess.PIPE, text=True)
     while not (tmp_path / "in-setup").exists():
