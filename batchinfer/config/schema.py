@@ -386,7 +386,7 @@ def validate(cfg: DictConfig) -> None:
     _check_task(cfg.task)
     _check_dropped_settings(cfg)
     _check_vllm_names(cfg)
-    _check_output_format(cfg)
+    check_output_format(cfg.task.name, cfg.output.format, cfg.input.format)
     from batchinfer.config.json_schema import check_json_schema
 
     check_json_schema(cfg.sampling.structured_outputs.json)
@@ -454,14 +454,20 @@ def _check_vllm_names(cfg: DictConfig) -> None:
         )
 
 
-def _check_output_format(cfg: DictConfig) -> None:
+def check_output_format(task: str, output_format: str, input_format: Optional[str], source: str = "") -> None:
     """output.format=openai writes OpenAI Batch responses: chat or completion texts, or embeddings of
-    /v1/embeddings requests; other pooling rows have no such form (merge would fail on them)."""
-    task = cfg.task.name
-    if cfg.output.format != "openai" or task not in POOLING_TASKS:
+    /v1/embeddings requests; other pooling rows have no such form (merge would fail on them).
+    source: why the output is openai when the user did not ask (an OpenAI Batch input)."""
+    if output_format != "openai" or task not in POOLING_TASKS:
         return
-    if task == "embed" and cfg.input.format == "openai":
+    if task == "embed" and input_format == "openai":
         return
+    if source:
+        raise ConfigError(
+            f"{source} is an OpenAI Batch file, answered in the OpenAI Batch output format, which task={task} "
+            "rows have no form for: its chat and completion lines run with task=generate, its /v1/embeddings "
+            "lines with task=embed"
+        )
     embed = (
         " (task=embed writes them for OpenAI Batch /v1/embeddings requests: set input.format=openai)"
         if task == "embed"

@@ -199,9 +199,11 @@ def task_mismatch(row: dict[str, Any], task: str) -> Optional[str]:
         return None
     if row.get(REFUSED):
         return str(row[REFUSED])
-    if (url == EMBEDDINGS_URL) != (task == "embed"):
-        runs = "task=embed" if url == EMBEDDINGS_URL else "task=generate"
-        return f"a {url} request runs with {runs}, and this run has task={task}: submit those lines as their own run"
+    runs = "embed" if url == EMBEDDINGS_URL else "generate"
+    if task != runs:
+        return (
+            f"a {url} request runs with task={runs}, and this run has task={task}: submit those lines as their own run"
+        )
     if url == EMBEDDINGS_URL and row.get(RAW_PROMPT) is None:
         return "body.input must be one string (several inputs or token ids: one request line each)"
     return None

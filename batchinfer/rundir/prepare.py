@@ -29,6 +29,7 @@ from batchinfer.config.fingerprint import (
 from batchinfer.config.schema import (
     DEFAULT_ROWS_PER_SHARD,
     POOLING_TASKS,
+    check_output_format,
     check_sampling_column,
     to_config,
     to_dict,
@@ -88,6 +89,8 @@ def resolve_input(cfg: DictConfig, input_required: bool = True) -> tuple[dict[st
     if c["input"]["format"] == "openai":  # custom_id is the id; answers follow the Batch output format
         c["input"]["id_column"] = c["input"]["id_column"] or "custom_id"
         c["output"]["format"] = "openai"
+        task = (c.get("task") or {}).get("name", "generate")
+        check_output_format(task, "openai", "openai", source=c["input"]["path"])
     return c, files
 
 

@@ -109,3 +109,50 @@ def test_run_submit_and_validate_refuse_before_the_run_directory_exists(tmp_path
     with pytest.raises(ConfigError, match="config.json names no classes"):
         command(args)  # type: ignore[operator]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", [cmd_run, cmd_submit, cmd_validate])
+def test_an_openai_batch_file_with_a_task_it_has_no_answer_for_is_refused_before_the_run_directory(
+    tmp_path: Path, command: object
+) -> None:
+    """A file recognised as OpenAI Batch (input.format unset) answers in the OpenAI format, which
+    classify rows have none of: before, every row was computed and merge failed with a KeyError."""
+    from support.openai_batch import request
+
+    corpus = tmp_path / "batch.jsonl"
+    corpus.write_text(request("a", {"model": "x", "messages": [{"role": "user", "content": "hi"}]}))
+    classifier = model(
+        tmp_path / "cls", dict(BERT, architectures=["BertForSequenceClassification"], id2label={"0": "no", "1": "yes"})
+    )
+    name = command.__name__.removeprefix("cmd_")  # type: ignore[attr-defined]
+    args = build_parser().parse_args(
+        [
+            name,
+            f"input.path={corpus}",
+            f"model.path={classifier}",
+            FITS,
+            "task=classify",
+            f"output.dir={tmp_path / 'run'}",
+        ]
+    )
+    with pytest.raises(
+        ConfigError, match=r"batch.jsonl is an OpenAI Batch file, .* task=classify rows have no form for"
+    ):
+        command(args)  # type: ignore[operator]
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_openai_chat_line_in_a_pooling_run_is_an_error_row() -> None:
+    """task_mismatch: chat and completion lines run with task=generate only (classify, score and embed refuse them)."""
+    from batchinfer.inputs.openai_batch import task_mismatch
+
+    chat = {"url": "/v1/chat/completions"}
+    assert task_mismatch(chat, "generate") is None
+    for task in ("classify", "score", "embed"):
+        assert task_mismatch(chat, task) == (
+            f"a /v1/chat/completions request runs with task=generate, and this run has task={task}: "
+            "submit those lines as their own run"
+        )
+    assert task_mismatch({"url": "/v1/embeddings", "_raw_prompt": "x"}, "generate").startswith(
+        "a /v1/embeddings request runs with task=embed"
+    )
