@@ -288,7 +288,8 @@ def task_endings(text: str) -> dict[str, str]:
     batch shell or step; or the task FAILED with exit code 12, srun passing on its task's death),
     "ended" for another end, "running" while the task has no final state (or accounting lags).
     Tasks are A_T, or a plain job id (a submission of one task is a plain job)."""
-    out: dict[str, str] = {}
+    final: dict[str, bool] = {}  # task -> its own line (not a step's) is in a final state
+    killed: set[str] = set()
     for line in text.splitlines():
         jid, state, code = (line.strip().split("|") + ["", ""])[:3]
         task, _, step = jid.partition(".")
@@ -297,10 +298,14 @@ def task_endings(text: str) -> dict[str, str]:
         status, _, sig = code.partition(":")
         state = state.split()[0] if state.strip() else ""
         if sig == USR2_NUMBER or (not step and state == "FAILED" and status == USR2_NUMBER):
-            out[task] = "usr2"
-        elif not step and out.get(task) != "usr2":
-            out[task] = "ended" if state in FINAL_STATES else "running"
-    return out
+            killed.add(task)
+        if not step:
+            final[task] = state in FINAL_STATES
+        else:
+            final.setdefault(task, False)
+    # The task's own line decides whether it ended: a step killed by USR2 in a task still running
+    # (or queued again) is no death to heal.
+    return {t: ("usr2" if t in killed else "ended") if done else "running" for t, done in final.items()}
 
 
 def usr2_deaths(text: str) -> set[str]:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from batchinfer import security
+from batchinfer import security, slurm_env
 from batchinfer.config.schema import to_config
 from batchinfer.errors import ConfigError, RunDirError, SlurmUnavailable, SubmissionRefused
 from batchinfer.launch import slurm, slurm_merge, slurm_task
@@ -206,6 +206,14 @@ def heal(run: RunDir) -> Optional[dict[str, Any]]:
     killed = slurm.tasks_killed_by_usr2([a["job_id"] for a in last["arrays"]], unfinished)
     shards = sorted({s for task, of_task in tasks.items() if task in killed for s in of_task} & todo)
     if not shards:
+        return None
+    try:  # anything of DIR still queued or running (but this merge job) would write those shards
+        others = set(active_jobs(run)) - {slurm_env.current().job_id}
+    except SlurmUnavailable as e:
+        log.warning("shards %s not submitted again: %s", shards, e)
+        return None
+    if others:
+        log.warning("shards %s not submitted again: jobs of DIR still queued or running (%s)", shards, sorted(others))
         return None
     limit = run.config.cluster.max_attempts
     streak = _heal_streak(run)

@@ -41,6 +41,11 @@ def test_sacct_lines_name_the_tasks_usr2_killed() -> None:
     assert slurm.usr2_deaths(SACCT) == {"700_0", "700_1"}
     endings = slurm.task_endings(SACCT + "701|RUNNING|0:0\n702|FAILED|0:12\n702.batch|CANCELLED|0:12\n")
     assert (endings["700_2"], endings["700_3"], endings["701"], endings["702"]) == ("ended", "ended", "running", "usr2")
+    # a step killed by USR2 in a task that still runs (or was queued again) is no death to heal
+    running = slurm.task_endings(
+        "703_0|RUNNING|0:0\n703_0.0|FAILED|0:12\n704_1|PENDING|0:0\n704_1.batch|CANCELLED|0:12\n"
+    )
+    assert running == {"703_0": "running", "704_1": "running"}
 
 
 def test_the_step_python_holds_usr2_from_its_first_statement(tmp_path: Path) -> None:
@@ -118,6 +123,23 @@ def test_the_merge_job_submits_again_the_shards_of_tasks_usr2_killed(
         slurm_merge(str(submitted.path))
     lines = [json.loads(ln) for ln in (submitted.path / "jobs.jsonl").read_text().splitlines()]
     assert [ln["submission"] for ln in lines if ln.get("heal")] == [1, 2]
+
+
+def test_the_merge_job_submits_nothing_again_while_a_job_of_dir_still_runs(
+    submitted: RunDir, monkeypatch: pytest.MonkeyPatch, fake_bin: Any
+) -> None:
+    """A task of DIR still queued or running (a requeue, a resume) would write those shards: the
+    heal waits for it rather than racing it, and merge refuses as it would without a heal."""
+    monkeypatch.setenv("SLURM_JOB_ID", "701")
+    fake_bin("squeue", 'echo "700_1|700|RUNNING|run"; echo "701|701|RUNNING|merge"')
+    from batchinfer.launch import submit
+
+    said: list[str] = []
+    monkeypatch.setattr(submit.log, "warning", lambda msg, *args: said.append(msg % args))
+    with pytest.raises(RunDirError):
+        slurm_merge(str(submitted.path))
+    assert len(submissions(submitted)) == 1  # nothing submitted again
+    assert said == ["shards [0, 1, 2, 3] not submitted again: jobs of DIR still queued or running (['700_1'])"]
 
 
 # `batchinfer` for the sbatch script: the real main, with a worker that says what it was given.
