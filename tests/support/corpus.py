@@ -33,7 +33,12 @@ def write_corpus(
 
 
 def read_output(run_dir: Path) -> list[dict]:
-    """The merged output rows of a run directory (one file, split files, or a save_to_disk folder)."""
+    """The merged output rows of a run directory (one file, split files, or a save_to_disk folder).
+    Sealing keeps one copy of a row committed twice, so the output alone cannot show a row that
+    was redone: no shard may have dropped one (tests that make duplicates on purpose read theirs)."""
+    for done in sorted(run_dir.glob("shards/*/DONE.json")):
+        dropped = json.loads(done.read_text()).get("duplicates_dropped")
+        assert not dropped, f"{done}: {dropped} rows were committed twice (redone after being committed)"
     if (run_dir / "output" / "state.json").exists():
         import datasets
 
