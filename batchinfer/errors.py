@@ -19,6 +19,11 @@ class RunDirError(BatchinferError):
     """The run directory refuses the operation (fingerprint, lock, incomplete)."""
 
 
+class TransientRunDirError(RunDirError):
+    """A refusal that may pass by itself (Slurm did not answer about a lock's holder, run.yaml could
+    not be read just now): the shard loop tries again before giving up."""
+
+
 class StorageError(BatchinferError):
     """The run directory cannot be written (disk full, quota, read-only); committed data is intact."""
 

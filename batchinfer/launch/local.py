@@ -22,6 +22,7 @@ from batchinfer.errors import (
     EngineFailure,
     RunDirError,
     SlurmUnavailable,
+    TransientRunDirError,
 )
 from batchinfer.inputs.read import Shard
 from batchinfer.launch import slurm
@@ -183,9 +184,7 @@ LOCK_RETRY_WAITS = (10.0, 30.0, 60.0)
 
 def transient_refusal(e: BaseException) -> bool:
     """Whether a shard lock refusal may go away by itself: Slurm did not answer about the holder."""
-    return isinstance(e, SlurmUnavailable) or (
-        isinstance(e, RunDirError) and (getattr(e, "transient", False) or "Slurm did not answer" in str(e))
-    )
+    return isinstance(e, (SlurmUnavailable, TransientRunDirError))
 
 
 def run_shard_retrying(worker: Any, shard: Shard, stop: Any) -> None:

@@ -73,7 +73,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 from batchinfer import slurm_env
-from batchinfer.errors import RunDirError
+from batchinfer.errors import RunDirError, TransientRunDirError
 from batchinfer.mounts import Mount, mount_of, read_mounts
 from batchinfer.rundir.store import fsync_dir, refused_write, storage_error
 
@@ -369,8 +369,7 @@ def _refusal(
         return refuse(f"{who} ({judged.why})")
     if judged.slurm_silent:
         e = refuse(f"{who}; Slurm did not answer ({judged.why}), so the lock is kept, never stolen: try again later")
-        e.transient = True  # type: ignore[attr-defined]  # retried by the shard loop
-        return e
+        return TransientRunDirError(*e.args)  # retried by the shard loop
     return refuse(
         f"{who} ({judged.why}: it cannot be checked from here); if that process is gone, remove {path} by hand"
     )
@@ -661,12 +660,10 @@ def configured_mode(run_dir: Path) -> str:
         except yaml.YAMLError as e:
             problem = f"it is not valid YAML: {str(e).splitlines()[0]}"
         if wait is None:
-            err = RunDirError(
+            raise TransientRunDirError(  # an NFS hiccup passes: the shard loop retries
                 f"{path}: {problem}. Its output.lock decides how shards are locked, so nothing is "
                 "written; check the file (and the filesystem) and run again"
             )
-            err.transient = True  # type: ignore[attr-defined]  # an NFS hiccup passes: the shard loop retries
-            raise err
         time.sleep(wait)
     mode = (((run or {}).get("config") or {}).get("output") or {}).get("lock") or "auto"
     return str(mode)

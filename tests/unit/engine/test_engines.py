@@ -433,16 +433,17 @@ def test_a_lock_refused_because_slurm_did_not_answer_is_tried_again(
     from support.fake_engine import FakeEngine, keyed
 
     from batchinfer.engine import worker
-    from batchinfer.errors import RunDirError
+    from batchinfer.errors import RunDirError, TransientRunDirError
     from batchinfer.launch import local
 
     run = small_run(tmp_path, 1)
-    refusals = ["Slurm did not answer (squeue: timed out after 15 s), so the lock is kept, never stolen"] * 2
+    refusals = ["the holder's job could not be checked just now"] * 2
 
     class FlakyLock(worker.ShardLock):  # type: ignore[misc,valid-type]
         def __enter__(self) -> Any:
             if refusals:
-                raise RunDirError(f"shard 0 is being processed by job 12_3; {refusals.pop()}: try again later")
+                error = TransientRunDirError if "just now" in refusals[-1] else RunDirError
+                raise error(f"shard 0 is being processed by job 12_3; {refusals.pop()}: try again later")
             return super().__enter__()
 
     monkeypatch.setattr(worker, "ShardLock", FlakyLock)

@@ -27,7 +27,7 @@ from support.filesystems import emulate, emulation_env, logged_calls
 from batchinfer.config.compose import compose
 from batchinfer.config.fingerprint import fingerprint_keys
 from batchinfer.config.schema import to_dict
-from batchinfer.errors import ConfigError, RunDirError
+from batchinfer.errors import ConfigError, RunDirError, TransientRunDirError
 from batchinfer.launch.local import run_shards
 from batchinfer.rundir import locks
 from batchinfer.rundir import merge as merge_mod
@@ -304,7 +304,7 @@ def test_a_run_yaml_that_cannot_be_read_now_is_not_taken_for_auto(
     with pytest.raises(RunDirError, match=rf"{run_yaml}: it cannot be read: Input/output error") as e:
         with ShardLock(run.shard_dir(0)):
             pass
-    assert e.value.transient is True  # type: ignore[attr-defined]
+    assert isinstance(e.value, TransientRunDirError)
     assert not (run.shard_dir(0) / "lock").exists() and not (run.shard_dir(0) / "lock.excl").exists()
     monkeypatch.undo()
     good = run_yaml.read_text()
@@ -622,7 +622,7 @@ def test_squeue_failing_keeps_the_lock(tmp_path: Path, monkeypatch: pytest.Monke
             pass
     assert "being written by host n1 pid 5, Slurm job 88; Slurm did not answer" in str(e.value)
     assert "Unable to contact slurm controller" in str(e.value) and "the lock is kept, never stolen" in str(e.value)
-    assert e.value.transient is True  # type: ignore[attr-defined]  # the shard loop asks again later
+    assert isinstance(e.value, TransientRunDirError)  # the shard loop asks again later
     assert (d / "lock.excl").read_bytes() == before
     assert sorted(p.name for p in d.iterdir()) == ["lock.excl"]
 
