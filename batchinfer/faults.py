@@ -9,6 +9,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from batchinfer import slurm_env
+
 ENV = "BATCHINFER_FAULT"
 # Benchmarks: append "<time> <rows finished so far>" to this file at every engine step.
 TRACE_ENV = "BATCHINFER_TRACE"
@@ -65,7 +67,7 @@ def hold(stopped: Callable[[], bool]) -> None:
     Slurm job's later runs (SLURM_RESTART_COUNT > 0) do not wait, so they finish the shard."""
     global _held
     seconds = float(os.environ.get(HOLD_ENV) or 0)
-    if _held or seconds <= 0 or int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
+    if _held or seconds <= 0 or slurm_env.current().restart_count > 0:
         return
     _held = True
     deadline = time.monotonic() + seconds
@@ -107,7 +109,7 @@ def record_engine_start(seconds: float, model: object) -> None:
 
     rec = {
         "pid": os.getpid(),
-        "slurm_job": os.environ.get("SLURM_JOB_ID"),
+        "slurm_job": slurm_env.current().job_id,
         "seconds": round(seconds, 2),
         "model": str(model),
     }

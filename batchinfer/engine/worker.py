@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import signal
 import socket
 import sys
@@ -18,7 +17,7 @@ from typing import Any, Optional, Protocol
 import numpy as np
 import pyarrow.compute as pc
 
-from batchinfer import faults
+from batchinfer import faults, slurm_env
 from batchinfer.config.schema import Config
 from batchinfer.engine.pooled import pooling_rows
 from batchinfer.engine.stream import (
@@ -614,7 +613,7 @@ def engine_params(engine: EngineLike, cfg: Config, own: str) -> Any:
 
 def budget_key() -> str:
     """Whose failures count against cluster.max_attempts: this Slurm array (or job); `local` outside Slurm."""
-    return os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID") or "local"
+    return slurm_env.current().submission or "local"
 
 
 def failures_in_budget(progress: dict[str, Any]) -> int:

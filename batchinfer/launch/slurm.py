@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import getpass
 import logging
-import os
 import re
 import shlex
 import subprocess
@@ -16,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Optional
 
+from batchinfer import slurm_env
 from batchinfer.config.schema import ClusterConfig, Config
 from batchinfer.errors import ConfigError, RequeueFailed, SlurmUnavailable
 from batchinfer.security import export_option, is_secret_name
@@ -391,10 +391,7 @@ def cancel(job_ids: list[str], names: Iterable[str] = ()) -> None:
 
 def this_job() -> Optional[str]:
     """This array task's id (ARRAYJOB_TASK) or job id, when running under Slurm."""
-    array = os.environ.get("SLURM_ARRAY_JOB_ID")
-    if array and os.environ.get("SLURM_ARRAY_TASK_ID"):
-        return f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    return os.environ.get("SLURM_JOB_ID")
+    return slurm_env.current().job
 
 
 def requeue_self() -> bool:
