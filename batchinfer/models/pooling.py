@@ -87,3 +87,9 @@ def check_pooling_model(task: str, dimensions: Optional[int], folder: Path) -> N
             f"task.dimensions={dimensions} is above the model's embedding size {size} (model.path {folder}); "
             f"set task.dimensions={size} or less, or unset it"
         )
+    listed = _config(folder).get("matryoshka_dimensions")
+    if listed and dimensions not in listed:
+        raise ConfigError(
+            f"task.dimensions={dimensions}: model.path {folder} gives only the Matryoshka dimensions {listed} "
+            f"(config.json matryoshka_dimensions), so vLLM refuses {dimensions}; choose one of them"
+        )

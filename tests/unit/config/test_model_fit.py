@@ -85,6 +85,10 @@ def test_dimensions_must_be_ones_the_model_gives(tmp_path: Path) -> None:
     )
     mrl = model(tmp_path / "mrl", dict(BERT, matryoshka_dimensions=[64, 128, 384]))
     assert compose([f"model.path={mrl}", FITS, "task=embed", "task.dimensions=128"]).task.dimensions == 128
+    assert refused([f"model.path={mrl}", FITS, "task=embed", "task.dimensions=100"]) == (
+        f"task.dimensions=100: model.path {mrl} gives only the Matryoshka dimensions [64, 128, 384] "
+        "(config.json matryoshka_dimensions), so vLLM refuses 100; choose one of them"
+    )
     assert refused([f"model.path={mrl}", FITS, "task=embed", "task.dimensions=1024"]) == (
         f"task.dimensions=1024 is above the model's embedding size 384 (model.path {mrl}); set "
         "task.dimensions=384 or less, or unset it"
