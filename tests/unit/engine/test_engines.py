@@ -301,10 +301,13 @@ def test_a_member_that_closes_its_pipe_and_hangs_is_killed(
     tmp_path: Path, fake_members: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = small_run(tmp_path, 2)
-    monkeypatch.setattr(engines, "REAP_WAIT_S", 0.5, raising=False)
+    monkeypatch.setattr(engines, "REAP_WAIT_S", 0.5)
+    said: list[str] = []
+    monkeypatch.setattr(engines.log, "warning", lambda msg, *args: said.append(msg % args))
     fake_members({}, {"hang_at_exit": True})
     engines.run_engines(run, run.shards(), 2)  # both said done: the hung one is killed, not waited for
     assert sorted(finished(run)) == [0, 1]
+    assert "engine 1 closed its pipe but did not exit within 0.5 s: killing it" in said, said
 
 
 @pytest.fixture
