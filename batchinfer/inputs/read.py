@@ -63,7 +63,8 @@ FORMATS = ("jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf_disk", "openai
 GLOB_CHARS = set("*?[")
 HUB_PREFIX = "hf://datasets/"
 # `datasets`' JSON builder takes its types from the first 10 MB of the first file and casts the rest to
-# them; the fast path reads that chunk first and streams every file with its types.
+# them; the fast path reads that chunk first and streams every file with its types. Passed to the
+# builder (its own default, checked by a test) so that the two always agree.
 DATASETS_CHUNK_BYTES = 10 << 20
 # Where a later row or file does not fit those types, every file is read in chunks of about this
 # size for one schema over all rows (each chunk parsed as one block: pyarrow's reader can crash on a
@@ -217,7 +218,7 @@ def _load(files: list[Path], fmt: str, cache_dir: Path, shown: str) -> Any:
         convert_requests(files, cache_dir / "requests.parquet", open_text)
         return datasets.Dataset.from_parquet(str(cache_dir / "requests.parquet"), cache_dir=cache)
     if fmt in ("jsonl", "json"):
-        return datasets.Dataset.from_json(names, cache_dir=cache)
+        return datasets.Dataset.from_json(names, cache_dir=cache, chunksize=DATASETS_CHUNK_BYTES)
     if fmt in ("csv", "tsv"):
         # Cells are the strings they are: pandas' guesses would make `007` the number 7 (and a
         # duplicate of `7`), `1e3` 1000.0, and the texts NA, null, N/A, nan nulls.
@@ -458,7 +459,9 @@ def _load_extended(files: list[Path], cache: Path) -> Any:
     if features is None:
         return None
     try:
-        return datasets.Dataset.from_json([str(f) for f in files], cache_dir=str(cache), features=features)
+        return datasets.Dataset.from_json(
+            [str(f) for f in files], cache_dir=str(cache), features=features, chunksize=DATASETS_CHUNK_BYTES
+        )
     except Exception:  # as in _load: the readers raise many kinds
         return None
 
@@ -479,7 +482,7 @@ def _extended_features(files: list[Path], scratch: Path) -> Union[Any, TypeConfl
     head = scratch / "first-chunk.jsonl"
     head.write_bytes(_first_chunk(files[0]))
     try:  # the builder itself on the same bytes: its types, JSON text columns and all
-        first = datasets.Dataset.from_json(str(head), cache_dir=str(scratch)).features
+        first = datasets.Dataset.from_json(str(head), cache_dir=str(scratch), chunksize=DATASETS_CHUNK_BYTES).features
     except Exception:
         return None
     if first == AGENT_TRACES_FEATURES:

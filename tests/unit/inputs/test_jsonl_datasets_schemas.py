@@ -12,10 +12,26 @@ from typing import Any
 import pytest
 
 from batchinfer.errors import InputError
+from batchinfer.inputs import read
 from batchinfer.inputs.read import convert_input, open_input
 
-# Past `datasets`' first 10 MB chunk, where it takes its types from.
-BIG_ROWS = 110_000
+# Past `datasets`' first chunk, where it takes its types from: 10 MB, made 64 KB here (the reader
+# passes its chunk size to the builder), so that each file is ~100 KB instead of ~11 MB.
+CHUNK = 64 << 10
+BIG_ROWS = 1_100
+BUILDERS_CHUNK = read.DATASETS_CHUNK_BYTES  # as the reader has it, before the fixture shrinks it
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(read, "DATASETS_CHUNK_BYTES", CHUNK)
+
+
+def test_the_chunk_is_the_builders_own_default() -> None:
+    """Shrinking it in these tests changes nothing else: it is what `datasets` would use anyway."""
+    from datasets.packaged_modules.json.json import JsonConfig
+
+    assert JsonConfig().chunksize == 10 << 20 == BUILDERS_CHUNK
 
 
 def big_lines() -> list[str]:
@@ -31,7 +47,7 @@ def big_lines() -> list[str]:
 
 def write_lines(path: Path, lines: list[str]) -> Path:
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    assert path.stat().st_size > 10 << 20
+    assert path.stat().st_size > CHUNK
     return path
 
 
