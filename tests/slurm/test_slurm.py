@@ -45,7 +45,9 @@ def test_usr2_preemption_and_external_requeue(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path, engine: Any
 ) -> None:
     extra = ["sharding.num_shards=2", "sampling.max_tokens=16", "output.commit_every_rows=16"]
-    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 1200, 12, *extra, HOLD)
+    # shards of 200 rows: the hold after a shard's first part is what makes each signal land on a
+    # partial shard, not the shard's size
+    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 400, 12, *extra, HOLD)
     ov = cluster_overrides(tmp_path, tmp_path / "c.jsonl", tiny_model_path, *extra)
     array = first_submission(run_dir)["arrays"][0]["job_id"]
     # Task 0, once it has committed: Slurm's preemption notice (USR2), then the time limit's TERM
@@ -110,8 +112,8 @@ def test_engine_death_commits_and_requeues_until_max_attempts(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path
 ) -> None:
     extra = ["sampling.max_tokens=16", "output.commit_every_rows=16", "cluster.max_attempts=2"]
-    # held 20 s after the first part: the engine is killed meanwhile, the next step finds it dead
-    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 600, 15, *extra, "+cluster.env.BATCHINFER_HOLD=20")
+    # held 10 s after the first part: the engine is killed meanwhile, the next step finds it dead
+    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 240, 15, *extra, "+cluster.env.BATCHINFER_HOLD=10")
     wait_for(lambda: list(run_dir.glob("shards/00000/part-*")) and job_engine_pids(), what="a committed part")
     for pid in job_engine_pids():
         os.kill(pid, 9)  # the engine dies (OOM killer, GPU fault) while the worker lives

@@ -101,7 +101,9 @@ def test_one_engine_killed_leaves_its_sibling_working_and_resumes_on_requeue(
 ) -> None:
     # The stand-in engine: the task's handling of a member killed alone is what this proves (a fork
     # holding the pipe, as vLLM's engine core could, is tests/unit/engine/test_engines.py's case).
-    hold = "+cluster.env.BATCHINFER_HOLD=30"
+    hold = (
+        "+cluster.env.BATCHINFER_HOLD=12"  # each engine waits after its first part: long enough to kill engine 1 there
+    )
     rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 400, 22, *EXTRA, hold, env=standin_env())
     task = first_submission(run_dir)["arrays"][0]["job_id"]  # an array of one task: its job id
     wait_for(lambda: 1 in progress_by_engine(run_dir), timeout=600, what="engine 1's first part")
