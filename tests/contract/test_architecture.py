@@ -143,23 +143,6 @@ def _resolve(module: str, is_package: bool, node: ast.Import | ast.ImportFrom, k
     return out
 
 
-def import_graph(src: Path, package: str) -> dict[str, list[tuple[str, str]]]:
-    """Module -> [(imported module of the package, `file:line: statement`)] at module level."""
-    files = module_files(src, package)
-    known = set(files)
-    graph: dict[str, list[tuple[str, str]]] = {}
-    for module, path in files.items():
-        source = path.read_text()
-        edges = []
-        for node in module_level_imports(ast.parse(source, str(path))):
-            where = f"{path.relative_to(src)}:{node.lineno}: {ast.get_source_segment(source, node)}"
-            for target in _resolve(module, path.name == "__init__.py", node, known):
-                if target != module:
-                    edges.append((target, where))
-        graph[module] = edges
-    return graph
-
-
 def find_cycle(graph: dict[str, list[tuple[str, str]]]) -> Optional[list[str]]:
     """One cycle of the graph as [a, b, ..., a], or None."""
     state: dict[str, int] = {}  # 1 on the current path, 2 done
@@ -187,6 +170,45 @@ def find_cycle(graph: dict[str, list[tuple[str, str]]]) -> Optional[list[str]]:
     return None
 
 
+def tangles(graph: dict[str, list[tuple[str, str]]]) -> list[list[str]]:
+    """Every set of modules that import each other in a ring (strongly connected, 2 or more), so
+    that one run names them all, not one cycle at a time."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w, _ in graph.get(v, []):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            ring = []
+            while not ring or ring[-1] != v:
+                ring.append(stack.pop())
+            if len(ring) > 1:
+                out.append(sorted(ring))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def describe_tangles(graph: dict[str, list[tuple[str, str]]], rings: list[list[str]]) -> str:
+    """Each ring with the import statements inside it."""
+    lines = []
+    for ring in rings:
+        lines.append("modules importing each other: " + ", ".join(ring))
+        lines += [f"  {w}" for w in dict.fromkeys(w for m in ring for t, w in graph[m] if t in ring)]
+    return "\n".join(lines)
+
+
 def describe_cycle(graph: dict[str, list[tuple[str, str]]], cycle: list[str]) -> str:
     """The cycle with the import statement of each step."""
     steps = []
@@ -194,6 +216,113 @@ def describe_cycle(graph: dict[str, list[tuple[str, str]]], cycle: list[str]) ->
         where = next(w for t, w in graph[a] if t == b)
         steps.append(f"  {a} -> {b}  ({where})")
     return "import cycle:\n" + "\n".join(steps)
+
+
+def all_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: module level and inside functions, not under
+    `if TYPE_CHECKING:` (that never runs)."""
+    skipped = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and _is_type_checking(node.test)
+        for stmt in node.body
+        for n in ast.walk(stmt)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped:
+            yield node
+
+
+def import_graph(src: Path, package: str, deferred: bool = False) -> dict[str, list[tuple[str, str]]]:
+    """Module -> [(imported module of the package, `file:line: statement`)]: the imports run at
+    module level, or with deferred=True also those inside functions."""
+    files = module_files(src, package)
+    known = set(files)
+    graph: dict[str, list[tuple[str, str]]] = {}
+    for module, path in files.items():
+        source = path.read_text()
+        tree = ast.parse(source, str(path))
+        edges = []
+        for node in all_imports(tree) if deferred else module_level_imports(tree):
+            where = f"{path.relative_to(src)}:{node.lineno}: {ast.get_source_segment(source, node)}"
+            for target in _resolve(module, path.name == "__init__.py", node, known):
+                if target != module:
+                    edges.append((target, where))
+        graph[module] = edges
+    return graph
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_imports(src: Path, package: str) -> list[str]:
+    """Each use of another module's private `_name`: `from x import _name` (any level, in
+    functions too) and `x._name` where x is a module of the package imported by name."""
+    files = module_files(src, package)
+    known = set(files)
+    out = []
+    for module, path in files.items():
+        source = path.read_text()
+        tree = ast.parse(source, str(path))
+        aliases: dict[str, str] = {}  # local name -> module of the package
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                for target, alias in zip(
+                    _resolve_each(module, path.name == "__init__.py", node, known), node.names, strict=True
+                ):
+                    if target is None or target == module:
+                        continue
+                    if _private(alias.name):
+                        out.append(f"{path.relative_to(src)}:{node.lineno}: imports {target}'s {alias.name}")
+                    elif f"{_base(module, path.name == '__init__.py', node)}.{alias.name}" in known:
+                        aliases[alias.asname or alias.name] = target
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in known and alias.asname:
+                        aliases[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and _private(node.attr)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+            ):
+                out.append(f"{path.relative_to(src)}:{node.lineno}: uses {aliases[node.value.id]}'s {node.attr}")
+    return out
+
+
+def _base(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    here = module.split(".") if is_package else module.split(".")[:-1]
+    return ".".join(here[: len(here) - (node.level - 1)] + ([node.module] if node.module else []))
+
+
+def _resolve_each(module: str, is_package: bool, node: ast.ImportFrom, known: set[str]) -> list[Optional[str]]:
+    """For each name of a `from X import a, b`: the package module it comes from (X.a when that is
+    a module, else X), or None when X is not of the package."""
+    base = _base(module, is_package, node)
+    return [
+        f"{base}.{a.name}" if f"{base}.{a.name}" in known else (base if base in known else None) for a in node.names
+    ]
+
+
+def oversized(src: Path, package: str, max_module: int, max_function: int) -> list[str]:
+    """Each module longer than max_module lines and each function longer than max_function."""
+    out = []
+    for path in module_files(src, package).values():
+        source = path.read_text()
+        lines = source.count("\n")
+        rel = path.relative_to(src)
+        if lines > max_module:
+            out.append(f"{rel}: {lines} lines (at most {max_module})")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > max_function:
+                    out.append(f"{rel}:{node.lineno}: {node.name} is {n} lines (at most {max_function})")
+    return out
 
 
 def layer_of(module: str, package: str, layers: dict[str, int]) -> Optional[int]:
@@ -292,6 +421,27 @@ def test_no_import_cycle() -> None:
     assert len(graph) > 30 and sum(map(len, graph.values())) > 50  # the parser sees the imports
     cycle = find_cycle(graph)
     assert cycle is None, describe_cycle(graph, cycle)
+
+
+def test_no_import_cycle_even_through_imports_inside_functions() -> None:
+    """An import moved into a function to break a cycle still ties the two modules together."""
+    graph = import_graph(ROOT, PACKAGE, deferred=True)
+    rings = tangles(graph)
+    assert not rings, describe_tangles(graph, rings)
+
+
+def test_no_module_uses_another_modules_private_names() -> None:
+    found = private_imports(ROOT, PACKAGE)
+    assert not found, "private names used across modules (make them public or move them):\n" + "\n".join(found)
+
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80
+
+
+def test_modules_and_functions_are_small() -> None:
+    found = oversized(ROOT, PACKAGE, MAX_MODULE_LINES, MAX_FUNCTION_LINES)
+    assert not found, "split these:\n" + "\n".join(found)
 
 
 def test_imports_never_run_up_the_layers() -> None:
@@ -396,6 +546,45 @@ def test_checkers_report_a_cycle_and_an_upward_import(tmp_path: Path) -> None:
     # Without the cycle's closing import, none is found.
     (tmp_path / "pkg/low/c.py").write_text("from pkg.base import os\n")
     assert find_cycle(import_graph(tmp_path, "pkg")) is None
+
+
+def test_checkers_report_deferred_cycles_private_names_and_sizes(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": '"""Synthetic."""\n',
+            "pkg/a.py": "from pkg import b\n_hidden = 1\n",
+            "pkg/b.py": """
+                from typing import TYPE_CHECKING
+                if TYPE_CHECKING:
+                    from pkg.c import _typed
+                def f():
+                    import pkg.a as mod_a
+                    from pkg.a import _hidden, public
+                    return _hidden, mod_a._hidden, mod_a.public
+                """,
+            "pkg/c.py": "_typed = 1\n",
+            "pkg/big.py": "x = 1\n" * 5 + "def long():\n" + "    y = 1\n" * 4 + "    return y\n",
+        },
+    )
+    # Module level: a -> b only. With the imports inside functions: b -> a as well, a cycle.
+    assert find_cycle(import_graph(tmp_path, "pkg")) is None
+    cycle = find_cycle(import_graph(tmp_path, "pkg", deferred=True))
+    assert cycle is not None and set(cycle) == {"pkg.a", "pkg.b"}
+    assert tangles(import_graph(tmp_path, "pkg")) == []
+    assert tangles(import_graph(tmp_path, "pkg", deferred=True)) == [["pkg.a", "pkg.b"]]
+    # The TYPE_CHECKING import never runs, so it makes no edge; it still names a private name.
+    assert all(t != "pkg.c" for t, _ in import_graph(tmp_path, "pkg", deferred=True)["pkg.b"])
+    assert private_imports(tmp_path, "pkg") == [
+        "pkg/b.py:4: imports pkg.c's _typed",
+        "pkg/b.py:7: imports pkg.a's _hidden",
+        "pkg/b.py:8: uses pkg.a's _hidden",
+    ]
+    assert oversized(tmp_path, "pkg", max_module=8, max_function=5) == [
+        "pkg/big.py: 11 lines (at most 8)",
+        "pkg/big.py:6: long is 6 lines (at most 5)",
+    ]
+    assert oversized(tmp_path, "pkg", max_module=11, max_function=6) == []
 
 
 def test_import_check_reports_a_module_that_needs_torch(tmp_path: Path) -> None:
