@@ -9,8 +9,8 @@ import pytest
 from support.runs import fake_model_dir
 
 from batchinfer.config.compose import compose
+from batchinfer.inputs.convert import open_input
 from batchinfer.inputs.preview import _table
-from batchinfer.inputs.read import open_input
 from batchinfer.rundir.prepare import prepare
 
 ROWS = [("007", "NA", "1e3"), ("7", "null", "0012"), ("8", "N/A", "nan"), ("9", 'a, "quoted" text', "")]

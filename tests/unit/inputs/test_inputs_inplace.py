@@ -18,8 +18,10 @@ from support.runs import fake_model_dir
 from batchinfer.config.compose import compose
 from batchinfer.errors import InputError, RunDirError
 from batchinfer.inputs import reference
+from batchinfer.inputs.convert import convert_input, open_input
+from batchinfer.inputs.fingerprint import file_fingerprint
+from batchinfer.inputs.paths import input_files, is_saved_dataset
 from batchinfer.inputs.preview import peek
-from batchinfer.inputs.read import convert_input, file_fingerprint, input_files, is_saved_dataset, open_input
 from batchinfer.rundir.prepare import prepare
 
 FILES, PER_FILE, GROUP = 3, 1000, 300  # row groups of 300, 300, 300, 100 in each file

@@ -12,19 +12,19 @@ from typing import Any
 import pytest
 
 from batchinfer.errors import InputError
-from batchinfer.inputs import read
-from batchinfer.inputs.read import convert_input, open_input
+from batchinfer.inputs import datasets_reader
+from batchinfer.inputs.convert import convert_input, open_input
 
 # Past `datasets`' first chunk, where it takes its types from: 10 MB, made 64 KB here (the reader
 # passes its chunk size to the builder), so that each file is ~100 KB instead of ~11 MB.
 CHUNK = 64 << 10
 BIG_ROWS = 1_100
-BUILDERS_CHUNK = read.DATASETS_CHUNK_BYTES  # as the reader has it, before the fixture shrinks it
+BUILDERS_CHUNK = datasets_reader.DATASETS_CHUNK_BYTES  # as the reader has it, before the fixture shrinks it
 
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(read, "DATASETS_CHUNK_BYTES", CHUNK)
+    monkeypatch.setattr(datasets_reader, "DATASETS_CHUNK_BYTES", CHUNK)
 
 
 def test_the_chunk_is_the_builders_own_default() -> None:

@@ -15,8 +15,9 @@ from support.runs import fake_model_dir
 
 from batchinfer.config.compose import compose
 from batchinfer.errors import InputError
-from batchinfer.inputs import read
-from batchinfer.inputs.read import convert_input, input_files, open_input
+from batchinfer.inputs import convert, datasets_reader, jsonl_stream
+from batchinfer.inputs.convert import convert_input, open_input
+from batchinfer.inputs.paths import input_files
 from batchinfer.inputs.textfiles import TypesDiffer, unify_types
 from batchinfer.rundir.prepare import prepare
 
@@ -41,7 +42,7 @@ def no_old_path(monkeypatch: pytest.MonkeyPatch) -> None:
     def old_path(*args: Any) -> Any:
         raise AssertionError("read by datasets, not streamed")
 
-    monkeypatch.setattr(read, "_load", old_path)
+    monkeypatch.setattr(convert, "_load", old_path)
 
 
 def converted(tmp_path: Path, files: list[Path]) -> Any:
@@ -118,12 +119,12 @@ def test_the_schema_pass_starts_where_the_types_stopped_fitting(
 ) -> None:
     """Small blocks and chunks: the rows streamed before the misfit are not parsed again, and the last
     line, without a newline, is not skipped with them."""
-    monkeypatch.setattr(read, "DATASETS_CHUNK_BYTES", 1 << 10)
-    monkeypatch.setattr(read, "JSONL_BLOCK_BYTES", 1 << 10)
-    monkeypatch.setattr(read, "SCHEMA_CHUNK_BYTES", 300)
+    monkeypatch.setattr(datasets_reader, "DATASETS_CHUNK_BYTES", 1 << 10)
+    monkeypatch.setattr(jsonl_stream, "JSONL_BLOCK_BYTES", 1 << 10)
+    monkeypatch.setattr(jsonl_stream, "SCHEMA_CHUNK_BYTES", 300)
     parsed: list[int] = []
-    real = read.unify_schemas
-    monkeypatch.setattr(read, "unify_schemas", lambda a, b: (parsed.append(1), real(a, b))[1])
+    real = jsonl_stream.unify_schemas
+    monkeypatch.setattr(jsonl_stream, "unify_schemas", lambda a, b: (parsed.append(1), real(a, b))[1])
     lines = [json.dumps({"id": i, "n": i}) for i in range(400)] + ['{"id": 400, "n": 0.5, "new": "k"}']
     p = tmp_path / "c.jsonl"
     p.write_text("\n".join(lines), encoding="utf-8")
@@ -148,7 +149,7 @@ def test_a_value_no_promotion_joins_is_named_by_file_line_and_column(
 ) -> None:
     """An object where earlier files had text: `datasets` could not read it either; the line is
     counted across chunks, blank and CRLF lines included."""
-    monkeypatch.setattr(read, "SCHEMA_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(jsonl_stream, "SCHEMA_CHUNK_BYTES", chunk)
     d = tmp_path / "in"
     d.mkdir()
     write_lines(d / "a.jsonl", [json.dumps({"id": i, "m": {"k": i}}) for i in range(40)])

@@ -15,9 +15,9 @@ from support.openai_batch import request
 
 from batchinfer.config.compose import compose
 from batchinfer.errors import InputError
+from batchinfer.inputs.convert import open_input
 from batchinfer.inputs.openai_batch import REFUSED, ROW_SAMPLING, request_row
-from batchinfer.inputs.read import open_input
-from batchinfer.insight.validate import check_rows
+from batchinfer.insight.row_check import check_rows
 from batchinfer.launch.local import run_shards
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.prepare import prepare

@@ -15,7 +15,7 @@ import pytest
 
 from batchinfer.errors import InputError
 from batchinfer.inputs import reference
-from batchinfer.inputs.read import convert_input, open_input
+from batchinfer.inputs.convert import convert_input, open_input
 
 ROWS = 1000
 

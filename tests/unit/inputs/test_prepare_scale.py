@@ -17,8 +17,10 @@ from support.runs import fake_model_dir
 
 from batchinfer.config.compose import compose
 from batchinfer.errors import InputError
-from batchinfer.inputs import read
-from batchinfer.inputs.read import check_ids, convert_input, id_problems, input_files, open_input
+from batchinfer.inputs import convert, datasets_reader, idcheck, jsonl_stream
+from batchinfer.inputs.convert import convert_input, open_input
+from batchinfer.inputs.idcheck import check_ids, id_problems
+from batchinfer.inputs.paths import input_files, is_saved_dataset
 from batchinfer.inputs.textfiles import count_lines
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.store import RunDir
@@ -48,7 +50,7 @@ def corpus(path: Path, n: int = ROWS) -> Path:
 def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """How often the old path ran (line-by-line scan, then `datasets`' reader), and the scan in it."""
     seen = {"scan": 0, "old_path": 0}
-    scan, load = read.scan_jsonl, read._load
+    scan, load = datasets_reader.scan_jsonl, convert._load
 
     def counted_scan(path: Path) -> int:
         seen["scan"] += 1
@@ -58,8 +60,8 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         seen["old_path"] += 1
         return load(*args)
 
-    monkeypatch.setattr(read, "scan_jsonl", counted_scan)
-    monkeypatch.setattr(read, "_load", counted_load)
+    monkeypatch.setattr(datasets_reader, "scan_jsonl", counted_scan)
+    monkeypatch.setattr(convert, "_load", counted_load)
     return seen
 
 
@@ -170,7 +172,7 @@ def test_same_rows_and_types_as_datasets_read_them(
 ) -> None:
     """Every kind of JSON lines input gives the rows and types `datasets` gave before (the old
     conversion); pyarrow's stream alone does it where it can, with no line-by-line scan."""
-    monkeypatch.setattr(read, "DATASETS_CHUNK_BYTES", 1 << 16)
+    monkeypatch.setattr(datasets_reader, "DATASETS_CHUNK_BYTES", 1 << 16)
     files, fast = varied_inputs(tmp_path / "in")[name]
     ds, rows = converted(tmp_path, files)
     ref = as_datasets_read(tmp_path, files)
@@ -188,7 +190,7 @@ def test_a_row_longer_than_a_block_after_the_first_chunk(
 ) -> None:
     """Blocks are sized from the first chunk's longest line; a longer row further on gets one more
     try with bigger blocks, not the slow path."""
-    monkeypatch.setattr(read, "DATASETS_CHUNK_BYTES", 1 << 16)
+    monkeypatch.setattr(datasets_reader, "DATASETS_CHUNK_BYTES", 1 << 16)
     lines = [json.dumps(row(i)) for i in range(2000)]
     lines[1500] = json.dumps(dict(row(1500), text="long " * (1 << 19)))  # 2.5 MB, blocks start at 1 MB
     p = write_lines(tmp_path / "long.jsonl", lines)
@@ -207,7 +209,7 @@ def test_input_dir_is_a_saved_dataset_and_nothing_else(tmp_path: Path, calls: di
         "state.json",
     ]
     assert sorted(f.name for f in tmp_path.iterdir()) == ["c.jsonl", "input"]  # no cache, no ids file left
-    assert read.is_saved_dataset(tmp_path / "input")
+    assert is_saved_dataset(tmp_path / "input")
     assert ds[999] == row(999) and ds.data.schema.field("meta").type.field("tags").type == pa.list_(pa.string())
 
 
@@ -215,9 +217,9 @@ def test_blocks_are_written_as_few_big_record_batches(tmp_path: Path, calls: dic
     """Every task that opens DIR/input maps pages around each batch's header: 1 MB blocks are
     gathered into batches of ~32 MB before they are written."""
     p = corpus(tmp_path / "c.jsonl")
-    assert p.stat().st_size > 5 * read.JSONL_BLOCK_BYTES
+    assert p.stat().st_size > 5 * jsonl_stream.JSONL_BLOCK_BYTES
     ds, rows = converted(tmp_path, [p])
-    with pa.memory_map(str(tmp_path / "input" / read.DATA_FILE)) as source:
+    with pa.memory_map(str(tmp_path / "input" / jsonl_stream.DATA_FILE)) as source:
         batches = list(pa.ipc.open_stream(source))
     assert [b.num_rows for b in batches] == [ROWS] and calls == {"scan": 0, "old_path": 0}
     assert ds.select([ROWS - 1]).to_list() == [row(ROWS - 1)]
@@ -315,8 +317,8 @@ def test_id_check_finds_what_a_dict_finds(monkeypatch: pytest.MonkeyPatch, kind:
     dict of every id, the first problems in row order, each duplicate with its first row; also when
     many different ids share a hash (collide)."""
     if collide:
-        hashes = read._id_hashes
-        monkeypatch.setattr(read, "_id_hashes", lambda chunk: hashes(chunk) % 7)
+        hashes = idcheck._id_hashes
+        monkeypatch.setattr(idcheck, "_id_hashes", lambda chunk: hashes(chunk) % 7)
     rng = random.Random(kind)
     values = random_ids(rng, 20_000, "int" if kind == "int" else "str")
     if kind == "long str":

@@ -10,7 +10,8 @@ from support.runs import fake_model_dir
 
 from batchinfer.config.compose import compose
 from batchinfer.errors import ConfigError, InputError
-from batchinfer.inputs.read import Shard, plan_shards, scan_jsonl
+from batchinfer.inputs.shards import Shard, plan_shards
+from batchinfer.inputs.textfiles import scan_jsonl
 from batchinfer.rundir.prepare import prepare
 
 

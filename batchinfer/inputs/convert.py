@@ -1,0 +1,142 @@
+"""DIR/input made once from the input files (a manifest of a corpus read in place, else an Arrow
+dataset), checked (rows, ids, input.columns), and opened."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Optional
+
+import pyarrow as pa
+
+from batchinfer.errors import InputError
+from batchinfer.inputs.columns import column_type
+from batchinfer.inputs.datasets_reader import _load, _load_extended, _read_error
+from batchinfer.inputs.idcheck import IdChunks, check_ids
+from batchinfer.inputs.jsonl_stream import _jsonl_to_arrow
+from batchinfer.inputs.reference import (
+    is_reference,
+    manifest_ids,
+    manifest_schema,
+    open_reference,
+    plan_reference,
+    write_manifest,
+)
+from batchinfer.inputs.textfiles import TypeConflict
+from batchinfer.security import remove_path
+
+
+def convert_input(
+    files: list[Path],
+    fmt: str,
+    dest: Path,
+    id_column: Optional[str],
+    columns: Optional[list[str]],
+    strict_ids: bool = True,
+    local_cache: bool = False,
+) -> int:
+    """Make dest the input tasks read, once; return its row count. A Parquet or Arrow corpus is
+    referenced in place (dest holds a manifest of its files), other formats are converted into an
+    Arrow dataset. With strict_ids=False null or duplicate ids are left for the caller to report
+    (`batchinfer validate`). local_cache puts `datasets`' cache (and its file locks) in a node-local
+    temporary folder instead of beside dest."""
+    shown = str(files[0]) if len(files) == 1 else f"{files[0].parent}/ ({len(files)} files)"
+    if all(f.is_file() and f.stat().st_size == 0 for f in files):
+        raise InputError(f"{shown}: no rows (the file is empty); there is nothing to run")
+    tmp = dest.with_name(dest.name + ".tmp")
+    remove_path(tmp, ignore_errors=True)
+    manifest = plan_reference(files, fmt)
+    if manifest is not None:
+        try:
+            _check_input(
+                shown,
+                manifest["rows"],
+                manifest_schema(manifest),
+                id_column,
+                columns,
+                lambda: manifest_ids(manifest, id_column or ""),
+                strict_ids,
+            )
+            write_manifest(dict(manifest, source=shown), tmp)
+            os.replace(tmp, dest)
+        finally:
+            remove_path(tmp, ignore_errors=True)
+        return manifest["rows"]
+    if local_cache:
+        cache = Path(tempfile.mkdtemp(prefix="batchinfer-convert-"))
+    else:
+        cache = dest.with_name(".hf-cache")
+        remove_path(cache, ignore_errors=True)  # a symlink here would send datasets' cache outside DIR
+    try:
+        ds = None
+        fast = _jsonl_to_arrow(files, tmp, cache / "ids.arrow", id_column) if fmt == "jsonl" else None
+        if isinstance(fast, tuple):
+            rows, schema = fast
+            # The ids' own file: passes over them read ~20 bytes a row, not the whole data file.
+            ids: IdChunks = lambda: _stream_column(cache / "ids.arrow")  # noqa: E731
+        else:
+            remove_path(tmp, ignore_errors=True)
+            try:
+                ds = _load(files, fmt, cache, shown)
+            except InputError:
+                raise
+            except Exception as e:  # the readers raise ValueError, OSError, ArrowException, DatasetGenerationError
+                if isinstance(fast, TypeConflict):  # what `datasets` could not cast either, by line and column
+                    raise InputError(fast.message()) from None
+                ds = _load_extended(files, cache) if fmt == "jsonl" and fast is None else None
+                if ds is None:
+                    raise _read_error(files, fmt, shown, e) from None
+            rows, schema = len(ds), ds.data.schema
+            ids = lambda: ds.data.column(id_column).chunks  # noqa: E731
+        _check_input(shown, rows, schema, id_column, columns, ids, strict_ids)
+        if ds is not None:
+            ds.save_to_disk(str(tmp))
+        os.replace(tmp, dest)
+        return rows
+    finally:
+        remove_path(cache, ignore_errors=True)
+        remove_path(tmp, ignore_errors=True)
+
+
+def _check_input(
+    shown: str,
+    rows: int,
+    schema: pa.Schema,
+    id_column: Optional[str],
+    columns: Optional[list[str]],
+    ids: IdChunks,
+    strict_ids: bool,
+) -> None:
+    """Rows present, the id column there (and its ids unique with strict_ids), input.columns there."""
+    if rows == 0:
+        raise InputError(f"{shown}: no rows; there is nothing to run")
+    if id_column is not None:
+        if id_column not in schema.names:
+            raise InputError(
+                f"{shown}: input.id_column={id_column!r} is not a column (columns: {', '.join(schema.names)})"
+            )
+        if strict_ids:
+            check_ids(shown, ids, id_column)
+    for col in columns or []:
+        column_type(schema, col, shown)
+
+
+def _stream_column(path: Path) -> Iterable[pa.Array]:
+    """The one column of an Arrow stream file, batch by batch, read rather than memory-mapped so
+    that a pass over it leaves no resident pages behind."""
+    with pa.OSFile(str(path)) as f:
+        for batch in pa.ipc.open_stream(f):
+            yield batch.column(0)
+
+
+def open_input(dest: Path) -> Any:
+    """DIR/input as a dataset: the corpus it refers to (each file checked unchanged when first read),
+    or the converted copy memory-mapped."""
+    if is_reference(dest):
+        return open_reference(dest)
+    import datasets
+
+    datasets.disable_progress_bars()
+    return datasets.load_from_disk(str(dest))

@@ -1,0 +1,262 @@
+"""Inputs read by `datasets`' own builders: every format, and JSON lines its first chunk's types do not
+fit, read with those types extended over every row; its errors said as file:line."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from batchinfer.errors import InputError
+from batchinfer.inputs.formats import FORMATS
+from batchinfer.inputs.openai_batch import convert_requests
+from batchinfer.inputs.textfiles import (
+    TypeConflict,
+    TypesDiffer,
+    csv_header,
+    extend_feature,
+    find_conflict,
+    json_type,
+    line_chunks,
+    open_text,
+    scan_jsonl,
+    text_lines,
+    unify_types,
+)
+
+# `datasets`' JSON builder takes its types from the first 10 MB of the first file and casts the rest to
+# them; the fast path reads that chunk first and streams every file with its types. Passed to the
+# builder (its own default, checked by a test) so that the two always agree.
+DATASETS_CHUNK_BYTES = 10 << 20
+
+
+def _load(files: list[Path], fmt: str, cache_dir: Path, shown: str) -> Any:
+    import datasets
+
+    datasets.disable_progress_bars()
+    # Its "Failed to read file" log lines would precede our own message about the same failure.
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    names = [str(f) for f in files]
+    cache = str(cache_dir)
+    if fmt in ("jsonl", "openai") and sum(scan_jsonl(f) for f in files) == 0:
+        raise InputError(f"{shown}: no rows (only blank lines); there is nothing to run")
+    if fmt == "openai":
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        convert_requests(files, cache_dir / "requests.parquet", open_text)
+        return datasets.Dataset.from_parquet(str(cache_dir / "requests.parquet"), cache_dir=cache)
+    if fmt in ("jsonl", "json"):
+        return datasets.Dataset.from_json(names, cache_dir=cache, chunksize=DATASETS_CHUNK_BYTES)
+    if fmt in ("csv", "tsv"):
+        # Cells are the strings they are: pandas' guesses would make `007` the number 7 (and a
+        # duplicate of `7`), `1e3` 1000.0, and the texts NA, null, N/A, nan nulls.
+        sep = "\t" if fmt == "tsv" else ","
+        strings = datasets.Features({name: datasets.Value("string") for name in csv_header(files[0], sep)})
+        return datasets.Dataset.from_csv(
+            names,
+            cache_dir=cache,
+            sep=sep,
+            features=strings,
+            keep_default_na=False,
+            na_filter=False,
+        )
+    if fmt == "parquet":
+        return datasets.Dataset.from_parquet(names, cache_dir=cache)
+    if fmt == "arrow":
+        return datasets.load_dataset("arrow", data_files=names, split="train", cache_dir=cache)
+    if fmt == "hf_disk":
+        return datasets.load_from_disk(names[0])
+    raise InputError(f"input.format={fmt!r} is not supported ({', '.join(FORMATS)})")
+
+
+def _read_error(files: list[Path], fmt: str, shown: str, e: Exception) -> InputError:
+    """An unreadable input, said as file:line where the cause is bad UTF-8, else in the reader's words."""
+    if fmt in ("csv", "tsv", "json"):
+        for f in files:  # the readers name no line for bad UTF-8; this pass only runs on failure
+            for _ in text_lines(f):
+                pass
+    while e.__cause__ is not None and "error occurred while generating" in str(e):
+        e = e.__cause__  # datasets wraps the reader's own error in a message that says nothing
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    if "corresponds to no data" in reason:  # datasets' words for a header-only CSV
+        return InputError(f"{shown}: no rows (only a header); there is nothing to run")
+    return InputError(f"{shown}: cannot be read as {fmt} ({reason}); check the file or set input.format")
+
+
+def _load_extended(files: list[Path], cache: Path) -> Any:
+    """JSON lines that `datasets` refused under its first chunk's types, read by `datasets` with those
+    types extended over every row (`_extended_features`); None where that does not help (the first
+    error stands). A value it cannot cast is named by file:line and column."""
+    import datasets
+
+    features = _extended_features(files, cache / "first-chunk")
+    if isinstance(features, TypeConflict):
+        raise InputError(features.message())
+    if features is None:
+        return None
+    try:
+        return datasets.Dataset.from_json(
+            [str(f) for f in files], cache_dir=str(cache), features=features, chunksize=DATASETS_CHUNK_BYTES
+        )
+    except Exception:  # as in _load: the readers raise many kinds
+        return None
+
+
+def _extended_features(files: list[Path], scratch: Path) -> Union[Any, TypeConflict, None]:
+    """The `datasets` Features its JSON builder takes from the first chunk (JSON text columns
+    included), extended by `extend_feature` with every later chunk of every file as the builder reads
+    it; the first value the builder could not cast to them, by file:line; None where nothing changed,
+    a chunk cannot be read, or this `datasets` has no such reading."""
+    import datasets
+
+    try:
+        from datasets.packaged_modules.json.json import AGENT_TRACES_FEATURES
+        from datasets.utils.json import get_json_field_paths_from_feature
+    except ImportError:
+        return None
+    scratch.mkdir(parents=True, exist_ok=True)
+    head = scratch / "first-chunk.jsonl"
+    head.write_bytes(_first_chunk(files[0]))
+    try:  # the builder itself on the same bytes: its types, JSON text columns and all
+        first = datasets.Dataset.from_json(str(head), cache_dir=str(scratch), chunksize=DATASETS_CHUNK_BYTES).features
+    except Exception:
+        return None
+    if first == AGENT_TRACES_FEATURES:
+        return None
+    paths = get_json_field_paths_from_feature(first)
+    features = first
+    for k, path in enumerate(files):
+        for line, chunk in line_chunks(path, DATASETS_CHUNK_BYTES):
+            if k == 0 and line == 1:
+                continue  # the chunk the types come from
+            read = _read_as_datasets(chunk, paths)
+            if read is None:
+                return None
+            table, mixed = read
+            features = extend_feature(features, pa.struct(table.schema))
+            refused = _refused_column(table, features)
+            if refused is None:
+                continue
+            if any(p and p[0] == refused for p in mixed):  # its values are all JSON text here: kinds tell
+                one = pa.schema([(refused, _json_as_null(features.arrow_schema.field(refused).type))])
+                return find_conflict(path, line, _projected(chunk, refused), one)
+            return _refused_line(path, line, chunk, table[refused], refused, features)
+    return None if features == first else features
+
+
+def _read_as_datasets(chunk: bytes, paths: list[list[Any]]) -> Optional[tuple[pa.Table, list[list[Any]]]]:
+    """A later chunk read as `datasets`' JSON builder reads it: the fields at paths (its JSON text
+    columns) encoded as JSON text, and a field whose type changes within the chunk too, its path
+    added to paths for this chunk and the rest (as the builder does); the table and the paths added
+    here; None where pyarrow cannot read it for another reason."""
+    import pyarrow.json as paj
+    from datasets.utils.json import (
+        get_json_field_path_from_pyarrow_json_error,
+        insert_json_field_path,
+        json_encode_fields_in_json_lines,
+        ujson_loads,
+    )
+
+    before = [list(p) for p in paths]
+    while True:
+        try:
+            batch = json_encode_fields_in_json_lines(chunk, paths) if paths else chunk
+            table = paj.read_json(io.BytesIO(batch), read_options=paj.ReadOptions(block_size=len(batch) + 1))
+            return table, [p for p in paths if p not in before]
+        except pa.ArrowInvalid as e:
+            if "changed from" not in str(e):
+                return None
+            try:
+                examples = (ujson_loads(line) for line in chunk.splitlines())
+                field = get_json_field_path_from_pyarrow_json_error(str(e), examples=examples)
+            except ValueError:
+                return None
+            if not field or any(field[: len(p)] == p for p in paths):
+                return None
+            insert_json_field_path(paths, field)
+        except (pa.ArrowException, ValueError):
+            return None
+
+
+def _projected(chunk: bytes, name: str) -> bytes:
+    """chunk's lines as objects of the one column `name` (lines kept in place, blank ones blank)."""
+    return b"\n".join(
+        json.dumps({name: json.loads(raw).get(name)}).encode() if raw.strip() else b"" for raw in chunk.split(b"\n")
+    )
+
+
+def _refused_column(table: pa.Table, features: Any) -> Optional[str]:
+    """The first column of a chunk's table that `datasets` cannot cast to its feature, or None."""
+    from datasets import Value
+    from datasets.table import cast_array_to_feature
+
+    schema = features.arrow_schema
+    for name in table.column_names:
+        column, feature = table[name], features[name]
+        if column.type.equals(schema.field(name).type):
+            continue
+        if pa.types.is_struct(column.type) and feature == Value("string"):
+            continue  # the builder writes these objects as JSON text
+        try:
+            cast_array_to_feature(column, feature)
+        except (pa.ArrowException, TypeError, ValueError):
+            return name
+    return None
+
+
+def _refused_line(
+    path: Path, first_line: int, chunk: bytes, column: pa.ChunkedArray, name: str, features: Any
+) -> Optional[TypeConflict]:
+    """The line of chunk (lines of path from first_line on) whose value of column `name` `datasets`
+    cannot cast to its feature: the shortest prefix of its values (nulls cast to anything) that does
+    not cast ends there."""
+    from datasets.table import cast_array_to_feature
+
+    whole, feature = column.combine_chunks(), features[name]
+    array, at = whole.drop_null(), pc.indices_nonzero(whole.is_valid()).to_pylist()
+    if not len(array):
+        return None
+
+    def casts(n: int) -> bool:
+        try:
+            cast_array_to_feature(array.slice(0, n), feature)
+            return True
+        except (pa.ArrowException, TypeError, ValueError):
+            return False
+
+    good, bad = 0, len(array)
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if casts(mid) else (good, mid)
+    rows = (i for i, raw in enumerate(chunk.split(b"\n")) if raw.strip(b" \t\r"))
+    offset = next(i for n, i in enumerate(rows) if n == at[bad - 1])
+    value = json.loads(chunk.split(b"\n")[offset]).get(name)
+    before = _json_as_null(features.arrow_schema.field(name).type)
+    try:  # the field inside the column where the kinds differ
+        unify_types(before, json_type(value, (name,)), (name,))
+    except TypesDiffer as e:
+        return TypeConflict(path, first_line + offset, e.path, e.before, e.found)
+    return TypeConflict(path, first_line + offset, (name,), before, json_type(value))
+
+
+def _json_as_null(t: pa.DataType) -> pa.DataType:
+    """A type with its JSON text parts (which hold any value) as null, which joins anything."""
+    if isinstance(t, pa.BaseExtensionType):
+        return pa.null()
+    if pa.types.is_struct(t):
+        return pa.struct([(f.name, _json_as_null(f.type)) for f in t])
+    if pa.types.is_list(t):
+        return pa.list_(_json_as_null(t.value_type))
+    return t
+
+
+def _first_chunk(path: Path) -> bytes:
+    """The bytes `datasets`' JSON builder takes its types from: the first 10 MB and the rest of that
+    line, a UTF-8 BOM dropped."""
+    with open_text(path) as f:
+        head = f.read(DATASETS_CHUNK_BYTES)
+        head += f.readline()
+    return head.removeprefix(b"\xef\xbb\xbf")

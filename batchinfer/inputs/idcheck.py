@@ -1,0 +1,219 @@
+"""Row ids checked present and unique, on 64-bit hashes of the ids (8 bytes a row), the duplicates
+named by row."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Union
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from batchinfer.errors import InputError
+
+IdChunks = Callable[[], Iterable[pa.Array]]
+
+
+def id_problems(ids: Union[pa.ChunkedArray, IdChunks], column: str, limit: int = 5) -> tuple[int, list[str]]:
+    """Null and duplicate ids: how many rows have one, and the first `limit` in row order said as
+    messages. ids is a column or a function giving its chunks anew for each pass over them."""
+    import numpy as np
+
+    chunks: IdChunks = (lambda: ids.chunks) if isinstance(ids, pa.ChunkedArray) else ids  # type: ignore[union-attr]
+    found: list[tuple[int, str]] = []  # (row, message), at most `limit` of each kind
+    nulls, total = _null_rows(chunks, limit, found, column)
+    # One 64-bit hash per id is all that is kept of the ids: 8 bytes a row, sorted in place.
+    hashes = np.empty(total - nulls, np.uint64)
+    at = 0
+    for chunk in _grouped(chunks()):
+        h = _id_hashes(chunk)
+        if h is None:
+            return nulls + _id_problems_python(chunks, limit, found), [msg for _, msg in sorted(found)[:limit]]
+        h = h[chunk.is_valid().to_numpy(zero_copy_only=False)] if chunk.null_count else h
+        hashes[at : at + len(h)] = h
+        at += len(h)
+    hashes.sort()
+    repeated = np.unique(hashes[1:][hashes[1:] == hashes[:-1]])
+    del hashes
+    dups = _duplicates(*_with_hashes_in(chunks, repeated), limit, found) if len(repeated) else 0
+    return nulls + dups, [msg for _, msg in sorted(found)[:limit]]
+
+
+def _null_rows(chunks: IdChunks, limit: int, found: list[tuple[int, str]], column: str) -> tuple[int, int]:
+    """Count null ids and add the first `limit`; the null count and the row count."""
+    nulls = total = 0
+    for chunk in _grouped(chunks()):
+        if chunk.null_count:
+            if nulls < limit:
+                for row in pc.indices_nonzero(chunk.is_null()).to_numpy()[: limit - nulls]:
+                    msg = f"row {total + row}: input.id_column {column!r} is null or missing; every row needs an id"
+                    found.append((total + int(row), msg))
+            nulls += chunk.null_count
+        total += len(chunk)
+    return nulls, total
+
+
+def _grouped(chunks: Iterable[pa.Array], rows: int = 1 << 18) -> Iterable[pa.Array]:
+    """Consecutive chunks as arrays of at least `rows` ids, dictionaries decoded: on chunks of a
+    thousand ids Arrow's cost per call, not the ids, would take the time."""
+    pending: list[pa.Array] = []
+    count = 0
+    for chunk in chunks:
+        pending.append(_plain(chunk))
+        count += len(chunk)
+        if count >= rows:
+            yield pending[0] if len(pending) == 1 else pa.concat_arrays(pending)
+            pending, count = [], 0
+    if pending:
+        yield pending[0] if len(pending) == 1 else pa.concat_arrays(pending)
+
+
+def _plain(chunk: pa.Array) -> pa.Array:
+    """A dictionary-encoded chunk as its values; others as they are."""
+    return chunk.dictionary_decode() if pa.types.is_dictionary(chunk.type) else chunk
+
+
+def _with_hashes_in(chunks: IdChunks, repeated: Any) -> tuple[pa.Array, Any]:
+    """The non-null ids whose hash is one of `repeated`, and their rows (ascending): every duplicate
+    and its first row, and the rare id that only shares its hash."""
+    import numpy as np
+
+    values, rows = [], []
+    offset = 0
+    for chunk in _grouped(chunks()):
+        hit = np.isin(_id_hashes(chunk), repeated)
+        if chunk.null_count:
+            hit &= chunk.is_valid().to_numpy(zero_copy_only=False)
+        at = np.flatnonzero(hit)
+        values.append(chunk.take(pa.array(at)))
+        rows.append(at + offset)
+        offset += len(chunk)
+    return pa.concat_arrays(values), np.concatenate(rows)
+
+
+_MIX = 0xBF58476D1CE4E5B9
+
+
+def _mixed(h: Any) -> Any:
+    """h's bits spread over all 64 (a splitmix64 step, in place)."""
+    import numpy as np
+
+    h ^= h >> np.uint64(31)
+    h *= np.uint64(_MIX)
+    h ^= h >> np.uint64(29)
+    return h
+
+
+def _id_hashes(chunk: pa.Array) -> Any:
+    """A 64-bit hash of each id of a chunk (any value where null): equal ids, equal hashes, as Arrow
+    compares them (0.0 and -0.0 alike). None for ids of other types (lists, structs)."""
+    import numpy as np
+
+    t, n = chunk.type, len(chunk)
+    if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t) or pa.types.is_large_binary(t):
+        bufs = chunk.buffers()
+        kind = np.int64 if pa.types.is_large_string(t) or pa.types.is_large_binary(t) else np.int32
+        offsets = np.frombuffer(bufs[1], kind)[chunk.offset : chunk.offset + n + 1].astype(np.int64)
+        data = np.frombuffer(bufs[2], np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+        return _bytes_hashes(offsets, data)
+    if pa.types.is_floating(t):
+        x = chunk.fill_null(0).to_numpy(zero_copy_only=False).astype(np.float64) + 0.0  # -0.0 becomes 0.0
+        return _mixed(x.view(np.uint64))
+    if pa.types.is_boolean(t):
+        return _mixed(chunk.fill_null(False).to_numpy(zero_copy_only=False).astype(np.uint64))
+    try:  # other fixed-width values (ints, dates, times, decimals, fixed-size binary) by their bytes
+        width = t.bit_width // 8 if t.bit_width % 8 == 0 else 0
+    except ValueError:  # lists, structs, ...
+        return None
+    if not width or t.num_fields or pa.types.is_interval(t) or len(chunk.buffers()) != 2:
+        return None
+    data = np.frombuffer(chunk.buffers()[1], np.uint8)[chunk.offset * width : (chunk.offset + n) * width]
+    if width in (1, 2, 4, 8):
+        return _mixed(data.view(f"<u{width}").astype(np.uint64))
+    return _matrix_hashes(data.reshape(n, width), np.full(n, width, np.int64))
+
+
+def _bytes_hashes(offsets: Any, data: Any) -> Any:
+    """Hashes of variable-length values given by Arrow offsets into data."""
+    import numpy as np
+
+    lengths = np.diff(offsets)
+    n = len(lengths)
+    longest = int(lengths.max()) if n else 0
+    if n == 0 or longest == 0:
+        return _mixed(lengths.astype(np.uint64))
+    if n * longest > 1 << 26 and n > 1:  # a few long ids: halves, so the padded copy stays small
+        half = n // 2
+        return np.concatenate([_bytes_hashes(offsets[: half + 1], data), _bytes_hashes(offsets[half:], data)])
+    base = int(offsets[0])
+    if (lengths == longest).all():
+        matrix = data[base : base + n * longest].reshape(n, longest)
+    else:
+        matrix = np.zeros((n, longest), np.uint8)
+        row = np.repeat(np.arange(n), lengths)
+        matrix[row, np.arange(len(row)) - np.repeat(offsets[:-1] - base, lengths)] = data[base : int(offsets[-1])]
+    return _matrix_hashes(matrix, lengths)
+
+
+def _matrix_hashes(matrix: Any, lengths: Any) -> Any:
+    """Hashes of the rows of an (ids, bytes) matrix, 8 bytes at a time, each row's length mixed in."""
+    import numpy as np
+
+    n, width = matrix.shape
+    words = np.zeros((n, -(-width // 8) * 8), np.uint8)
+    words[:, :width] = matrix
+    words = words.view(np.uint64)
+    h = lengths.astype(np.uint64)
+    for j in range(words.shape[1]):
+        h = _mixed(h ^ words[:, j])
+    return h
+
+
+def _duplicates(values: pa.Array, rows: Any, limit: int, found: list[tuple[int, str]]) -> int:
+    """Count the ids that repeat an earlier row's (rows ascending with them), and add the first `limit`."""
+    import numpy as np
+
+    if len(values) < 2:
+        return 0
+    # A stable sort: equal ids stay in row order, so each run of them starts at its first row.
+    order = pc.sort_indices(values)
+    ordered = values.take(order)
+    row = rows[order.to_numpy()]
+    del order
+    starts = np.ones(len(row), dtype=bool)
+    same = pc.equal(ordered.slice(1), ordered.slice(0, len(ordered) - 1))
+    starts[1:] = ~same.fill_null(False).to_numpy(zero_copy_only=False)
+    repeats = np.flatnonzero(~starts)
+    if len(repeats):
+        first = np.maximum.accumulate(np.where(starts, np.arange(len(row)), 0))
+        for i in repeats[np.argsort(row[repeats], kind="stable")[:limit]]:
+            value = ordered[int(i)].as_py()
+            msg = f"duplicate id {value!r} in rows {int(row[first[i]])} and {int(row[i])}; ids must be unique"
+            found.append((int(row[i]), msg))
+    return len(repeats)
+
+
+def _id_problems_python(chunks: IdChunks, limit: int, found: list[tuple[int, str]]) -> int:
+    """Duplicates of ids Arrow cannot sort (lists, structs), one row at a time, the first `limit` added."""
+    count = 0
+    seen: dict[Any, int] = {}
+    row = 0
+    for chunk in chunks():
+        for value in chunk.to_pylist():
+            if value is not None:
+                key = value if isinstance(value, (str, int, float, bytes)) else repr(value)
+                if key in seen:
+                    count += 1
+                    if count <= limit:
+                        found.append((row, f"duplicate id {value!r} in rows {seen[key]} and {row}; ids must be unique"))
+                else:
+                    seen[key] = row
+            row += 1
+    return count
+
+
+def check_ids(path: Any, ids: Union[pa.ChunkedArray, IdChunks], column: str = "id") -> None:
+    """Ids must be present and unique; the error names the first bad row, its id and the row it repeats."""
+    count, shown = id_problems(ids, column, limit=1)
+    if count:
+        raise InputError(f"{path}: {shown[0]}")
