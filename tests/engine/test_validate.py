@@ -13,7 +13,8 @@ from support.runs import run_overrides as overrides
 
 from batchinfer.config.compose import compose
 from batchinfer.errors import RunDirError
-from batchinfer.insight.validate import percentile, validate
+from batchinfer.insight.token_stats import percentile
+from batchinfer.insight.validate import validate
 from batchinfer.launch.local import run_local
 
 

@@ -19,10 +19,15 @@ from support.runs import run_overrides as overrides
 
 from batchinfer.config.compose import compose
 from batchinfer.errors import ConfigError, InputError
-from batchinfer.inputs.read import convert_input, detect_format
+from batchinfer.inputs.convert import convert_input
+from batchinfer.inputs.formats import detect_format
 from batchinfer.insight import validate as validate_module
 from batchinfer.insight.cpus import allowed_cpus, cgroup_cpu_limit
-from batchinfer.insight.validate import Checked, Sample, check_rows, histogram, percentile, validate
+from batchinfer.insight.findings import Checked
+from batchinfer.insight.row_check import check_rows
+from batchinfer.insight.sample import Sample
+from batchinfer.insight.token_stats import histogram, percentile
+from batchinfer.insight.validate import validate
 from batchinfer.models.maxlen import derived_max_model_len
 
 LOGIN_NODE = """
@@ -163,7 +168,7 @@ def bad_corpus(path: Path, copies: int) -> Path:
 
 def test_chunks_checked_apart_and_merged_in_order_equal_one_pass(tmp_path: Path, tiny_model_path: Path) -> None:
     from batchinfer.config.schema import to_config
-    from batchinfer.inputs.read import open_input
+    from batchinfer.inputs.convert import open_input
     from batchinfer.models.tokens import LoginTokenizer
 
     corpus = bad_corpus(tmp_path / "bad.jsonl", 3)
