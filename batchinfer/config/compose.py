@@ -9,19 +9,25 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from batchinfer.config.schema import (
-    LITERAL_KEYS,
-    LITERAL_LIST_KEYS,
-    LITERAL_UNLESS_QUOTED_KEYS,
-    RANGES,
-    conf_dir,
-    escape_interpolation,
-    register_configs,
-    unknown_key_message,
-    unknown_keys,
-    validate,
-)
+from batchinfer.config.checks import RANGES, validate
+from batchinfer.config.keys import unknown_key_message, unknown_keys
+from batchinfer.config.schema import escape_interpolation
+from batchinfer.config.store import conf_dir, register_configs
 from batchinfer.errors import ConfigError
+
+# Values typed in a shell that Hydra's grammar would reject or interpolate ({, [, #, ${): taken as typed.
+LITERAL_KEYS = ("prompt.template", "prompt.system", "task.query", "task.document")
+# The same, except that a value wholly in Hydra's quotes ('[a-z]+') keeps Hydra's meaning (the quotes
+# go), as these keys had to be written before they were taken literally, and `null` unsets the key.
+LITERAL_UNLESS_QUOTED_KEYS = (
+    "prompt.labels.description",
+    "sampling.structured_outputs.regex",
+    "sampling.structured_outputs.json",
+    "sampling.structured_outputs.grammar",
+)
+# List keys whose one-string value is one item, taken as typed (`sampling.stop=###` is ["###"]); a
+# value in brackets is Hydra's list syntax (`sampling.stop=[a,b]`).
+LITERAL_LIST_KEYS = ("sampling.stop",)
 
 
 def hydra_literal(value: str) -> str:

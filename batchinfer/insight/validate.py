@@ -12,7 +12,8 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from batchinfer.config.schema import Config, check_sampling_column, to_config
+from batchinfer.config.checks import check_sampling_column
+from batchinfer.config.schema import Config, to_config
 from batchinfer.errors import ConfigError
 from batchinfer.insight.check_pool import check_parallel
 from batchinfer.insight.findings import Checked

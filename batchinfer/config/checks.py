@@ -1,0 +1,209 @@
+"""What the schema's types cannot check: choices, ranges, exclusive keys, settings a task would drop,
+names vLLM would refuse; refused before anything is submitted, with the key named."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from batchinfer.config.schema import POOLING_TASKS, to_dict
+from batchinfer.errors import ConfigError
+
+CHOICES = {
+    "prompt.mode": ("chat", "raw"),
+    "prompt.overlong": ("error_row", "truncate_left", "truncate_right", "fail"),
+    "output.format": ("jsonl", "parquet", "openai", "hf"),
+    "output.lock": ("auto", "flock", "file"),
+    "task.name": ("generate", *POOLING_TASKS),
+    "input.format": (None, "jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf_disk", "openai"),
+}
+
+
+# key -> (check, what is allowed): vLLM or Slurm would reject these later, after submitting.
+RANGES: dict[str, tuple[Any, str]] = {
+    "sampling.temperature": (lambda v: v >= 0, "a number >= 0 (0 is greedy)"),
+    "sampling.top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "sampling.top_k": (lambda v: v >= -1, "an integer: 0 or -1 (off), or >= 1"),
+    "sampling.min_p": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "sampling.max_tokens": (lambda v: v >= 1, "an integer >= 1"),
+    "sampling.min_tokens": (lambda v: v >= 0, "an integer >= 0"),
+    "sampling.n": (lambda v: v >= 1, "an integer >= 1"),
+    "sampling.logprobs": (lambda v: v >= -1, "an integer >= 0 (-1: the whole vocabulary)"),
+    "sampling.presence_penalty": (lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
+    "sampling.frequency_penalty": (lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
+    "sampling.repetition_penalty": (lambda v: v > 0, "a number > 0 (1 is off)"),
+    "model.gpu_memory_utilization": (lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
+    "model.max_model_len": (lambda v: v >= 1, "an integer >= 1"),
+    "model.tensor_parallel_size": (lambda v: v >= 1, "an integer >= 1"),
+    "model.pipeline_parallel_size": (lambda v: v >= 1, "an integer >= 1"),
+    "model.max_num_seqs": (lambda v: v >= 1, "an integer >= 1"),
+    "model.max_num_batched_tokens": (lambda v: v >= 1, "an integer >= 1"),
+    "sharding.num_shards": (lambda v: v >= 1, "an integer >= 1"),
+    "sharding.rows_per_shard": (lambda v: v >= 1, "an integer >= 1"),
+    "output.commit_every_rows": (lambda v: v >= 1, "an integer >= 1"),
+    "output.commit_every_seconds": (lambda v: v > 0, "a number of seconds > 0"),
+    "output.max_rows_per_file": (lambda v: v >= 1, "an integer >= 1"),
+    "cluster.time": (lambda v: v >= 1, "an integer number of minutes >= 1"),
+    "cluster.gpus_per_task": (lambda v: v >= 0, "an integer >= 0"),
+    "cluster.cpus_per_task": (lambda v: v >= 1, "an integer >= 1"),
+    "cluster.array_parallelism": (lambda v: v >= 1, "an integer >= 1"),
+    "cluster.shards_per_task": (lambda v: v >= 1, "an integer >= 1"),
+    "cluster.signal_lead_s": (lambda v: v >= 0, "an integer number of seconds >= 0"),
+    "cluster.max_attempts": (lambda v: v >= 1, "an integer >= 1"),
+    "cluster.merge_time": (lambda v: v >= 1, "an integer number of minutes >= 1"),
+    "cluster.merge_cpus": (lambda v: v >= 1, "an integer >= 1"),
+    "task.dimensions": (lambda v: v >= 1, "an integer >= 1"),
+    "task.min_prob": (lambda v: 0 <= v <= 1, "a probability in [0, 1]"),
+}
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check values the schema's types cannot: choices, ranges, exclusive keys."""
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            shown = ", ".join(a for a in allowed if a)
+            raise ConfigError(f"{key}={value!r} is not one of: {shown}")
+    sh = cfg.sharding
+    if sh.num_shards is not None and sh.rows_per_shard is not None:
+        raise ConfigError("set sharding.num_shards or sharding.rows_per_shard, not both")
+    for key, (ok, allowed) in RANGES.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and not ok(value):
+            raise ConfigError(f"{key}={value} is out of range: it takes {allowed}")
+    if cfg.sampling.min_tokens > cfg.sampling.max_tokens:
+        raise ConfigError(
+            f"sampling.min_tokens={cfg.sampling.min_tokens} is out of range: it takes at most "
+            f"sampling.max_tokens={cfg.sampling.max_tokens}"
+        )
+    so = [k for k in ("choice", "regex", "json", "grammar") if cfg.sampling.structured_outputs[k] is not None]
+    if len(so) > 1:
+        raise ConfigError(f"sampling.structured_outputs: set one of choice, regex, json, grammar (got {', '.join(so)})")
+    labels = cfg.prompt.labels.names
+    if labels and so and so != ["choice"]:
+        raise ConfigError(f"prompt.labels.names sets the choice constraint; unset sampling.structured_outputs.{so[0]}")
+    if labels and len(set(labels)) != len(labels):
+        raise ConfigError(f"prompt.labels.names has duplicates: {list(labels)}")
+    _check_task(cfg.task)
+    _check_dropped_settings(cfg)
+    _check_vllm_names(cfg)
+    check_output_format(cfg.task.name, cfg.output.format, cfg.input.format)
+    from batchinfer.config.json_schema import check_json_schema
+
+    check_json_schema(cfg.sampling.structured_outputs.json)
+    from batchinfer.config.engines import check_engines_value
+
+    check_engines_value(cfg.cluster.engines_per_task)
+    if cfg.sampling.seed_per_row and cfg.sampling.seed is None:
+        raise ConfigError("sampling.seed_per_row=true needs sampling.seed (the base the row seeds derive from)")
+    from batchinfer.security import check_config_secrets, private_mode
+
+    private_mode(cfg.output.private)
+    check_config_secrets(to_dict(cfg))
+
+
+def _check_dropped_settings(cfg: DictConfig) -> None:
+    """Settings a run would ignore are refused: the user meant them to change the answers."""
+    p, task = cfg.prompt, cfg.task.name
+    if task == "generate" and p.mode == "raw":
+        dropped = [k for k, v in (("prompt.system", p.system), ("prompt.examples", p.examples)) if v]
+        dropped += ["prompt.labels"] if p.labels.names else []
+        if dropped:
+            raise ConfigError(
+                f"prompt.mode=raw sends the filled template alone, without chat turns: {', '.join(dropped)} "
+                "would be dropped; use prompt.mode=chat, or unset them"
+            )
+    if task in POOLING_TASKS:
+        so = [k for k in ("choice", "regex", "json", "grammar") if cfg.sampling.structured_outputs[k] is not None]
+        dropped = [f"sampling.structured_outputs.{so[0]}"] if so else []
+        dropped += ["prompt.labels"] if p.labels.names else []
+        dropped += [f"sampling.n={cfg.sampling.n}"] if cfg.sampling.n > 1 else []
+        if dropped:
+            raise ConfigError(
+                f"task={task} computes one vector, class or score per row and samples no text: "
+                f"{', '.join(dropped)} would be ignored; unset it (they are settings of task=generate)"
+            )
+
+
+def _check_vllm_names(cfg: DictConfig) -> None:
+    """Names and limits vLLM refuses at engine start, after the job waited in the queue."""
+    import difflib
+
+    from batchinfer.config import vllm_names as names
+
+    m, q = cfg.model, cfg.quantization
+    kwargs = m.engine_kwargs or {}
+    checked = [
+        ("model.dtype", m.dtype, names.MODEL_DTYPES),
+        ("quantization.method", q.method, names.QUANTIZATION_METHODS),
+        ("quantization.kv_cache_dtype", q.kv_cache_dtype, names.KV_CACHE_DTYPES),
+    ]
+    if "reasoning_parser_plugin" not in kwargs:  # a plugin registers parsers of its own names
+        checked.append(("model.reasoning_parser", m.reasoning_parser, names.REASONING_PARSERS))
+    for key, value, allowed in checked:
+        if value is None or value in allowed:
+            continue
+        close = difflib.get_close_matches(str(value), allowed, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"{key}={value!r} is not a name vLLM knows{hint}; it takes one of: {', '.join(allowed)}")
+    cap, asked = kwargs.get("max_logprobs", names.MAX_LOGPROBS), cfg.sampling.logprobs
+    if asked is not None and cap != -1 and (asked == -1 or asked > cap):
+        what = "the whole vocabulary" if asked == -1 else f"{asked} log probabilities per token"
+        raise ConfigError(
+            f"sampling.logprobs={asked} asks for {what}, above vLLM's limit of {cap} (max_logprobs): "
+            f"lower sampling.logprobs, or raise the limit with model.engine_kwargs.max_logprobs={asked}"
+        )
+
+
+def check_output_format(task: str, output_format: str, input_format: Optional[str], source: str = "") -> None:
+    """output.format=openai writes OpenAI Batch responses: chat or completion texts, or embeddings of
+    /v1/embeddings requests; other pooling rows have no such form (merge would fail on them).
+    source: why the output is openai when the user did not ask (an OpenAI Batch input)."""
+    if output_format != "openai" or task not in POOLING_TASKS:
+        return
+    if task == "embed" and input_format == "openai":
+        return
+    if source:
+        raise ConfigError(
+            f"{source} is an OpenAI Batch file, answered in the OpenAI Batch output format, which task={task} "
+            "rows have no form for: its chat and completion lines run with task=generate, its /v1/embeddings "
+            "lines with task=embed"
+        )
+    embed = (
+        " (task=embed writes them for OpenAI Batch /v1/embeddings requests: set input.format=openai)"
+        if task == "embed"
+        else ""
+    )
+    raise ConfigError(
+        f"output.format=openai writes OpenAI Batch responses, which task={task} rows are not{embed}; "
+        "choose output.format=parquet, jsonl or hf"
+    )
+
+
+def _check_task(task: DictConfig) -> None:
+    """Each task.* key belongs to one task; score needs both of its texts."""
+    owner = {"dimensions": "embed", "min_prob": "classify", "query": "score", "document": "score"}
+    for key, name in owner.items():
+        if task[key] is not None and task.name != name:
+            raise ConfigError(f"task.{key} is a setting of task={name}; this run has task={task.name}")
+    if task.name == "score" and (task.query is None or task.document is None):
+        raise ConfigError(
+            "task=score needs two texts per row: task.query and task.document, templates over the row's "
+            "fields, e.g. task.query={question} task.document={passage}"
+        )
+
+
+def check_sampling_column(column: Optional[str], columns: list[str], source: Optional[str]) -> None:
+    """input.sampling_column must name a column of the input: a misspelt one would run every row
+    with the config's sampling, silently."""
+    if column is None or column in columns:
+        return
+    import difflib
+
+    close = difflib.get_close_matches(column, columns, n=1)
+    hint = f" (did you mean input.sampling_column={close[0]}?)" if close else ""
+    raise ConfigError(
+        f"input.sampling_column={column!r} is not a column of {source}{hint}; its columns are: "
+        f"{', '.join(columns)}. Name the column that holds each row's sampling values, or unset it"
+    )
