@@ -22,22 +22,13 @@ import pyarrow.parquet as pq
 
 from batchinfer import faults
 from batchinfer.errors import RunDirError
-from batchinfer.inputs.read import Shard
+from batchinfer.inputs.shards import Shard
+from batchinfer.rundir.durable import TMP_PREFIX, fsync_dir, read_json, refused_write, storage_error, write_json
 from batchinfer.rundir.locks import RunLock
 from batchinfer.rundir.schema import jsonl_columns, jsonl_to_table, table_to_jsonl
 from batchinfer.rundir.shardrows import ShardRows, keep_mask_sorted, line_blocks, take_lines
-from batchinfer.rundir.store import (
-    OUTPUT_EXT,
-    TMP_PREFIX,
-    UNREAD,
-    RunDir,
-    fsync_dir,
-    group_rows,
-    read_json,
-    refused_write,
-    storage_error,
-    write_json,
-)
+from batchinfer.rundir.store import OUTPUT_EXT, UNREAD, RunDir
+from batchinfer.rundir.tables import group_rows
 from batchinfer.security import private_umask, remove_path
 
 log = logging.getLogger("batchinfer")
@@ -396,8 +387,8 @@ def _replace(tmp: Path, out: Path) -> None:
 
 def openai_lines(run: RunDir) -> Callable[[pa.Table], bytes]:
     """Lines of the OpenAI Batch output format for rows (each request's url from DIR/input)."""
+    from batchinfer.inputs.convert import open_input
     from batchinfer.inputs.openai_batch import CHAT_URL, response_line
-    from batchinfer.inputs.read import open_input
 
     urls = open_input(run.input_dir).data.column("url") if run.run["input"]["format"] == "openai" else None
     model = run.config.model.path

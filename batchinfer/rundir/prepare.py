@@ -16,6 +16,7 @@ import pyarrow as pa
 from omegaconf import DictConfig
 
 from batchinfer import __version__
+from batchinfer.config.checks import check_output_format, check_sampling_column
 from batchinfer.config.compose import require_run_keys
 from batchinfer.config.fingerprint import (
     config_files,
@@ -26,34 +27,23 @@ from batchinfer.config.fingerprint import (
     legacy_fingerprint,
     read_config_files,
 )
-from batchinfer.config.schema import (
-    DEFAULT_ROWS_PER_SHARD,
-    POOLING_TASKS,
-    check_output_format,
-    check_sampling_column,
-    to_config,
-    to_dict,
-)
+from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, POOLING_TASKS, to_config, to_dict
 from batchinfer.errors import ConfigError, RunDirError
-from batchinfer.inputs.read import (
-    GLOB_CHARS,
-    column_type,
-    convert_input,
-    detect_format,
-    file_fingerprint,
-    input_files,
-    is_reference,
-    looks_like_hub_dataset,
-    open_input,
-    plan_shards,
-)
+from batchinfer.inputs.columns import column_type
+from batchinfer.inputs.convert import convert_input, open_input
+from batchinfer.inputs.fingerprint import file_fingerprint
+from batchinfer.inputs.formats import detect_format
+from batchinfer.inputs.paths import GLOB_CHARS, input_files, looks_like_hub_dataset
+from batchinfer.inputs.reference import is_reference
+from batchinfer.inputs.shards import plan_shards
 from batchinfer.models.locations import resolve_model
 from batchinfer.models.pooling import embedding_dim
 from batchinfer.models.tokens import model_dir
 from batchinfer.requests.prompts import apply_labels, check_fields, load_template
+from batchinfer.rundir.durable import atomic_write, write_json
 from batchinfer.rundir.locks import flock_works
 from batchinfer.rundir.schema import output_schema, pooling_schema, schema_summary, schema_to_text
-from batchinfer.rundir.store import RunDir, atomic_write, write_json
+from batchinfer.rundir.store import RunDir
 from batchinfer.security import make_private, private_umask, remove_path
 from batchinfer.versions import installed_versions
 

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchinfer.errors import RunDirError
-from batchinfer.inputs.read import Shard
+from batchinfer.inputs.shards import Shard
 from batchinfer.rundir.schema import jsonl_columns, jsonl_to_table, table_to_jsonl
 
 # JSON lines are read in blocks of about this size (whole lines).

@@ -18,18 +18,20 @@ from support.parts import DONE, ROWS, committed, finish_all, output_row
 from batchinfer.errors import RunDirError
 from batchinfer.insight.status import shard_status
 from batchinfer.rundir import merge as merge_mod
-from batchinfer.rundir import store
+from batchinfer.rundir import tables
+from batchinfer.rundir.durable import read_json, write_json
 from batchinfer.rundir.merge import merge, shard_rows_in_order
 from batchinfer.rundir.schema import rows_to_table
 from batchinfer.rundir.stats import shard_stats
-from batchinfer.rundir.store import RunDir, read_json, write_json
+from batchinfer.rundir.store import RunDir
 
 # What a worker does to finish a shard whose rows are all committed: the real ShardWorker, which
 # under the shard's lock removes a killed writer's leftovers, reads the parts and seals the shard
 # (no engine: nothing is left to generate).
 FINISH = """
 import sys
-from batchinfer.engine.worker import ShardWorker, StopFlag
+from batchinfer.engine.stopflag import StopFlag
+from batchinfer.engine.worker import ShardWorker
 from batchinfer.rundir.store import RunDir
 
 def no_engine():
@@ -47,7 +49,8 @@ def no_engine() -> Any:
 def resume(run: RunDir) -> None:
     """What a resumed task does: the real worker over every shard, without an engine (every row is
     committed, so none is needed; a worker that asked for one fails the test)."""
-    from batchinfer.engine.worker import ShardWorker, StopFlag
+    from batchinfer.engine.stopflag import StopFlag
+    from batchinfer.engine.worker import ShardWorker
 
     worker = ShardWorker(run, no_engine, StopFlag())
     for shard in run.shards():
@@ -160,7 +163,7 @@ def test_parts_of_a_compacted_shard_are_ignored_and_removed_by_merge(
     finish_all(run)
     # A killed cleanup's parts, and one that would duplicate rows if it were read.
     run.shard_dir(1).joinpath(f"part-000000.{fmt}").write_bytes(
-        store.table_bytes(rows_to_table([output_row(run, 12)], run.schema), fmt)
+        tables.table_bytes(rows_to_table([output_row(run, 12)], run.schema), fmt)
     )
     assert run.read_shard(1).column("row").to_pylist() == list(range(12, 24))
     assert merged_bytes(run) == reference["output"]
@@ -203,7 +206,7 @@ def test_merge_streams_a_compacted_shard_in_row_groups_and_blocks(
 ) -> None:
     """Row groups of 5 rows (Parquet) and blocks of 100 bytes (JSONL, lines cut across blocks):
     the shard comes in many pieces, in order, and the output is the same bytes."""
-    monkeypatch.setattr(store, "ROW_GROUP_ROWS", 5)
+    monkeypatch.setattr(tables, "ROW_GROUP_ROWS", 5)
     monkeypatch.setattr(merge_mod, "READ_BLOCK_BYTES", 100)
     run = committed(tmp_path, "run", fmt)
     finish_all(run)
@@ -241,7 +244,8 @@ def test_a_row_committed_twice_is_sealed_once_keeping_the_first_copy(
 
 
 def test_the_worker_removes_parts_a_finished_shard_left_without_an_engine(tmp_path: Path, fmt: str) -> None:
-    from batchinfer.engine.worker import ShardWorker, StopFlag
+    from batchinfer.engine.stopflag import StopFlag
+    from batchinfer.engine.worker import ShardWorker
 
     run = committed(tmp_path, "run", fmt)
     parts = {p.name: p.read_bytes() for p in run.parts(0)}

@@ -23,10 +23,10 @@ ROWS, PART_ROWS, TEXT = 20_000, 500, 1000
 SEAL = """
 import json, sys, tracemalloc
 import pyarrow as pa
-from batchinfer.rundir import store
+from batchinfer.rundir import tables
 from batchinfer.rundir.store import RunDir
 
-store.GROUP_BYTES, store.MIN_GROUP_ROWS = 256 << 10, 64  # groups of ~256 rows of ~1 KB
+tables.GROUP_BYTES, tables.MIN_GROUP_ROWS = 256 << 10, 64  # groups of ~256 rows of ~1 KB
 run = RunDir(sys.argv[1])
 run.read_shard(0, columns=["row"])  # config, schema and readers loaded before measuring: not data
 tracemalloc.start()

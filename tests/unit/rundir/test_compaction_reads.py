@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from support.parts import committed, finish_all, output_row
 
-from batchinfer.rundir import store
+from batchinfer.rundir import tables
 from batchinfer.rundir.schema import rows_to_table
 
 ROWS, PART_ROWS = 120, 10
@@ -30,8 +30,8 @@ def test_sealing_reads_each_parquet_part_once(tmp_path: Path, monkeypatch: pytes
         rows = sorted(order[start : start + PART_ROWS])
         run.write_part(0, rows_to_table([output_row(run, r) for r in rows], run.schema))
     parts = [p.name for p in run.part_files(0)]
-    monkeypatch.setattr(store, "GROUP_BYTES", 1)  # windows of MIN_GROUP_ROWS rows: 8 windows
-    monkeypatch.setattr(store, "MIN_GROUP_ROWS", 16)
+    monkeypatch.setattr(tables, "GROUP_BYTES", 1)  # windows of MIN_GROUP_ROWS rows: 8 windows
+    monkeypatch.setattr(tables, "MIN_GROUP_ROWS", 16)
 
     opened: Counter[str] = Counter()
     real = pq.ParquetFile

@@ -11,8 +11,8 @@ import pytest
 from support.parts import committed, finish_all
 
 from batchinfer.errors import RunDirError
+from batchinfer.rundir.durable import read_json
 from batchinfer.rundir.merge import MERGING, merge
-from batchinfer.rundir.store import read_json
 
 
 def test_a_file_no_merge_wrote_is_refused_and_kept(tmp_path: Path) -> None:

@@ -13,12 +13,15 @@ import pyarrow.parquet as pq
 import pytest
 from support.parts import DONE, committed, finish_all, output_row
 
-from batchinfer.engine.worker import ShardWorker, StopFlag
+from batchinfer.engine.stopflag import StopFlag
+from batchinfer.engine.worker import ShardWorker
 from batchinfer.errors import RunDirError
 from batchinfer.rundir import store
+from batchinfer.rundir.durable import read_json, write_json
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.schema import rows_to_table
-from batchinfer.rundir.store import RunDir, read_json, table_bytes, write_json
+from batchinfer.rundir.store import RunDir
+from batchinfer.rundir.tables import read_table, table_bytes
 
 
 def no_engine() -> Any:
@@ -75,7 +78,7 @@ def test_a_worker_seals_a_shard_with_a_row_twice_once_without_an_engine(
 
 
 def rows_in(path: Path, run: RunDir) -> int:
-    return store.read_table(path, run.schema, ["row"]).num_rows
+    return read_table(path, run.schema, ["row"]).num_rows
 
 
 def test_merge_takes_a_shard_sealed_with_a_duplicate_by_an_earlier_version_once(
