@@ -13,9 +13,9 @@ import pyarrow as pa
 
 from batchinfer.errors import InputError
 from batchinfer.inputs.columns import column_type
-from batchinfer.inputs.datasets_reader import _load, _load_extended, _read_error
+from batchinfer.inputs.datasets_reader import read_error, read_jsonl_extended, read_with_datasets
 from batchinfer.inputs.idcheck import IdChunks, check_ids
-from batchinfer.inputs.jsonl_stream import _jsonl_to_arrow
+from batchinfer.inputs.jsonl_stream import jsonl_to_arrow
 from batchinfer.inputs.reference import (
     is_reference,
     manifest_ids,
@@ -71,7 +71,7 @@ def convert_input(
         remove_path(cache, ignore_errors=True)  # a symlink here would send datasets' cache outside DIR
     try:
         ds = None
-        fast = _jsonl_to_arrow(files, tmp, cache / "ids.arrow", id_column) if fmt == "jsonl" else None
+        fast = jsonl_to_arrow(files, tmp, cache / "ids.arrow", id_column) if fmt == "jsonl" else None
         if isinstance(fast, tuple):
             rows, schema = fast
             # The ids' own file: passes over them read ~20 bytes a row, not the whole data file.
@@ -79,15 +79,15 @@ def convert_input(
         else:
             remove_path(tmp, ignore_errors=True)
             try:
-                ds = _load(files, fmt, cache, shown)
+                ds = read_with_datasets(files, fmt, cache, shown)
             except InputError:
                 raise
             except Exception as e:  # the readers raise ValueError, OSError, ArrowException, DatasetGenerationError
                 if isinstance(fast, TypeConflict):  # what `datasets` could not cast either, by line and column
                     raise InputError(fast.message()) from None
-                ds = _load_extended(files, cache) if fmt == "jsonl" and fast is None else None
+                ds = read_jsonl_extended(files, cache) if fmt == "jsonl" and fast is None else None
                 if ds is None:
-                    raise _read_error(files, fmt, shown, e) from None
+                    raise read_error(files, fmt, shown, e) from None
             rows, schema = len(ds), ds.data.schema
             ids = lambda: ds.data.column(id_column).chunks  # noqa: E731
         _check_input(shown, rows, schema, id_column, columns, ids, strict_ids)

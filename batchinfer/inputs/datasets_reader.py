@@ -34,7 +34,8 @@ from batchinfer.inputs.textfiles import (
 DATASETS_CHUNK_BYTES = 10 << 20
 
 
-def _load(files: list[Path], fmt: str, cache_dir: Path, shown: str) -> Any:
+def read_with_datasets(files: list[Path], fmt: str, cache_dir: Path, shown: str) -> Any:
+    """The input as `datasets`' builder for its format reads it (its cache in cache_dir)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -72,7 +73,7 @@ def _load(files: list[Path], fmt: str, cache_dir: Path, shown: str) -> Any:
     raise InputError(f"input.format={fmt!r} is not supported ({', '.join(FORMATS)})")
 
 
-def _read_error(files: list[Path], fmt: str, shown: str, e: Exception) -> InputError:
+def read_error(files: list[Path], fmt: str, shown: str, e: Exception) -> InputError:
     """An unreadable input, said as file:line where the cause is bad UTF-8, else in the reader's words."""
     if fmt in ("csv", "tsv", "json"):
         for f in files:  # the readers name no line for bad UTF-8; this pass only runs on failure
@@ -86,7 +87,7 @@ def _read_error(files: list[Path], fmt: str, shown: str, e: Exception) -> InputE
     return InputError(f"{shown}: cannot be read as {fmt} ({reason}); check the file or set input.format")
 
 
-def _load_extended(files: list[Path], cache: Path) -> Any:
+def read_jsonl_extended(files: list[Path], cache: Path) -> Any:
     """JSON lines that `datasets` refused under its first chunk's types, read by `datasets` with those
     types extended over every row (`_extended_features`); None where that does not help (the first
     error stands). A value it cannot cast is named by file:line and column."""
@@ -101,7 +102,7 @@ def _load_extended(files: list[Path], cache: Path) -> Any:
         return datasets.Dataset.from_json(
             [str(f) for f in files], cache_dir=str(cache), features=features, chunksize=DATASETS_CHUNK_BYTES
         )
-    except Exception:  # as in _load: the readers raise many kinds
+    except Exception:  # as in read_with_datasets: the readers raise many kinds
         return None
 
 
@@ -119,7 +120,7 @@ def _extended_features(files: list[Path], scratch: Path) -> Union[Any, TypeConfl
         return None
     scratch.mkdir(parents=True, exist_ok=True)
     head = scratch / "first-chunk.jsonl"
-    head.write_bytes(_first_chunk(files[0]))
+    head.write_bytes(first_chunk(files[0]))
     try:  # the builder itself on the same bytes: its types, JSON text columns and all
         first = datasets.Dataset.from_json(str(head), cache_dir=str(scratch), chunksize=DATASETS_CHUNK_BYTES).features
     except Exception:
@@ -253,7 +254,7 @@ def _json_as_null(t: pa.DataType) -> pa.DataType:
     return t
 
 
-def _first_chunk(path: Path) -> bytes:
+def first_chunk(path: Path) -> bytes:
     """The bytes `datasets`' JSON builder takes its types from: the first 10 MB and the rest of that
     line, a UTF-8 BOM dropped."""
     with open_text(path) as f:

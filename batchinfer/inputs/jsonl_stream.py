@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchinfer.inputs.datasets_reader import _first_chunk
+from batchinfer.inputs.datasets_reader import first_chunk
 from batchinfer.inputs.textfiles import (
     COMPRESSION_SUFFIXES,
     TypeConflict,
@@ -37,7 +37,7 @@ ARROW_CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
 DATA_FILE = "data-00000-of-00001.arrow"
 
 
-def _jsonl_to_arrow(
+def jsonl_to_arrow(
     files: list[Path], dest: Path, ids_file: Path, id_column: Optional[str]
 ) -> Union[tuple[int, pa.Schema], TypeConflict, None]:
     """JSON lines streamed by pyarrow into one Arrow file in `Dataset.save_to_disk`'s layout at dest,
@@ -48,7 +48,7 @@ def _jsonl_to_arrow(
     promotion joins with its column's (which `datasets` may still read, e.g. as JSON text)."""
     import pyarrow.json as paj
 
-    head = _first_chunk(files[0])
+    head = first_chunk(files[0])
     try:
         table = paj.read_json(io.BytesIO(head), read_options=paj.ReadOptions(block_size=max(len(head), 1)))
         schema = table.schema
@@ -82,7 +82,7 @@ class _Misfit(Exception):
     """pyarrow refused a block of files[file] under the types given, after `rows` rows of it (which,
     and the files before it, fit those types)."""
 
-    def __init__(self, file: int, rows: int):
+    def __init__(self, file: int, rows: int) -> None:
         super().__init__(file, rows)
         self.file, self.rows = file, rows
 

@@ -42,7 +42,7 @@ def no_old_path(monkeypatch: pytest.MonkeyPatch) -> None:
     def old_path(*args: Any) -> Any:
         raise AssertionError("read by datasets, not streamed")
 
-    monkeypatch.setattr(convert, "_load", old_path)
+    monkeypatch.setattr(convert, "read_with_datasets", old_path)
 
 
 def converted(tmp_path: Path, files: list[Path]) -> Any:

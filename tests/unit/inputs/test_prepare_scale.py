@@ -50,7 +50,7 @@ def corpus(path: Path, n: int = ROWS) -> Path:
 def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """How often the old path ran (line-by-line scan, then `datasets`' reader), and the scan in it."""
     seen = {"scan": 0, "old_path": 0}
-    scan, load = datasets_reader.scan_jsonl, convert._load
+    scan, load = datasets_reader.scan_jsonl, convert.read_with_datasets
 
     def counted_scan(path: Path) -> int:
         seen["scan"] += 1
@@ -61,7 +61,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         return load(*args)
 
     monkeypatch.setattr(datasets_reader, "scan_jsonl", counted_scan)
-    monkeypatch.setattr(convert, "_load", counted_load)
+    monkeypatch.setattr(convert, "read_with_datasets", counted_load)
     return seen
 
 
