@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchinfer.errors import InputError
+from batchinfer.hashing import splitmix64_array
 
 IdChunks = Callable[[], Iterable[pa.Array]]
 
@@ -91,19 +92,6 @@ def _with_hashes_in(chunks: IdChunks, repeated: Any) -> tuple[pa.Array, Any]:
     return pa.concat_arrays(values), np.concatenate(rows)
 
 
-_MIX = 0xBF58476D1CE4E5B9
-
-
-def _mixed(h: Any) -> Any:
-    """h's bits spread over all 64 (a splitmix64 step, in place)."""
-    import numpy as np
-
-    h ^= h >> np.uint64(31)
-    h *= np.uint64(_MIX)
-    h ^= h >> np.uint64(29)
-    return h
-
-
 def _id_hashes(chunk: pa.Array) -> Any:
     """A 64-bit hash of each id of a chunk (any value where null): equal ids, equal hashes, as Arrow
     compares them (0.0 and -0.0 alike). None for ids of other types (lists, structs)."""
@@ -118,9 +106,9 @@ def _id_hashes(chunk: pa.Array) -> Any:
         return _bytes_hashes(offsets, data)
     if pa.types.is_floating(t):
         x = chunk.fill_null(0).to_numpy(zero_copy_only=False).astype(np.float64) + 0.0  # -0.0 becomes 0.0
-        return _mixed(x.view(np.uint64))
+        return splitmix64_array(x.view(np.uint64))
     if pa.types.is_boolean(t):
-        return _mixed(chunk.fill_null(False).to_numpy(zero_copy_only=False).astype(np.uint64))
+        return splitmix64_array(chunk.fill_null(False).to_numpy(zero_copy_only=False).astype(np.uint64))
     try:  # other fixed-width values (ints, dates, times, decimals, fixed-size binary) by their bytes
         width = t.bit_width // 8 if t.bit_width % 8 == 0 else 0
     except ValueError:  # lists, structs, ...
@@ -129,7 +117,7 @@ def _id_hashes(chunk: pa.Array) -> Any:
         return None
     data = np.frombuffer(chunk.buffers()[1], np.uint8)[chunk.offset * width : (chunk.offset + n) * width]
     if width in (1, 2, 4, 8):
-        return _mixed(data.view(f"<u{width}").astype(np.uint64))
+        return splitmix64_array(data.view(f"<u{width}").astype(np.uint64))
     return _matrix_hashes(data.reshape(n, width), np.full(n, width, np.int64))
 
 
@@ -141,7 +129,7 @@ def _bytes_hashes(offsets: Any, data: Any) -> Any:
     n = len(lengths)
     longest = int(lengths.max()) if n else 0
     if n == 0 or longest == 0:
-        return _mixed(lengths.astype(np.uint64))
+        return splitmix64_array(lengths.astype(np.uint64))
     if n * longest > 1 << 26 and n > 1:  # a few long ids: halves, so the padded copy stays small
         half = n // 2
         return np.concatenate([_bytes_hashes(offsets[: half + 1], data), _bytes_hashes(offsets[half:], data)])
@@ -165,7 +153,7 @@ def _matrix_hashes(matrix: Any, lengths: Any) -> Any:
     words = words.view(np.uint64)
     h = lengths.astype(np.uint64)
     for j in range(words.shape[1]):
-        h = _mixed(h ^ words[:, j])
+        h = splitmix64_array(h ^ words[:, j])
     return h
 
 
