@@ -31,130 +31,149 @@ def _params(n: int) -> str:
 
 def format_plan(report: dict[str, Any]) -> str:
     """The plan as text for people: one labelled line per fact, a table for several GPUs."""
-    lines = []
     inp, pt, ms = report["input"], report["prompt_tokens"], report["model"]
-    if inp:
-        files = f", {inp['files']} files" if inp["files"] > 1 else ""
-        lines.append(f"input    {inp['path']} ({inp['format']}{files}): {inp['rows']:,} rows")
-        lines.append(
-            f"shards   {_n(inp['shards'], 'shard')} of up to {inp['max_rows_per_shard']:,} rows; "
-            f"{_n(inp['array_tasks'], 'array task')} at cluster.shards_per_task={inp['shards_per_task']}"
-        )
+    lines = _input_lines(inp) if inp else []
     if pt and "mean" in pt:
-        errs = (
-            f", {_n(pt['row_errors'], 'row')} with prompt errors (first: {pt['first_row_error']})"
-            if pt["row_errors"]
-            else ""
-        )
+        lines += _prompt_lines(inp, pt, ms)
+    lines += _model_lines(ms)
+    rows, kv = report["gpus"], ms.get("kv_cache", True)
+    lines += _one_gpu_lines(rows[0], ms) if len(rows) == 1 else _gpu_table_lines(rows, kv, report.get("engines"))
+    lines += _engines_lines(report.get("engines"))
+    lines += _warning_lines(rows, kv)
+    lines += [f"note     {note}" for note in report["notes"]]
+    return "\n".join(_wrap(line) for line in lines)
+
+
+def _input_lines(inp: dict[str, Any]) -> list[str]:
+    """Input rows, shards and array tasks."""
+    files = f", {inp['files']} files" if inp["files"] > 1 else ""
+    return [
+        f"input    {inp['path']} ({inp['format']}{files}): {inp['rows']:,} rows",
+        f"shards   {_n(inp['shards'], 'shard')} of up to {inp['max_rows_per_shard']:,} rows; "
+        f"{_n(inp['array_tasks'], 'array task')} at cluster.shards_per_task={inp['shards_per_task']}",
+    ]
+
+
+def _prompt_lines(inp: dict[str, Any], pt: dict[str, Any], ms: dict[str, Any]) -> list[str]:
+    """The sampled prompts' token lengths, the overlong ones, and the tokens the run reads and writes."""
+    errs = (
+        f", {_n(pt['row_errors'], 'row')} with prompt errors (first: {pt['first_row_error']})"
+        if pt["row_errors"]
+        else ""
+    )
+    lines = [
+        f"prompts  {pt['mode']} mode, {pt['tokenized_rows']} of {inp['rows']:,} rows tokenized: mean {pt['mean']:,}, "
+        f"p50 {pt['p50']:,}, p95 {pt['p95']:,}, max {pt['max']:,} tokens{errs}"
+    ]
+    if pt["at_or_over_max_model_len"]:
+        verb = "exceed" if pt.get("task", "generate") != "generate" else "reach"
         lines.append(
-            f"prompts  {pt['mode']} mode, {pt['tokenized_rows']} of {inp['rows']:,} rows tokenized: mean {pt['mean']:,}, "
-            f"p50 {pt['p50']:,}, p95 {pt['p95']:,}, max {pt['max']:,} tokens{errs}"
+            f"         {pt['at_or_over_max_model_len']} sampled prompts {verb} max_model_len={ms['max_model_len']:,} "
+            "(prompt.overlong decides what happens to them)"
         )
-        if pt["at_or_over_max_model_len"]:
-            verb = "exceed" if pt.get("task", "generate") != "generate" else "reach"
-            lines.append(
-                f"         {pt['at_or_over_max_model_len']} sampled prompts {verb} max_model_len={ms['max_model_len']:,} "
-                "(prompt.overlong decides what happens to them)"
-            )
-        if pt.get("task", "generate") != "generate":
-            lines.append(
-                f"tokens   input ~{pt['estimated_total']:,} (mean x rows); nothing generated (task={pt['task']}: "
-                f"one {POOLED[pt['task']]} per row)"
-            )
-        else:
-            lines.append(
-                f"tokens   prompt ~{pt['estimated_total']:,} (mean x rows); output <= {pt['output_upper_bound']:,} "
-                f"(rows x max_tokens {pt['max_tokens']} x n {pt['n']})"
-            )
+    if pt.get("task", "generate") != "generate":
+        lines.append(
+            f"tokens   input ~{pt['estimated_total']:,} (mean x rows); nothing generated (task={pt['task']}: "
+            f"one {POOLED[pt['task']]} per row)"
+        )
+    else:
+        lines.append(
+            f"tokens   prompt ~{pt['estimated_total']:,} (mean x rows); output <= {pt['output_upper_bound']:,} "
+            f"(rows x max_tokens {pt['max_tokens']} x n {pt['n']})"
+        )
+    return lines
+
+
+def _model_lines(ms: dict[str, Any]) -> list[str]:
+    """Parameters, weight bytes, and the KV cache per token (or an encoder's activations)."""
     quant = ms["quantization"] or "none"
     per_param = ms["weight_bytes_per_param"]
     kv = ms.get("kv_cache", True)
     kind = "" if kv else f", encoder-only ({ms['architecture']})"
-    lines.append(f"model    {ms['path']}: {_params(ms['params'])} parameters ({ms['params_source']}){kind}")
-    lines.append(
+    lines = [
+        f"model    {ms['path']}: {_params(ms['params'])} parameters ({ms['params_source']}){kind}",
         f"weights  {per_param:g} byte{'' if per_param == 1 else 's'} per parameter (quantization {quant}) = "
-        f"{ms['weight_bytes'] / GB:,.2f} GB"
-    )
+        f"{ms['weight_bytes'] / GB:,.2f} GB",
+    ]
     if kv:
-        lines.append(
+        return lines + [
             f"kv       2 (K, V) x {ms['layers']} layers x {ms['kv_heads']} KV heads x head_dim {ms['head_dim']} x "
-            f"{ms['kv_bytes_per_element']} bytes (kv_cache_dtype {ms['kv_cache_dtype']})"
-        )
-        lines.append(
+            f"{ms['kv_bytes_per_element']} bytes (kv_cache_dtype {ms['kv_cache_dtype']})",
             f"         = {_bin(ms['kv_bytes_per_token'])} per token, {_bin(ms['kv_bytes_per_sequence'])} per sequence "
-            f"of max_model_len={ms['max_model_len']:,}"
-        )
+            f"of max_model_len={ms['max_model_len']:,}",
+        ]
+    act = ms["activation_bytes_per_token"]
+    return lines + [
+        "kv       none: vLLM runs an encoder-only model (bidirectional attention over the whole text in one "
+        "step) without a KV cache",
+        f"act      (4 x hidden {ms['hidden_size']:,} + 2 x intermediate {ms['intermediate_size']:,}) x "
+        f"{ms['kv_bytes_per_element']} bytes = {_bin(act)} per token in a batch (a layer's live tensors; layers "
+        f"run one after another), {_bin(act * ms['max_model_len'])} per sequence of "
+        f"max_model_len={ms['max_model_len']:,}",
+    ]
+
+
+def _one_gpu_lines(g: dict[str, Any], ms: dict[str, Any]) -> list[str]:
+    """One GPU's memory: usable, weights, what is left for the KV cache (or activations), and the layout."""
+    corpus = ""
+    if g["seqs_at_corpus_length"] is not None:
+        length = "prompt + max_tokens" if ms.get("task", "generate") == "generate" else "input tokens"
+        corpus = f", {sizing.seqs(g['seqs_at_corpus_length'])} of this corpus's mean length ({length})"
+    lines = [
+        f"gpu      {g['gpu']}, tensor_parallel_size={g['tensor_parallel_size']}, "
+        f"gpu_memory_utilization={g['gpu_memory_utilization']}"
+    ]
+    if ms.get("kv_cache", True):
+        lines += [
+            f"         {g['usable_bytes'] / GB:,.1f} GB usable per GPU - {g['weight_bytes_per_gpu'] / GB:,.2f} GB "
+            f"weights = {g['kv_cache_bytes_per_gpu'] / GB:,.2f} GB for the KV cache",
+            f"         = {g['kv_tokens']:,} tokens = {sizing.seqs(g['max_seqs_at_max_model_len'])} sequences of "
+            f"max_model_len at once{corpus}",
+        ]
     else:
-        act = ms["activation_bytes_per_token"]
+        lines += [
+            f"         {g['usable_bytes'] / GB:,.1f} GB usable per GPU - {g['weight_bytes_per_gpu'] / GB:,.2f} GB "
+            f"weights = {g['activation_bytes_per_gpu'] / GB:,.2f} GB for activations",
+            f"         = {g['batch_tokens_fit']:,} tokens per batch = {sizing.seqs(g['max_seqs_at_max_model_len'])} "
+            f"sequences of max_model_len{corpus}",
+            _batch_note(g),
+        ]
+    return lines + [f"layout   {g['layout']}"]
+
+
+def _gpu_table_lines(rows: list[dict[str, Any]], kv: bool, engines: Any) -> list[str]:
+    """Several GPUs as a table, each with the smallest tensor-parallel size that fits."""
+    tp = rows[0]["tensor_parallel_size"]
+    util = rows[0]["gpu_memory_utilization"]
+    lines = [
+        f"gpus     tensor_parallel_size={tp}, gpu_memory_utilization={util}:",
+        f"  {'gpu':<11} {'usable/GPU':>10} {'weights/GPU':>11} {'KV/GPU' if kv else 'act/GPU':>9} "
+        f"{'KV tokens' if kv else 'batch tok':>11} "
+        f"{'seqs@max_len':>12} {'fit TP':>6}",
+    ]
+    for g in rows:
+        fit_tp = str(g["recommended_tp"]) if g["recommended_tp"] else "-"
         lines.append(
-            "kv       none: vLLM runs an encoder-only model (bidirectional attention over the whole text in one "
-            "step) without a KV cache"
+            f"  {g['gpu']:<11} {g['usable_bytes'] / GB:>7,.1f} GB {g['weight_bytes_per_gpu'] / GB:>8,.1f} GB "
+            f"{(g['kv_cache_bytes_per_gpu'] if kv else g['activation_bytes_per_gpu']) / GB:>6,.1f} GB "
+            f"{g['kv_tokens'] if kv else g['batch_tokens_fit']:>11,} "
+            f"{sizing.seqs(g['max_seqs_at_max_model_len']):>12} {fit_tp:>6}"
         )
-        lines.append(
-            f"act      (4 x hidden {ms['hidden_size']:,} + 2 x intermediate {ms['intermediate_size']:,}) x "
-            f"{ms['kv_bytes_per_element']} bytes = {_bin(act)} per token in a batch (a layer's live tensors; layers "
-            f"run one after another), {_bin(act * ms['max_model_len'])} per sequence of "
-            f"max_model_len={ms['max_model_len']:,}"
-        )
-    rows = report["gpus"]
-    if len(rows) == 1:
-        g = rows[0]
-        corpus = ""
-        if g["seqs_at_corpus_length"] is not None:
-            length = "prompt + max_tokens" if ms.get("task", "generate") == "generate" else "input tokens"
-            corpus = f", {sizing.seqs(g['seqs_at_corpus_length'])} of this corpus's mean length ({length})"
-        lines.append(
-            f"gpu      {g['gpu']}, tensor_parallel_size={g['tensor_parallel_size']}, "
-            f"gpu_memory_utilization={g['gpu_memory_utilization']}"
-        )
-        if kv:
-            lines.append(
-                f"         {g['usable_bytes'] / GB:,.1f} GB usable per GPU - {g['weight_bytes_per_gpu'] / GB:,.2f} GB "
-                f"weights = {g['kv_cache_bytes_per_gpu'] / GB:,.2f} GB for the KV cache"
-            )
-            lines.append(
-                f"         = {g['kv_tokens']:,} tokens = {sizing.seqs(g['max_seqs_at_max_model_len'])} sequences of "
-                f"max_model_len at once{corpus}"
-            )
-        else:
-            lines.append(
-                f"         {g['usable_bytes'] / GB:,.1f} GB usable per GPU - {g['weight_bytes_per_gpu'] / GB:,.2f} GB "
-                f"weights = {g['activation_bytes_per_gpu'] / GB:,.2f} GB for activations"
-            )
-            lines.append(
-                f"         = {g['batch_tokens_fit']:,} tokens per batch = {sizing.seqs(g['max_seqs_at_max_model_len'])} "
-                f"sequences of max_model_len{corpus}"
-            )
-            lines.append(_batch_note(g))
-        lines.append(f"layout   {g['layout']}")
-    else:
-        tp = rows[0]["tensor_parallel_size"]
-        util = rows[0]["gpu_memory_utilization"]
-        lines.append(f"gpus     tensor_parallel_size={tp}, gpu_memory_utilization={util}:")
-        lines.append(
-            f"  {'gpu':<11} {'usable/GPU':>10} {'weights/GPU':>11} {'KV/GPU' if kv else 'act/GPU':>9} "
-            f"{'KV tokens' if kv else 'batch tok':>11} "
-            f"{'seqs@max_len':>12} {'fit TP':>6}"
-        )
-        for g in rows:
-            fit_tp = str(g["recommended_tp"]) if g["recommended_tp"] else "-"
-            lines.append(
-                f"  {g['gpu']:<11} {g['usable_bytes'] / GB:>7,.1f} GB {g['weight_bytes_per_gpu'] / GB:>8,.1f} GB "
-                f"{(g['kv_cache_bytes_per_gpu'] if kv else g['activation_bytes_per_gpu']) / GB:>6,.1f} GB "
-                f"{g['kv_tokens'] if kv else g['batch_tokens_fit']:>11,} "
-                f"{sizing.seqs(g['max_seqs_at_max_model_len']):>12} {fit_tp:>6}"
-            )
-        holds = "KV cache holds" if kv else "memory after the weights holds the activations of"
-        lines.append(
-            f"  fit TP: smallest of {', '.join(map(str, sizing.TP_SIZES))} whose {holds} "
-            f"{sizing.MIN_SEQS}+ sequences of max_model_len; 1 means one model copy per GPU"
-        )
-        engines = report.get("engines") or {}
-        if engines.get("setting", 1) == 1 and any(g["recommended_tp"] == 1 for g in rows):
-            lines.append("  (on whole nodes, cluster.engines_per_task=auto runs one copy per GPU in each task)")
-    lines += _engines_lines(report.get("engines"))
+    holds = "KV cache holds" if kv else "memory after the weights holds the activations of"
+    lines.append(
+        f"  fit TP: smallest of {', '.join(map(str, sizing.TP_SIZES))} whose {holds} "
+        f"{sizing.MIN_SEQS}+ sequences of max_model_len; 1 means one model copy per GPU"
+    )
+    if (engines or {}).get("setting", 1) == 1 and any(g["recommended_tp"] == 1 for g in rows):
+        lines.append("  (on whole nodes, cluster.engines_per_task=auto runs one copy per GPU in each task)")
+    return lines
+
+
+def _warning_lines(rows: list[dict[str, Any]], kv: bool) -> list[str]:
+    """The GPUs' warnings: with several, one line for all the cards the configured layout does not fit."""
+    lines = []
     full = [g for g in rows if (g["kv_cache_bytes_per_gpu"] if kv else g["activation_bytes_per_gpu"]) == 0]
-    if len(rows) > 1 and full:  # one line for all the cards the configured layout does not fit
+    if len(rows) > 1 and full:
         tp = rows[0]["tensor_parallel_size"]
         lines.append(
             f"warning  at tensor_parallel_size={tp} the weights leave no room for {'a KV cache' if kv else 'activations'} "
@@ -163,9 +182,7 @@ def format_plan(report: dict[str, Any]) -> str:
     for g in rows:
         for w in [] if len(rows) > 1 and g in full else g["warnings"]:
             lines.append(f"warning  {g['gpu'] + ': ' if len(rows) > 1 else ''}{w}")
-    for note in report["notes"]:
-        lines.append(f"note     {note}")
-    return "\n".join(_wrap(line) for line in lines)
+    return lines
 
 
 def _engines_lines(e: Any) -> list[str]:
