@@ -20,10 +20,10 @@ from batchinfer.inputs.reference import (
     is_reference,
     manifest_ids,
     manifest_schema,
-    open_reference,
     plan_reference,
     write_manifest,
 )
+from batchinfer.inputs.referenced import open_reference
 from batchinfer.inputs.textfiles import TypeConflict
 from batchinfer.security import remove_path
 
