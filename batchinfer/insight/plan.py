@@ -21,7 +21,7 @@ SAMPLE_ROWS = 200
 def input_section(c: Config, files: list[Path], sample_rows: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Input rows, shards and array tasks, plus a sample of rows; reads the input, converts nothing."""
     from batchinfer.inputs.preview import peek
-    from batchinfer.inputs.read import plan_shards
+    from batchinfer.inputs.shards import plan_shards
 
     fmt = c.input.format
     rows, sample = peek(files, fmt, sample_rows)
@@ -71,19 +71,12 @@ def _counts(c: Config, builder: Any, tok: Any, sample: list[dict[str, Any]]) -> 
 def prompt_section(c: Config, folder: Path, rows: int, sample: list[dict[str, Any]], max_len: int) -> dict[str, Any]:
     """Prompt tokens of the sampled rows, counted as vLLM would, and the totals they suggest."""
     from batchinfer.models.tokens import LoginTokenizer
-    from batchinfer.requests.prompts import PromptBuilder, check_fields
+    from batchinfer.requests.prompts import PromptBuilder
+    from batchinfer.requests.row_templates import check_row_templates
 
     builder = PromptBuilder(c.prompt)
-    columns = sorted({k for row in sample for k in row})
     pooling = c.task.name in POOLING_TASKS
-    templates = {"prompt.template": builder.template}
-    if c.task.name == "score":  # the two texts of a row come from task.query and task.document
-        templates = {"task.query": c.task.query or "", "task.document": c.task.document or ""}
-    for key, template in templates.items():
-        try:
-            check_fields(template, columns, c.input.path)
-        except ConfigError as e:
-            raise ConfigError(str(e).replace("prompt.template", key, 1)) from None
+    check_row_templates(c, sorted({k for row in sample for k in row}), c.input.path)
     tok = LoginTokenizer.from_model_dir(folder)  # unpadded and uncut, as vLLM (through transformers) counts
     if c.prompt.mode == "chat" and tok.chat_template is None:
         raise ConfigError(f"model.path {c.model.path}: the model has no chat template; use prompt.mode=raw")
@@ -104,7 +97,7 @@ def prompt_section(c: Config, folder: Path, rows: int, sample: list[dict[str, An
     if counts:
         from collections import Counter
 
-        from batchinfer.insight.validate import percentile
+        from batchinfer.insight.token_stats import percentile
 
         mean = sum(counts) / len(counts)
         # vLLM rejects a generation prompt of max_model_len tokens (room for one output token is

@@ -39,14 +39,10 @@ def _check_columns(c: Config, ds: Any) -> Checked:
     checked on every row even in a sample: a duplicate pair is rarely both sampled, and the column is
     cheap. A Checked holding the ids problems, if any."""
     from batchinfer.inputs.idcheck import id_problems
-    from batchinfer.requests.prompts import check_fields, load_template
+    from batchinfer.requests.row_templates import check_row_templates
 
     inp = c.input
-    if c.task.name == "score":  # its texts are task.query and task.document, as prepare checks them
-        for text in (c.task.query, c.task.document):
-            check_fields(text or "", ds.column_names, inp.path)
-    else:
-        check_fields(load_template(c.prompt), ds.column_names, inp.path)
+    check_row_templates(c, ds.column_names, inp.path)
     check_sampling_column(inp.sampling_column, ds.column_names, inp.path)
     ids = Checked()
     id_count, id_examples = id_problems(ds.data.column(inp.id_column), inp.id_column) if inp.id_column else (0, [])
@@ -60,7 +56,7 @@ def _check_all(
 ) -> Checked:
     """The rows of todo checked, in worker processes when each gets enough of them, with a progress bar
     when they are many."""
-    from batchinfer.launch.local import progress_bar
+    from batchinfer.launch.shardloop import progress_bar
 
     workers = max(1, min(jobs, len(todo) // ROWS_PER_WORKER))
     bar = progress_bar(len(todo), 0, "validate") if progress and len(todo) >= PROGRESS_ROWS else None

@@ -397,3 +397,15 @@ def test_score_pairs_validate_as_a_cross_encoder_sends_them(tmp_path: Path) -> N
     (error,) = report["error_rows"]["by_kind"]["overlong"]["examples"]
     assert error["row"] == 2 and error["message"].startswith("row 2: the pair cannot be cut to 16 tokens: ")
     assert report["would_run"] == 2 and report["exit_code"] == 1
+
+
+def test_score_templates_are_checked_by_one_rule_in_validate_and_prepare(tmp_path: Path, tiny_model_path: Path) -> None:
+    """prepare, validate and plan check a row's templates with one function: a score template's missing
+    field is named with its key (task.document), not as prompt.template, wherever it is found."""
+    from batchinfer.rundir.prepare import prepare
+
+    corpus = write_rows(tmp_path / "pairs.jsonl", [{"id": "a", "q": "hello", "d": "world"}])
+    ov = overrides(tiny_model_path, corpus, tmp_path / "run", "task=score", "task.query={q}", "task.document={passage}")
+    for check in (validate, prepare):
+        with pytest.raises(ConfigError, match=r"^task\.document uses \{passage\} but .*pairs\.jsonl has no column"):
+            check(compose(ov))
