@@ -17,10 +17,10 @@ from support.parts import DONE, ROWS, committed, finish_all, output_row
 
 from batchinfer.errors import RunDirError
 from batchinfer.insight.status import shard_status
-from batchinfer.rundir import merge as merge_mod
-from batchinfer.rundir import tables
+from batchinfer.rundir import ordered_rows, tables
 from batchinfer.rundir.durable import read_json, write_json
-from batchinfer.rundir.merge import merge, shard_rows_in_order
+from batchinfer.rundir.merge import merge
+from batchinfer.rundir.ordered_rows import shard_rows_in_order
 from batchinfer.rundir.schema import rows_to_table
 from batchinfer.rundir.stats import shard_stats
 from batchinfer.rundir.store import RunDir
@@ -207,7 +207,7 @@ def test_merge_streams_a_compacted_shard_in_row_groups_and_blocks(
     """Row groups of 5 rows (Parquet) and blocks of 100 bytes (JSONL, lines cut across blocks):
     the shard comes in many pieces, in order, and the output is the same bytes."""
     monkeypatch.setattr(tables, "ROW_GROUP_ROWS", 5)
-    monkeypatch.setattr(merge_mod, "READ_BLOCK_BYTES", 100)
+    monkeypatch.setattr(ordered_rows, "READ_BLOCK_BYTES", 100)
     run = committed(tmp_path, "run", fmt)
     finish_all(run)
     shard = run.shards()[1]

@@ -12,7 +12,8 @@ from support.parts import committed, finish_all
 
 from batchinfer.errors import RunDirError
 from batchinfer.rundir.durable import read_json
-from batchinfer.rundir.merge import MERGING, merge
+from batchinfer.rundir.merge import merge
+from batchinfer.rundir.output_swap import MERGING
 
 
 def test_a_file_no_merge_wrote_is_refused_and_kept(tmp_path: Path) -> None:
