@@ -18,8 +18,8 @@ from batchinfer.errors import RunDirError
 from batchinfer.rundir.durable import TMP_PREFIX, read_json, refused_write, storage_error, write_json
 from batchinfer.rundir.locks import RunLock
 from batchinfer.rundir.ordered_rows import shard_rows_in_order
-from batchinfer.rundir.output_swap import MERGING, _remove_leftovers, _replace, check_own_output
-from batchinfer.rundir.output_writer import OutputWriter, _save_to_disk
+from batchinfer.rundir.output_swap import MERGING, check_own_output, put_in_place, remove_merge_leftovers
+from batchinfer.rundir.output_writer import OutputWriter, to_datasets_folder
 from batchinfer.rundir.store import RunDir
 from batchinfer.security import private_umask, remove_path
 
@@ -44,7 +44,7 @@ def merge(run: RunDir) -> dict[str, Any]:
         # One merge at a time (a merge job and a `batchinfer merge` typed meanwhile): the second
         # is refused naming the first, instead of renaming the other's half-written file.
         with RunLock(run.path, log=log.warning, mode=output.lock):
-            _remove_leftovers(run)
+            remove_merge_leftovers(run)
             return _merge(run)
 
 
@@ -85,13 +85,13 @@ def _merge(run: RunDir) -> dict[str, Any]:
                 faults.point("in-merge")
         files = writer.close()
         if run.output_format == "hf":
-            files = _save_to_disk(tmp, files)
+            files = to_datasets_folder(tmp, files)
         faults.point("before-merge-rename")
         # What this merge puts in place, on record before it is there: a merge killed between the
         # rename and stats.json leaves this, and the next one knows the output is its own.
         names = [str(f.relative_to(tmp)) for f in files] if out.name == "output" else [out.name]
         write_json(run.path / MERGING, {"output": out.name, "files": names})
-        _replace(tmp, out)
+        put_in_place(tmp, out)
     except OSError as e:
         if refused_write(e) is None:
             raise

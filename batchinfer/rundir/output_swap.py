@@ -13,7 +13,7 @@ from batchinfer.rundir.store import RunDir
 from batchinfer.security import remove_path
 
 
-def _remove_leftovers(run: RunDir) -> None:
+def remove_merge_leftovers(run: RunDir) -> None:
     """Under the merge lock: what killed merges left (temporary outputs, `-cache`/`-hf` staging)."""
     name = run.output_path.name
     for p in run.path.iterdir():
@@ -49,7 +49,7 @@ def check_own_output(run: RunDir, out: Path) -> None:
     )
 
 
-def _replace(tmp: Path, out: Path) -> None:
+def put_in_place(tmp: Path, out: Path) -> None:
     """Put the finished output in place: a file atomically, a folder by swapping names."""
     if tmp.is_dir() and out.exists():
         old = tmp.with_name(tmp.name[: -len(out.name)] + "old-" + out.name)

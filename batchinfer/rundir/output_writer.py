@@ -107,7 +107,7 @@ class OutputWriter:
         self._file = None
 
 
-def _save_to_disk(folder: Path, parquet_files: list[Path]) -> list[Path]:
+def to_datasets_folder(folder: Path, parquet_files: list[Path]) -> list[Path]:
     """Turn the merged Parquet files into a `datasets` save_to_disk folder, one Arrow shard each."""
     import datasets
 
