@@ -7,7 +7,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from batchinfer import slurm_env
 
@@ -25,22 +25,49 @@ ENGINE_LOG_ENV = "BATCHINFER_ENGINE_LOG"
 # Tests: "module:Class" of a stand-in engine that workers build instead of vLLM's (tests/support/standin.py),
 # for Slurm-mechanics and launcher tests in other processes that need the worker, not vLLM.
 STANDIN_ENV = "BATCHINFER_STANDIN_ENGINE"
+# The fault points: call sites name them by these constants, so grep finds each point's places.
+IN_PART_WRITE = "in-part-write"  # half of a part's bytes are in its temporary file
+BEFORE_PART_RENAME = "before-part-rename"  # temporary part complete and fsynced, not yet renamed
+AFTER_PART_RENAME = "after-part-rename"  # part visible, progress.json not yet updated
+AFTER_PROGRESS = "after-progress"  # part and progress.json committed
+IN_GENERATE = "in-generate"  # between engine steps
+BEFORE_DONE = "before-done"  # last part committed, DONE.json not yet written
+IN_COMPACT_WRITE = "in-compact-write"  # half of a finished shard's compacted file is in its temporary file
+BEFORE_COMPACT_RENAME = "before-compact-rename"  # compacted temporary complete and fsynced, not yet published
+AFTER_COMPACT_RENAME = "after-compact-rename"  # compacted file published, DONE.json not yet written (a leftover)
+AFTER_COMPACT_DONE = "after-compact-done"  # DONE.json names the compacted file, the parts not yet removed
+IN_COMPACT_CLEANUP = "in-compact-cleanup"  # the first part removed, the others not yet
+IN_MERGE = "in-merge"  # merged output half written
+BEFORE_MERGE_RENAME = "before-merge-rename"  # merged output complete and fsynced, not yet renamed into place
+IN_MERGE_SWAP = "in-merge-swap"  # a folder output (split files, hf) moved aside, the new one not yet in place
 POINTS = (
-    "in-part-write",  # half of a part's bytes are in its temporary file
-    "before-part-rename",  # temporary part complete and fsynced, not yet renamed
-    "after-part-rename",  # part visible, progress.json not yet updated
-    "after-progress",  # part and progress.json committed
-    "in-generate",  # between engine steps
-    "before-done",  # last part committed, DONE.json not yet written
-    "in-compact-write",  # half of a finished shard's compacted file is in its temporary file
-    "before-compact-rename",  # compacted temporary complete and fsynced, not yet published
-    "after-compact-rename",  # compacted file published, DONE.json not yet written (it is a leftover)
-    "after-compact-done",  # DONE.json names the compacted file, the parts not yet removed
-    "in-compact-cleanup",  # the first part removed, the others not yet
-    "in-merge",  # merged output half written
-    "before-merge-rename",  # merged output complete and fsynced, not yet renamed into place
-    "in-merge-swap",  # a folder output (split files, hf) moved aside, the new one not yet in place
+    IN_PART_WRITE,
+    BEFORE_PART_RENAME,
+    AFTER_PART_RENAME,
+    AFTER_PROGRESS,
+    IN_GENERATE,
+    BEFORE_DONE,
+    IN_COMPACT_WRITE,
+    BEFORE_COMPACT_RENAME,
+    AFTER_COMPACT_RENAME,
+    AFTER_COMPACT_DONE,
+    IN_COMPACT_CLEANUP,
+    IN_MERGE,
+    BEFORE_MERGE_RENAME,
+    IN_MERGE_SWAP,
 )
+
+
+class WritePoints(NamedTuple):
+    """The fault points of one durable write: half written, complete before its rename, after it."""
+
+    in_write: str
+    before_rename: str
+    after_rename: str
+
+
+PART_WRITE = WritePoints(IN_PART_WRITE, BEFORE_PART_RENAME, AFTER_PART_RENAME)
+COMPACT_WRITE = WritePoints(IN_COMPACT_WRITE, BEFORE_COMPACT_RENAME, AFTER_COMPACT_RENAME)
 _hits: Counter[str] = Counter()
 _held = False
 

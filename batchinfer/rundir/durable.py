@@ -60,50 +60,51 @@ def temporary_name(path: Path) -> Path:
     return path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
-def atomic_write(path: Path, data: bytes, fault_prefix: Optional[str] = None) -> None:
-    """Write data under a temporary name, fsync, rename into place, fsync the folder.
+def atomic_write(path: Path, data: bytes, points: Optional[faults.WritePoints] = None) -> None:
+    """Write data under a temporary name, fsync, rename into place, fsync the folder (points: its
+    fault points, for tests).
 
     A refused write (disk full, read-only) removes the temporary and raises StorageError."""
     tmp = temporary_name(path)
     try:
-        _write_temporary(tmp, data, fault_prefix)
+        _write_temporary(tmp, data, points)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as e:
         raise _write_failed(tmp, path, e) from None
-    if fault_prefix:
-        faults.point(f"after-{fault_prefix}-rename")
+    if points:
+        faults.point(points.after_rename)
 
 
-def publish_new(folder: Path, name: Callable[[int], str], first: int, data: bytes, fault_prefix: str) -> Path:
+def publish_new(folder: Path, name: Callable[[int], str], first: int, data: bytes, points: faults.WritePoints) -> Path:
     """Write data as a new file under the first free name(first), name(first + 1), ...: an existing
     file is never replaced (os.link fails on an existing name, where a rename would overwrite it)."""
     tmp = temporary_name(folder / name(first))
     n = first
     try:
-        _write_temporary(tmp, data, fault_prefix)
+        _write_temporary(tmp, data, points)
         while not _link_new(tmp, folder / name(n)):
             n += 1
         _unlink_temporary(tmp)
         fsync_dir(folder)
     except OSError as e:
         raise _write_failed(tmp, folder / name(n), e) from None
-    faults.point(f"after-{fault_prefix}-rename")
+    faults.point(points.after_rename)
     return folder / name(n)
 
 
-def create_once(path: Path, data: bytes, fault_prefix: Optional[str] = None) -> bool:
+def create_once(path: Path, data: bytes, points: Optional[faults.WritePoints] = None) -> bool:
     """Write data as path unless path exists; True if this call created it (first writer wins)."""
     tmp = temporary_name(path)
     try:
-        _write_temporary(tmp, data, fault_prefix)
+        _write_temporary(tmp, data, points)
         created = _link_new(tmp, path)
         _unlink_temporary(tmp)
         fsync_dir(path.parent)
     except OSError as e:
         raise _write_failed(tmp, path, e) from None
-    if fault_prefix:
-        faults.point(f"after-{fault_prefix}-rename")
+    if points:
+        faults.point(points.after_rename)
     return created
 
 
@@ -136,7 +137,7 @@ def _unlink_temporary(tmp: Path) -> None:
 
 
 def publish_stream(
-    path: Path, fill: Callable[[BinaryIO], None], fault_prefix: str, replace: Optional[Path] = None
+    path: Path, fill: Callable[[BinaryIO], None], points: faults.WritePoints, replace: Optional[Path] = None
 ) -> bool:
     """Write a file by fill(file) under a temporary name, fsync, then give it the name path: as a
     new name (False if path exists: first writer wins), or over `replace` (== path) when the new
@@ -144,10 +145,10 @@ def publish_stream(
     tmp = temporary_name(path)
     try:
         with open(tmp, "wb") as f:
-            fill(_FaultingFile(f, fault_prefix))
+            fill(_FaultingFile(f, points.in_write))
             f.flush()
             os.fsync(f.fileno())
-        faults.point(f"before-{fault_prefix}-rename")
+        faults.point(points.before_rename)
         if replace is not None:
             os.replace(tmp, path)
             created = True
@@ -157,16 +158,16 @@ def publish_stream(
         fsync_dir(path.parent)
     except OSError as e:
         raise _write_failed(tmp, path, e) from None
-    faults.point(f"after-{fault_prefix}-rename")
+    faults.point(points.after_rename)
     return created
 
 
 class _FaultingFile:
-    """A file whose first write stops half way at the fault point in-<prefix>-write (tests)."""
+    """A file whose first write stops half way at a fault point (tests)."""
 
-    def __init__(self, f: BinaryIO, prefix: str):
+    def __init__(self, f: BinaryIO, point: str):
         self.f = f
-        self.prefix = prefix
+        self.point = point
         self.first = True
 
     def write(self, data: bytes) -> int:
@@ -174,7 +175,7 @@ class _FaultingFile:
             self.first = False
             self.f.write(data[: len(data) // 2])
             self.f.flush()
-            faults.point(f"in-{self.prefix}-write")
+            faults.point(self.point)
             self.f.write(data[len(data) // 2 :])
             return len(data)
         return self.f.write(data)
@@ -183,19 +184,19 @@ class _FaultingFile:
         return getattr(self.f, name)
 
 
-def _write_temporary(tmp: Path, data: bytes, fault_prefix: Optional[str]) -> None:
+def _write_temporary(tmp: Path, data: bytes, points: Optional[faults.WritePoints]) -> None:
     with open(tmp, "wb") as f:
-        if fault_prefix:
+        if points:
             f.write(data[: len(data) // 2])
             f.flush()
-            faults.point(f"in-{fault_prefix}-write")
+            faults.point(points.in_write)
             f.write(data[len(data) // 2 :])
         else:
             f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    if fault_prefix:
-        faults.point(f"before-{fault_prefix}-rename")
+    if points:
+        faults.point(points.before_rename)
 
 
 def _write_failed(tmp: Path, path: Path, e: OSError) -> OSError:

@@ -82,11 +82,11 @@ def _merge(run: RunDir) -> dict[str, Any]:
                 _accumulate(stats, rows.table)
             seconds.update(done.get("seconds", {}))
             if n == len(shards) // 2:
-                faults.point("in-merge")
+                faults.point(faults.IN_MERGE)
         files = writer.close()
         if run.output_format == "hf":
             files = to_datasets_folder(tmp, files)
-        faults.point("before-merge-rename")
+        faults.point(faults.BEFORE_MERGE_RENAME)
         # What this merge puts in place, on record before it is there: a merge killed between the
         # rename and stats.json leaves this, and the next one knows the output is its own.
         names = [str(f.relative_to(tmp)) for f in files] if out.name == "output" else [out.name]

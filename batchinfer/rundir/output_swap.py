@@ -55,7 +55,7 @@ def put_in_place(tmp: Path, out: Path) -> None:
         old = tmp.with_name(tmp.name[: -len(out.name)] + "old-" + out.name)
         remove_path(old)
         os.replace(out, old)
-        faults.point("in-merge-swap")
+        faults.point(faults.IN_MERGE_SWAP)
         os.replace(tmp, out)
         remove_path(old)
     else:

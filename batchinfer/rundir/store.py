@@ -216,7 +216,7 @@ class RunDir:
             # atomic rename: the name never goes missing, even for a writer that lost its lock.
             fill = self._compacted_writer(rows)
             replace = target if adopted or target.exists() else None
-            if not publish_stream(target, fill, "compact", replace=replace):
+            if not publish_stream(target, fill, faults.COMPACT_WRITE, replace=replace):
                 raise RunDirError(f"{target}: written meanwhile by another writer; the shard lock was not held")
         written = count_rows(target) if target.is_file() else None
         if written != shard.rows:
@@ -226,14 +226,14 @@ class RunDir:
         if rows.check.dropped:
             record["duplicates_dropped"] = rows.check.dropped
         write_json(self.done_path(index), record)
-        faults.point("after-compact-done")
+        faults.point(faults.AFTER_COMPACT_DONE)
         # The parts go only while the file DONE.json names still holds every row: a second writer
         # (an earlier incarnation on a failing node) may have removed it as a leftover meanwhile.
         self.check_compacted(index, target)
         for n, p in enumerate(q for q in sources if q != target):
             p.unlink(missing_ok=True)
             if n == 0:
-                faults.point("in-compact-cleanup")
+                faults.point(faults.IN_COMPACT_CLEANUP)
         fsync_dir(folder)
         return record
 
@@ -297,7 +297,9 @@ class RunDir:
         parts = self.part_files(index)
         n = int(PART_RE.match(parts[-1].name).group(1)) + 1 if parts else 0  # type: ignore[union-attr]
         fmt = self.part_format
-        return publish_new(self.shard_dir(index), lambda k: f"part-{k:06d}.{fmt}", n, table_bytes(table, fmt), "part")
+        return publish_new(
+            self.shard_dir(index), lambda k: f"part-{k:06d}.{fmt}", n, table_bytes(table, fmt), faults.PART_WRITE
+        )
 
     def clean_temporaries(self, index: int, done: Any = UNREAD) -> int:
         """Remove what a killed writer left (call under the shard lock): temporaries, and by the
