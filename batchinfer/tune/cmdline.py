@@ -1,0 +1,51 @@
+"""The `tune` subcommand's options and what it prints (the CLI module only wires them in)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    """--rows, --minutes, --seed, --include, --try, --gpu-hour-price, --out, --json."""
+    p.add_argument("--rows", type=int, default=256, help="pilot rows drawn from the input (default 256)")
+    p.add_argument("--minutes", type=float, default=30.0, help="time budget of all trials (default 30)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the pilot draw and the bootstrap (default 0)")
+    p.add_argument(
+        "--include", metavar="fp8,kv-fp8,ngram", help="also try settings that change outputs (marked, never chosen)"
+    )
+    p.add_argument(
+        "--try",
+        dest="tries",
+        action="append",
+        default=[],
+        metavar="'k=v k=v'",
+        help="a setting to try instead of the default grid (repeatable; `defaults`; env.NAME=V sets the "
+        "engine's environment)",
+    )
+    p.add_argument("--gpu-hour-price", type=float, metavar="USD", help="price of one GPU-hour, for the cost forecast")
+    p.add_argument("--out", metavar="DIR", help="the tune folder (default runs/tune-<input stem>-<fingerprint[:8]>)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (also in DIR/tune.json)")
+
+
+def run(args: argparse.Namespace, cfg: Any) -> int:
+    """Tune with the composed config; print the table (or JSON); 1 when no setting finished."""
+    from batchinfer.tune.command import Options, format_result, tune
+
+    opts = Options(
+        overrides=list(args.overrides),
+        config_dir=args.config_dir,
+        rows=args.rows,
+        minutes=args.minutes,
+        seed=args.seed,
+        include=args.include,
+        tries=args.tries,
+        price=args.gpu_hour_price,
+        out=args.out,
+    )
+    result = tune(cfg, opts)
+    print(json.dumps(result, indent=2) if args.json else format_result(result))
+    if not args.json:
+        print(f"written: {result['folder']}/ (tune.md, tune.png, tune.json, conf/)")
+    return 0 if result["best"]["name"] is not None else 1

@@ -1,0 +1,266 @@
+"""`batchinfer tune`: pilot, trials, winner, forecast; the tune folder and what is printed."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig
+
+from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, POOLING_TASKS, to_config
+from batchinfer.errors import ConfigError
+from batchinfer.tune import results
+from batchinfer.tune.forecast import Layout, Measured, as_json, forecast, output_distribution
+from batchinfer.tune.halving import Outcome, best, halve, rung_sizes, rungs_for
+from batchinfer.tune.process import TrialProcess
+from batchinfer.tune.sample import Prompts, draw_pilot, duplicate_share, quantiles, read_prompts, write_rows
+from batchinfer.tune.settings import Setting, default_grid, parse_include, parse_tries
+
+log = logging.getLogger("batchinfer")
+TUNE_VERSION = 1
+MIN_PILOT_ROWS = 8
+
+
+@dataclass
+class Options:
+    """The command line of `batchinfer tune` beyond the overrides."""
+
+    overrides: list[str]
+    config_dir: Optional[str] = None
+    rows: int = 256
+    minutes: float = 30.0
+    seed: int = 0
+    include: Optional[str] = None
+    tries: list[str] = field(default_factory=list)
+    price: Optional[float] = None
+    out: Optional[str] = None
+
+
+def config_fingerprint(cfg: DictConfig) -> tuple[dict[str, Any], str]:
+    """The resolved config and its fingerprint as `run` computes it (a tune result is for it)."""
+    from batchinfer.config.fingerprint import fingerprint, fingerprint_keys
+    from batchinfer.rundir.prepare import resolve_config
+
+    c, record = resolve_config(cfg)
+    return c, fingerprint(fingerprint_keys(c, record["fingerprint"]))
+
+
+def draw(cfg: DictConfig, folder: Path, rows: int, seed: int) -> tuple[Prompts, list[int]]:
+    """Read the corpus as `validate` does, draw the pilot, write it as folder/pilot.parquet."""
+    from batchinfer.inputs.convert import convert_input, open_input
+    from batchinfer.models.tokens import LoginTokenizer, model_dir
+    from batchinfer.rundir.prepare import resolve_input
+
+    plain, files = resolve_input(cfg)
+    inp = to_config(plain).input
+    tok = LoginTokenizer.from_model_dir(model_dir(plain["model"]["path"], plain["model"]["revision"]))
+    with tempfile.TemporaryDirectory(prefix="batchinfer-tune-") as tmp:
+        dest = Path(tmp) / "input"
+        convert_input(files, inp.format, dest, inp.id_column, inp.columns, strict_ids=False)
+        ds = open_input(dest)
+        prompts = read_prompts(to_config(plain), ds, tok)
+        pilot = draw_pilot(prompts.keys, prompts.lengths, rows, seed)
+        write_rows(ds, pilot, folder / "pilot.parquet")
+        del ds  # memory-mapped from tmp
+    return prompts, pilot
+
+
+def write_rungs(folder: Path, pilot: int, n_rungs: int) -> list[str]:
+    """Disjoint slices of the pilot, doubling in size: rungs/rung-R.parquet."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(folder / "pilot.parquet")
+    paths, start = [], 0
+    for r, size in enumerate(rung_sizes(pilot, n_rungs)):
+        path = folder / "rungs" / f"rung-{r}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table.slice(start, size), path)
+        paths.append(str(path.resolve()))
+        start += size
+    return paths
+
+
+def grid(c: Any, opts: Options) -> list[Setting]:
+    """--try settings as given, else the default grid for this machine."""
+    from batchinfer.config.engines import task_gpus
+
+    include = parse_include(opts.include)
+    if opts.tries:
+        return parse_tries(opts.tries) + [s for s in default_grid(c, 0, [], include) if s.changes_outputs]
+    return default_grid(c, len(task_gpus(c)), sorted(os.sched_getaffinity(0)), include)
+
+
+def pooled_lengths(outcomes: list[Outcome]) -> tuple[list[int], int]:
+    """Every pilot row's output tokens (outputs do not depend on the knobs: any setting's rung will
+    do, one per rung) and how many stopped at max_tokens."""
+    lengths: list[int] = []
+    at_max = 0
+    seen: set[int] = set()
+    for o in outcomes:
+        if o.setting.changes_outputs:
+            continue
+        for r in o.rungs:
+            if r.rung not in seen:
+                seen.add(r.rung)
+                lengths += r.output_lengths
+                at_max += r.stopped_at_max_tokens
+    return lengths, at_max
+
+
+def layout(c: Any, rows: int) -> Layout:
+    """Array tasks, engines and devices of the full run, as plan and submit count them."""
+    from batchinfer.config.engines import engines_per_task, gpus_per_engine, task_gpus
+    from batchinfer.inputs.shards import plan_shards
+
+    sh = c.sharding
+    shards = plan_shards(rows, sh.num_shards, sh.rows_per_shard, DEFAULT_ROWS_PER_SHARD)
+    gpus = int(c.cluster.gpus_per_task or 0) or len(task_gpus(c))
+    return Layout(
+        rows=rows,
+        array_tasks=math.ceil(len(shards) / c.cluster.shards_per_task),
+        engines_per_task=engines_per_task(c, gpus),
+        devices_per_engine=gpus_per_engine(c) if gpus else 1,
+        array_parallelism=c.cluster.array_parallelism,
+    )
+
+
+def tune(cfg: DictConfig, opts: Options) -> dict[str, Any]:
+    """Run the whole tune and write its folder; the result as tune.json holds it."""
+    from batchinfer.insight.cost import hourly_price
+
+    if opts.rows < MIN_PILOT_ROWS:
+        raise ConfigError(f"--rows {opts.rows}: a pilot needs at least {MIN_PILOT_ROWS} rows")
+    if opts.minutes <= 0:
+        raise ConfigError(f"--minutes {opts.minutes}: must be positive")
+    price, price_source = hourly_price(opts.price, None)
+    plain, fp = config_fingerprint(cfg)
+    c = to_config(plain)
+    if c.input.format == "openai":
+        raise ConfigError(
+            "input.format=openai: tune does not take OpenAI Batch files yet; tune on a JSONL of the texts"
+        )
+    folder = Path(opts.out or Path("runs") / f"tune-{Path(c.input.path).stem}-{fp[:8]}").resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    settings = grid(c, opts)
+    log.info("tune: drawing a %d-row pilot from %s", opts.rows, c.input.path)
+    prompts, pilot = draw(cfg, folder, opts.rows, opts.seed)
+    n_rungs = rungs_for(len(settings))
+    rung_paths = write_rungs(folder, len(pilot), n_rungs)
+    config_dir = str(Path(opts.config_dir).resolve()) if opts.config_dir else None
+
+    counter = iter(range(len(settings)))
+
+    def launch(s: Setting) -> TrialProcess:
+        trial = folder / "trials" / f"{next(counter):02d}"
+        spec = {"overrides": [*opts.overrides, *s.overrides], "config_dir": config_dir, "rungs": rung_paths}
+        return TrialProcess(s, dict(spec, out=str(trial / "runs")), trial)
+
+    log.info("tune: %d settings, %d rungs of %s rows", len(settings), n_rungs, rung_sizes(len(pilot), n_rungs))
+    outcomes = halve(settings, n_rungs, launch, opts.minutes * 60, say=log.info)
+    return finish(c, opts, folder, fp, prompts, pilot, outcomes, (price, price_source))
+
+
+def finish(
+    c: Any,
+    opts: Options,
+    folder: Path,
+    fp: str,
+    prompts: Prompts,
+    pilot: list[int],
+    outcomes: list[Outcome],
+    price: tuple[Optional[float], Optional[str]],
+) -> dict[str, Any]:
+    """Winner, distribution, forecast; tune.md, tune.png, conf/tuned/best.yaml and tune.json."""
+    winner = best(outcomes)
+    records = [results.setting_record(o) for o in outcomes]
+    lengths, at_max = pooled_lengths(outcomes)
+    best_overrides = winner.setting.override_strings() if winner else []
+    group = results.write_group(folder, best_overrides) if winner else None
+    fc = None
+    shape = layout(c, len(prompts.keys))
+    if winner is not None and winner.startup_seconds is not None:
+        generates = c.task.name not in POOLING_TASKS
+        rate = winner.output_tokens_per_s if generates else winner.rows_per_s
+        measured = Measured(lengths or [0], rate or 0.0, winner.startup_seconds, generates)
+        fc = as_json(forecast(shape, measured, price[0], opts.seed))
+    pilot_lengths = [prompts.lengths[i] for i in pilot]
+    result = {
+        "version": TUNE_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "fingerprint": fp,
+        "overrides": opts.overrides,
+        "config_dir": opts.config_dir,
+        "folder": str(folder),
+        "sample": {
+            "input": c.input.path,
+            "rows": len(prompts.keys),
+            "pilot_rows": len(pilot),
+            "seed": opts.seed,
+            "length_unit": prompts.unit,
+            "corpus_length_p10_p50_p90": quantiles(prompts.lengths),
+            "pilot_length_p10_p50_p90": quantiles(pilot_lengths),
+            "corpus_duplicate_share": round(duplicate_share(prompts.keys), 4),
+            "pilot_duplicate_share": round(duplicate_share([prompts.keys[i] for i in pilot]), 4),
+            "prompt_tokens": sum(prompts.lengths) if prompts.unit == "tokens" else None,
+        },
+        "settings": records,
+        "best": {
+            "name": winner.setting.name if winner else None,
+            "overrides": best_overrides,
+            "config_group": str(group) if group else None,
+            "use": f"--config-dir {folder / 'conf'} +{results.GROUP}={results.OPTION}" if group else None,
+        },
+        "output_lengths": output_distribution(lengths, at_max),
+        "layout": shape.__dict__,
+        "price": {"usd_per_gpu_hour": price[0], "source": price[1]},
+        "forecast": fc,
+    }
+    (folder / "tune.md").write_text(format_result(result) + "\n", encoding="utf-8")
+    results.plot(records, result["best"]["name"], folder / "tune.png")
+    results.write_json(folder, result)
+    return result
+
+
+def _fig(name: str, f: dict[str, float], unit: str = "", scale: float = 1.0) -> str:
+    shown = [f"{f[k] * scale:,.4g}" for k in ("value", "low", "high")]
+    return f"  {name:<16} {shown[0]:>12}{unit}  ({shown[1]} .. {shown[2]})"
+
+
+def format_result(r: dict[str, Any]) -> str:
+    """The tune result for people: sample, table, output lengths, winner, forecast."""
+    s, o = r["sample"], r["output_lengths"]
+    lines = [
+        f"pilot    {s['pilot_rows']} of {s['rows']:,} rows (seed {s['seed']}); prompt {s['length_unit']} "
+        f"p10/p50/p90 {s['pilot_length_p10_p50_p90']} (corpus {s['corpus_length_p10_p50_p90']}); repeated "
+        f"prompts {s['pilot_duplicate_share']:.1%} (corpus {s['corpus_duplicate_share']:.1%})",
+        "",
+        results.table(r["settings"], r["best"]["name"]),
+        "",
+        f"output tokens per row (pilot, {o['rows']} rows): mean {o['mean']}, p50 {o['p50']}, p90 {o['p90']}; "
+        f"stopped at max_tokens: {o['share_at_max_tokens']:.1%}",
+    ]
+    if o["share_at_max_tokens"] > 0.05:
+        lines.append("  many rows stop at max_tokens: raise sampling.max_tokens if their answers are cut short")
+    b = r["best"]
+    if b["name"] is None:
+        lines.append("no setting finished: see the failures above and the trials' logs in " + r["folder"])
+        return "\n".join(lines)
+    lines.append(f"best     {b['name']}" + ("" if b["overrides"] else " (the config as composed is fastest)"))
+    lines.append(f"use      batchinfer run|submit {b['use']} <your overrides>")
+    f = r["forecast"]
+    if f:
+        lines.append(f"forecast for {s['rows']:,} rows (95% bootstrap interval over the pilot's rows):")
+        lines.append(_fig("output tokens", f["output_tokens"]))
+        lines.append(_fig("generate hours", f["generate_seconds"], " h", 1 / 3600))
+        lines.append(_fig("engine starts", f["engine_starts"]))
+        lines.append(_fig("GPU-hours", f["gpu_hours"], " h"))
+        lines.append(_fig("wall time", f["wall_seconds"], " h", 1 / 3600))
+        if "cost_usd" in f:
+            lines.append(_fig("cost", f["cost_usd"], " USD"))
+    return "\n".join(lines)

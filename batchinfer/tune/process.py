@@ -1,0 +1,101 @@
+"""The parent's side of a trial process: start it with the setting's environment, tell it to go
+on or stop, read its JSON lines under a deadline, and kill its whole process group when over time."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+from batchinfer.tune.halving import Rung, TrialFailed
+from batchinfer.tune.settings import Setting
+
+
+class TrialProcess:
+    """`python -m batchinfer.tune.trial SPEC` for one setting (see batchinfer/tune/trial.py)."""
+
+    def __init__(self, setting: Setting, spec: dict[str, Any], folder: Path):
+        self.setting = setting
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "spec.json").write_text(json.dumps(spec, indent=2), encoding="utf-8")
+        self.proc: Optional[subprocess.Popen[str]] = None
+        self.lines: queue.Queue[Optional[str]] = queue.Queue()
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def _answer(self, timeout: float, what: str) -> dict[str, Any]:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            self._kill()
+            raise TrialFailed(f"over its time: {what} took more than {timeout:.0f} s") from None
+        if line is None:
+            code = self.proc.wait() if self.proc else None
+            raise TrialFailed(f"the trial process died during {what} (exit {code}; see {self.folder / 'trial.log'})")
+        msg = json.loads(line)
+        if msg["event"] == "failed":
+            raise TrialFailed(msg["reason"])
+        return msg
+
+    def start(self, timeout: float) -> float:
+        """Start the process and its engine; the engine's start-up seconds."""
+        env = dict(os.environ, **self.setting.env)
+        log = open(self.folder / "trial.log", "w", encoding="utf-8")  # noqa: SIM115  (the child keeps it)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "batchinfer.tune.trial", str(self.folder / "spec.json")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+            start_new_session=True,  # its own process group: a kill reaches vLLM's engine core too
+        )
+        log.close()
+        threading.Thread(target=self._read, daemon=True).start()
+        return float(self._answer(timeout, "engine start")["startup_seconds"])
+
+    def rung(self, index: int, timeout: float) -> Rung:
+        """Run rung `index` on the engine already started."""
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(f"go {index}\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise TrialFailed(f"the trial process had exited (see {self.folder / 'trial.log'})") from None
+        msg = self._answer(timeout, f"rung {index}")
+        msg.pop("event")
+        return Rung(**msg)
+
+    def stop(self) -> None:
+        """Tell it to close its engine and wait; kill the group when it does not go."""
+        if self.proc is None:
+            return
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.write("stop\n")
+                self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
+            pass
+        self._kill()
+
+    def _kill(self) -> None:
+        """SIGKILL the trial's process group (also an engine-core process its exit left behind)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()

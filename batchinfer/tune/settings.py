@@ -1,0 +1,90 @@
+"""The settings a tune tries: throughput knobs that leave outputs unchanged, and, only when asked
+(--include), settings that change outputs, marked as such."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from batchinfer.errors import ConfigError
+
+MAX_NUM_SEQS = (64, 128, 512)
+MAX_NUM_BATCHED_TOKENS = (2048, 4096, 16384)
+GPU_MEMORY_UTILIZATION = (0.8, 0.95)
+# Settings that change outputs: tried only with --include NAME, never chosen as the winner.
+OUTPUT_CHANGING = {
+    "fp8": ("quantization=fp8",),
+    "kv-fp8": ("quantization=kv-fp8",),
+    "ngram": ("speculative=ngram",),
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point of the grid: Hydra overrides on top of the user's, the environment its engine
+    starts with, and whether it may change outputs."""
+
+    overrides: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    changes_outputs: bool = False
+
+    @property
+    def name(self) -> str:
+        """How the table names it: its overrides (and environment), `defaults` for none."""
+        parts = [*self.overrides, *(f"{k}={v}" for k, v in sorted(self.env.items()))]
+        return " ".join(parts) or "defaults"
+
+    def override_strings(self) -> list[str]:
+        """What `run`/`submit` take to reproduce it; the environment as cluster.env keys."""
+        return [*self.overrides, *(f"cluster.env.{k}={v}" for k, v in sorted(self.env.items()))]
+
+
+def parse_include(text: Optional[str]) -> list[str]:
+    """--include fp8,kv-fp8,ngram as names; an unknown name is refused, naming the known ones."""
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    unknown = [n for n in names if n not in OUTPUT_CHANGING]
+    if unknown:
+        raise ConfigError(f"--include {unknown[0]}: unknown; it takes {', '.join(OUTPUT_CHANGING)} (comma-separated)")
+    return names
+
+
+def parse_tries(tries: list[str]) -> list[Setting]:
+    """--try 'k=v k=v' (repeatable): the grid given by hand; `defaults` is the config as composed."""
+    out = []
+    for text in tries:
+        words = [] if text.strip() == "defaults" else shlex.split(text)
+        bad = [w for w in words if "=" not in w]
+        if bad:
+            raise ConfigError(f"--try {text!r}: {bad[0]!r} is not a key=value override")
+        env = {w.split("=", 1)[0].removeprefix("env."): w.split("=", 1)[1] for w in words if w.startswith("env.")}
+        out.append(Setting(tuple(w for w in words if not w.startswith("env.")), env))
+    return out
+
+
+def default_grid(c: Any, gpus: int, cpus: list[int], include: list[str]) -> list[Setting]:
+    """The config as composed first, then one knob at a time around it: max_num_seqs,
+    max_num_batched_tokens, gpu_memory_utilization (GPUs), the OpenMP binding of every allowed core
+    (CPU); then the output-changing settings asked for. cluster.engines_per_task is not tried: a
+    trial runs one engine, and N engines on N times the devices change the task's layout, not an
+    engine's rate (the forecast counts them)."""
+    from batchinfer.config.engines import engine_envs
+
+    m = c.model
+    grid = [Setting()]
+    grid += [Setting((f"model.max_num_seqs={v}",)) for v in MAX_NUM_SEQS if v != m.max_num_seqs]
+    grid += [
+        Setting((f"model.max_num_batched_tokens={v}",)) for v in MAX_NUM_BATCHED_TOKENS if v != m.max_num_batched_tokens
+    ]
+    if gpus:
+        grid += [
+            Setting((f"model.gpu_memory_utilization={v}",))
+            for v in GPU_MEMORY_UTILIZATION
+            if v != m.gpu_memory_utilization
+        ]
+    elif len(cpus) > 1:
+        # vLLM's default binding (`auto`) keeps a core for its scheduler; every core was measured
+        # at 1.38x that on a 2-core machine.
+        grid.append(Setting(env=engine_envs(c, 1, [], cpus)[0]))
+    grid += [Setting(OUTPUT_CHANGING[name], changes_outputs=True) for name in include]
+    return grid
