@@ -16,7 +16,8 @@ def submissions(run: RunDir) -> list[dict[str, Any]]:
     A submission writes a line as it starts (time, log folder, job name), one per array as soon as
     sbatch returns its id, and one for the merge job; files of earlier versions hold one line per
     submission with "arrays" and "merge". Each record has submission, time, folder, name, arrays
-    ([{job_id, tasks}]), merge (None until submitted) and complete (the merge job was submitted)."""
+    ([{job_id, tasks}]), merge (None until submitted), complete (the merge job was submitted) and
+    heal (made by the merge job's `heal`, not by a user's submit or resume)."""
     path = run.path / "jobs.jsonl"
     if not path.is_file():
         return []
@@ -30,8 +31,17 @@ def submissions(run: RunDir) -> list[dict[str, Any]]:
             continue
         sub = folded.setdefault(
             rec["submission"],
-            {"submission": rec["submission"], "time": None, "folder": None, "name": None, "arrays": [], "merge": None},
+            {
+                "submission": rec["submission"],
+                "time": None,
+                "folder": None,
+                "name": None,
+                "arrays": [],
+                "merge": None,
+                "heal": False,
+            },
         )
+        sub["heal"] = sub["heal"] or bool(rec.get("heal"))
         for key in ("time", "folder", "name", "arrays_planned"):
             if key in rec:
                 sub[key] = rec[key]
@@ -44,6 +54,16 @@ def submissions(run: RunDir) -> list[dict[str, Any]]:
     for sub in out:
         sub["complete"] = sub["merge"] is not None
     return out
+
+
+def heal_streak(subs: list[dict[str, Any]]) -> int:
+    """How many of the latest submissions (submissions(run)) in a row were made by `heal`."""
+    streak = 0
+    for sub in reversed(subs):
+        if not sub["heal"]:
+            break
+        streak += 1
+    return streak
 
 
 def shard_tasks(run: RunDir, subs: Optional[list[dict[str, Any]]] = None) -> dict[int, dict[str, Any]]:

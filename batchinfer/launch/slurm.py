@@ -1,47 +1,33 @@
-"""Talking to Slurm: submitit executors, job states, MaxArraySize, requeueing this job."""
+"""Talking to Slurm: its commands under a timeout, the sbatch parameters of a submission, job
+states from sacct and squeue (read by one parser), MaxArraySize, cancelling, requeueing this task."""
 
 from __future__ import annotations
 
-import functools
 import getpass
 import logging
 import re
 import shlex
 import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from batchinfer import slurm_env
+from batchinfer import slurm_env, slurm_states
 from batchinfer.config.schema import ClusterConfig, Config
 from batchinfer.errors import ConfigError, RequeueFailed, SlurmUnavailable
 from batchinfer.security import export_option, is_secret_name
 
 log = logging.getLogger("batchinfer")
-ACTIVE_STATES = {
-    "PENDING",
-    "RUNNING",
-    "REQUEUED",
-    "REQUEUE_HOLD",
-    "REQUEUE_FED",
-    "CONFIGURING",
-    "COMPLETING",
-    "RESIZING",
-    "SUSPENDED",
-}
-FAILED_STATES = {"FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "CANCELLED", "PREEMPTED"}
-
 
 # A healthy slurmctld answers in seconds; a hung one must not hang status, resume or a worker.
 TIMEOUT_S = 60.0
-# sbatch waits for slurmctld to accept the job (and retries busy answers itself): allow longer.
-SBATCH_TIMEOUT_S = 120.0
 
 
-def _run(cmd: list[str], timeout: Optional[float] = None) -> subprocess.CompletedProcess:
+def run_command(cmd: list[str], timeout: Optional[float] = None) -> subprocess.CompletedProcess:
+    """Run a Slurm command (TIMEOUT_S unless told): ConfigError if it is not installed,
+    SlurmUnavailable if it does not answer in time."""
     limit = TIMEOUT_S if timeout is None else timeout
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
@@ -60,7 +46,7 @@ def first_error_line(text: str) -> str:
 
 def max_array_size() -> int:
     """The cluster's MaxArraySize (array indices must stay below it)."""
-    res = _run(["scontrol", "show", "config"])
+    res = run_command(["scontrol", "show", "config"])
     if res.returncode != 0:
         raise ConfigError(f"cannot reach Slurm (scontrol show config): {res.stderr.strip()}")
     m = re.search(r"^MaxArraySize\s*=\s*(\d+)", res.stdout, re.M)
@@ -179,73 +165,6 @@ def merge_parameters(cluster: ClusterConfig, after: list[str]) -> dict[str, Any]
     return params
 
 
-# The step's Python blocks USR2 as its first statement, then runs submitit's entry point: a
-# preemption notice while the interpreter loads submitit and unpickles the task stays pending for
-# the worker instead of killing the task by USR2's default action (or meeting submitit's handler).
-# Only the interpreter's own start-up is left uncovered (`heal` resubmits a task killed there).
-STEP_BOOT = (
-    "import signal, sys, runpy; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2}); "
-    "i = sys.argv.index('-m'); module = sys.argv[i + 1]; sys.argv = [sys.argv[0], *sys.argv[i + 2:]]; "
-    "runpy.run_module(module, run_name='__main__', alter_sys=True)"
-)
-
-
-def step_python() -> str:
-    """submitit's `python`: it appends `-u -m submitit.core._submit FOLDER`, which STEP_BOOT runs."""
-    return f"{shlex.quote(sys.executable)} -u -c {shlex.quote(STEP_BOOT)}"
-
-
-def executor(folder: Path, params: dict[str, Any]) -> Any:
-    """A submitit SlurmExecutor writing its scripts and logs under folder, its sbatch under a timeout."""
-    ex = _timed_executor_class()(folder=folder, python=step_python())
-    ex.update_parameters(**params)
-    return ex
-
-
-@functools.cache
-def _timed_executor_class() -> type:
-    """submitit's SlurmExecutor with sbatch run under SBATCH_TIMEOUT_S (submitit sets none).
-
-    sbatch refusing raises CalledProcessError carrying sbatch's stderr; submitit's own runner
-    would also print that stderr, and launch says it in one line instead."""
-    import submitit
-    import submitit.slurm.slurm as submitit_slurm
-    from submitit.core import utils
-
-    class TimedSlurmExecutor(submitit.SlurmExecutor):
-        def _internal_process_submissions(self, delayed_submissions: list[Any]) -> list[Any]:
-            if len(delayed_submissions) == 1:
-                return super()._internal_process_submissions(delayed_submissions)
-            # submitit submits an array through a fresh executor made by the module-level name
-            # SlurmExecutor: point that name here for the call, so the array's sbatch is timed too.
-            plain = submitit_slurm.SlurmExecutor
-            submitit_slurm.SlurmExecutor = TimedSlurmExecutor
-            try:
-                return super()._internal_process_submissions(delayed_submissions)
-            finally:
-                submitit_slurm.SlurmExecutor = plain
-
-        def _submit_command(self, command: str) -> Any:
-            # submitit 1.5's _submit_command, with sbatch run by subprocess.run under a timeout.
-            tmp_uuid = uuid.uuid4().hex
-            folder = utils.JobPaths.get_first_id_independent_folder(self.folder)
-            submission_file_path = folder / f".submission_file_{tmp_uuid}.sh"
-            with submission_file_path.open("w") as f:
-                f.write(self._make_submission_file_text(command, tmp_uuid))
-            cmd = self._make_submission_command(submission_file_path)
-            res = _run(cmd, timeout=SBATCH_TIMEOUT_S)
-            if res.returncode != 0:
-                raise subprocess.CalledProcessError(res.returncode, cmd, res.stdout, res.stderr)
-            job_id = self._get_job_id_from_submission_command(res.stdout)
-            job = self.job_class(folder=self.folder, job_id=job_id, tasks=list(range(self._num_tasks())))
-            job.paths.move_temporary_file(submission_file_path, "submission_file", keep_as_symlink=True)
-            self._write_job_id(job.job_id, tmp_uuid)
-            self._set_job_permissions(job.paths.folder)
-            return job
-
-    return TimedSlurmExecutor
-
-
 def array_indices(spec: str) -> list[int]:
     """The task indices of an array range as sacct and squeue print it: `[3-9]`, `[1,4-8:2%2]`."""
     out: list[int] = []
@@ -259,53 +178,60 @@ def array_indices(spec: str) -> list[int]:
     return out
 
 
-def sacct_states(text: str) -> dict[str, str]:
-    """`sacct -n -P -X -o JobID,State` output as {job or A_T: state}, pending ranges expanded.
+USR2_NUMBER = "12"  # SIGUSR2 on Linux, as sacct prints it in ExitCode
 
-    A range line (`A_[3-9%2]`: tasks not started yet) never overrides a task's own line; of two
-    lines for one task (a requeued task's runs, with -D) the later one wins."""
-    own: dict[str, str] = {}
-    ranged: dict[str, str] = {}
+
+@dataclass
+class SacctTask:
+    """One array task (A_T) or plain job as sacct's lines tell it."""
+
+    # Its own line's state (of two, the later: a requeued task's runs, with -D), else its pending
+    # range's (a range never overrides a task's own line); None: sacct listed only its steps.
+    state: Optional[str] = None
+    own: bool = False  # it has a line of its own
+    steps: bool = False  # it has lines of steps (`A_T.batch`, `A_T.0`)
+    # Killed by USR2: a line of it with signal 12 in its ExitCode (`0:12`: its batch shell or
+    # step), or its own line FAILED with exit code 12 (srun passing on its task's death).
+    usr2: bool = False
+
+
+def read_sacct(text: str) -> dict[str, SacctTask]:
+    """`sacct -n -P -o JobID,State[,ExitCode]` output (-X or with steps) by task; a pending range
+    (`A_[3-9%2]`: tasks not started yet) is expanded. Tasks are A_T, or a plain job id."""
+    tasks: dict[str, SacctTask] = {}
     for line in text.splitlines():
-        jid, _, state = line.strip().partition("|")
+        jid, state, code = (line.strip().split("|") + ["", ""])[:3]
         state = state.split()[0] if state.strip() else ""  # "CANCELLED by 1000"
-        array, _, index = jid.partition("_")
+        task, _, step = jid.partition(".")
+        array, _, index = task.partition("_")
         if index.startswith("["):
             for i in array_indices(index):
-                ranged[f"{array}_{i}"] = state
-        elif jid:
-            own[jid] = state
-    return {**ranged, **own}
-
-
-USR2_NUMBER = "12"  # SIGUSR2 on Linux, as sacct prints it in ExitCode
-FINAL_STATES = FAILED_STATES | {"COMPLETED", "OUT_OF_MEMORY"}
+                ranged = tasks.setdefault(f"{array}_{i}", SacctTask())
+                if not ranged.own:
+                    ranged.state = state
+            continue
+        if not task:
+            continue
+        t = tasks.setdefault(task, SacctTask())
+        status, _, sig = code.partition(":")
+        t.usr2 = t.usr2 or sig == USR2_NUMBER or (not step and state == "FAILED" and status == USR2_NUMBER)
+        if step:
+            t.steps = True
+        else:
+            t.state, t.own = state, True
+    return tasks
 
 
 def task_endings(text: str) -> dict[str, str]:
     """{task: how its last run ended} from `sacct -n -P -o JobID,State,ExitCode` (steps included):
-    "usr2" when killed by USR2 (a line of the task with signal 12 in its ExitCode, `0:12`: its
-    batch shell or step; or the task FAILED with exit code 12, srun passing on its task's death),
-    "ended" for another end, "running" while the task has no final state (or accounting lags).
-    Tasks are A_T, or a plain job id (a submission of one task is a plain job)."""
-    final: dict[str, bool] = {}  # task -> its own line (not a step's) is in a final state
-    killed: set[str] = set()
-    for line in text.splitlines():
-        jid, state, code = (line.strip().split("|") + ["", ""])[:3]
-        task, _, step = jid.partition(".")
-        if "[" in task or not task:
-            continue
-        status, _, sig = code.partition(":")
-        state = state.split()[0] if state.strip() else ""
-        if sig == USR2_NUMBER or (not step and state == "FAILED" and status == USR2_NUMBER):
-            killed.add(task)
-        if not step:
-            final[task] = state in FINAL_STATES
-        else:
-            final.setdefault(task, False)
-    # The task's own line decides whether it ended: a step killed by USR2 in a task still running
-    # (or queued again) is no death to heal.
-    return {t: ("usr2" if t in killed else "ended") if done else "running" for t, done in final.items()}
+    "usr2" when killed by USR2 (SacctTask.usr2), "ended" for another end, "running" while the task
+    has no final state (or accounting lags). A step killed by USR2 in a task still running (or
+    queued again) is no death to heal: the task's own line decides whether it ended."""
+    return {
+        name: ("usr2" if t.usr2 else "ended") if t.own and t.state in slurm_states.FINAL else "running"
+        for name, t in read_sacct(text).items()
+        if t.own or t.steps
+    }
 
 
 def usr2_deaths(text: str) -> set[str]:
@@ -320,7 +246,7 @@ def tasks_killed_by_usr2(arrays: list[str], tasks: list[str], wait_s: float = 60
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            res = _run(["sacct", "-n", "-P", "-o", "JobID,State,ExitCode", "-j", ",".join(arrays)])
+            res = run_command(["sacct", "-n", "-P", "-o", "JobID,State,ExitCode", "-j", ",".join(arrays)])
         except (SlurmUnavailable, ConfigError) as e:
             log.warning("cannot ask sacct how the tasks ended: %s", e)
             return set()
@@ -349,7 +275,7 @@ def job_states(job_ids: list[str], names: Iterable[str] = (), problems: Optional
 
     def call(cmd: list[str]) -> Optional[str]:
         try:
-            res = _run(cmd)
+            res = run_command(cmd)
         except SlurmUnavailable as e:
             if problems is None:
                 raise
@@ -368,7 +294,7 @@ def job_states(job_ids: list[str], names: Iterable[str] = (), problems: Optional
         return res.stdout
 
     out = call(["sacct", "-n", "-P", "-X", "-o", "JobID,State", "-j", ",".join(arrays)]) if arrays else None
-    states.update(sacct_states(out or ""))
+    states.update({task: t.state for task, t in read_sacct(out or "").items() if t.state is not None})
     # squeue -j fails outright if one id has left slurmctld's memory: list this user's jobs instead.
     out = call(["squeue", "-h", "-r", "--me", "-o", "%i|%A|%T|%j"])
     wanted = set(arrays)
@@ -383,10 +309,10 @@ def job_states(job_ids: list[str], names: Iterable[str] = (), problems: Optional
 def cancel(job_ids: list[str], names: Iterable[str] = ()) -> None:
     """scancel the given jobs, and this user's jobs of the given names (finished ones are ignored)."""
     if job_ids:
-        _run(["scancel", *job_ids])
+        run_command(["scancel", *job_ids])
     for name in names:
         # scancel ANDs its filters, so jobs found by name get a call of their own
-        _run(["scancel", f"--name={name}", f"--user={getpass.getuser()}"])
+        run_command(["scancel", f"--name={name}", f"--user={getpass.getuser()}"])
 
 
 def this_job() -> Optional[str]:
@@ -394,25 +320,14 @@ def this_job() -> Optional[str]:
     return slurm_env.current().job
 
 
-def requeue_self() -> bool:
-    """`scontrol requeue` this job: Slurm does not retry a non-zero exit by itself. False if it failed."""
-    if not this_job():
-        return False
-    try:
-        requeue_this_job()
-    except RequeueFailed as e:
-        log.error("%s", e)
-        return False
-    return True
-
-
-def requeue_this_job() -> None:
-    """`scontrol requeue` this job, or raise RequeueFailed naming the job and scontrol's message."""
+def requeue_task() -> None:
+    """`scontrol requeue` this task (Slurm does not retry a non-zero exit by itself), or raise
+    RequeueFailed naming the task and scontrol's message."""
     job = this_job()
     if not job:
         raise RequeueFailed("cannot requeue: not running as a Slurm job (no SLURM_JOB_ID)")
     try:
-        res = _run(["scontrol", "requeue", job])
+        res = run_command(["scontrol", "requeue", job])
     except SlurmUnavailable as e:
         raise RequeueFailed(f"scontrol requeue {job} failed: {e.reason}") from None
     if res.returncode != 0:

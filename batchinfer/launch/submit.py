@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import pkgutil
 import shlex
 import time
 from collections.abc import Iterator
@@ -14,16 +15,22 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from batchinfer import security, slurm_env
+from batchinfer import security, slurm_env, slurm_states
 from batchinfer.config.schema import to_config
 from batchinfer.errors import ConfigError, RunDirError, SlurmUnavailable, SubmissionRefused
-from batchinfer.launch import slurm, slurm_merge, slurm_task
-from batchinfer.launch.jobs import all_job_ids, submissions, unrecorded_names
+from batchinfer.launch import slurm
+from batchinfer.launch.executor import make_executor
+from batchinfer.launch.jobs import all_job_ids, heal_streak, submissions, unrecorded_names
 from batchinfer.rundir.merge import incomplete_shards
 from batchinfer.rundir.prepare import freeze_paths, prepare
 from batchinfer.rundir.store import RunDir
 
 log = logging.getLogger("batchinfer")
+# What a queued job runs, by the names submitit pickles: jobs queued before an upgrade find them by
+# these names. The package defines them, and its merge job submits through this module: they are
+# looked up by name when a submission is made, as the job itself does, not imported (a ring).
+TASK_FUNCTION = "batchinfer.launch:slurm_task"
+MERGE_FUNCTION = "batchinfer.launch:slurm_merge"
 
 
 def job_name(run: RunDir, number: int) -> str:
@@ -79,14 +86,14 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False, heal: 
     try:
         with security.submission_env(cluster.env), security.private_umask(c.output.private):
             for n, chunk in enumerate(chunks):
-                ex = slurm.executor(folder, {**slurm.array_parameters(cluster, len(chunk)), "job_name": name})
-                jobs = ex.map_array(slurm_task, [str(run.path)] * len(chunk), chunk)
+                ex = make_executor(folder, {**slurm.array_parameters(cluster, len(chunk)), "job_name": name})
+                jobs = ex.map_array(pkgutil.resolve_name(TASK_FUNCTION), [str(run.path)] * len(chunk), chunk)
                 array = {"job_id": jobs[0].job_id.split("_")[0], "tasks": {str(i): ch for i, ch in enumerate(chunk)}}
                 _record(run, {"submission": number, "array": n, **array})
                 arrays.append(array)
             after = [a["job_id"] for a in arrays]
-            mex = slurm.executor(folder, {**slurm.merge_parameters(cluster, after), "job_name": name})
-            merge_job = mex.submit(slurm_merge, str(run.path))
+            mex = make_executor(folder, {**slurm.merge_parameters(cluster, after), "job_name": name})
+            merge_job = mex.submit(pkgutil.resolve_name(MERGE_FUNCTION), str(run.path))
     except SlurmUnavailable as e:
         raise SlurmUnavailable(
             e.command,
@@ -216,7 +223,7 @@ def heal(run: RunDir) -> Optional[dict[str, Any]]:
         log.warning("shards %s not submitted again: jobs of DIR still queued or running (%s)", shards, sorted(others))
         return None
     limit = run.config.cluster.max_attempts
-    streak = _heal_streak(run)
+    streak = heal_streak(subs)
     if streak >= limit:
         log.error(
             "shards %s: their tasks were killed by USR2 again; %d automatic resubmissions in a row "
@@ -235,24 +242,6 @@ def heal(run: RunDir) -> Optional[dict[str, Any]]:
     )
     with _outside_this_job():
         return submit_shards(run, shards, heal=True)
-
-
-def _heal_streak(run: RunDir) -> int:
-    """How many of the latest submissions in a row were made by `heal`."""
-    marked: dict[int, bool] = {}
-    for line in (run.path / "jobs.jsonl").read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the torn last line of a submit killed while writing it
-        if isinstance(rec, dict) and "submission" in rec:
-            marked[rec["submission"]] = marked.get(rec["submission"], False) or bool(rec.get("heal"))
-    streak = 0
-    for number in sorted(marked, reverse=True):
-        if not marked[number]:
-            break
-        streak += 1
-    return streak
 
 
 @contextlib.contextmanager
@@ -289,7 +278,7 @@ def active_jobs(run: RunDir) -> dict[str, str]:
         raise SlurmUnavailable(
             e.command, e.reason, "cannot tell whether jobs of DIR still run; try again, or pass --force"
         ) from None
-    return {j: s for j, s in states.items() if s in slurm.ACTIVE_STATES}
+    return {j: s for j, s in states.items() if s in slurm_states.ACTIVE}
 
 
 def resume(run_dir: str, overrides: list[str], force: bool = False, dry_run: bool = False) -> RunDir:
@@ -320,9 +309,10 @@ def apply_resource_overrides(run: RunDir, overrides: list[str]) -> None:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from batchinfer.config.checks import validate
     from batchinfer.config.compose import quote_literals
     from batchinfer.config.fingerprint import changed_keys, fingerprint_keys
-    from batchinfer.config.schema import structured, to_dict, validate
+    from batchinfer.config.schema import structured, to_dict
 
     record = run.run
     new = structured(record["config"])

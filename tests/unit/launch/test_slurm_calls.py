@@ -16,12 +16,13 @@ from support.fake_engine import FakeEngine
 from support.fake_slurm import SUBMITTED, cli, overrides
 
 from batchinfer.config.compose import compose
+from batchinfer.engine.stopflag import StopFlag
 from batchinfer.engine.vllm_engine import Completion
-from batchinfer.engine.worker import StopFlag
 from batchinfer.errors import RequeueFailed
-from batchinfer.launch import slurm, slurm_task
+from batchinfer.launch import executor, slurm, slurm_task
 from batchinfer.launch.jobs import submissions
 from batchinfer.launch.local import run_shards
+from batchinfer.launch.requeue import requeue_for_another_attempt
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.store import RunDir
 
@@ -96,7 +97,7 @@ def test_failed_scontrol_requeue_fails_the_task(
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
     monkeypatch.setenv("SLURM_JOB_ID", "78")
-    assert slurm.requeue_self() is False
+    assert requeue_for_another_attempt() is False
 
     def preempted_engine() -> SteppingEngine:
         steps = []
@@ -177,7 +178,7 @@ def test_timed_out_sbatch_names_the_job_status_finds_it_by_name(
     tmp_path: Path, fake_bin: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     fake_bin("sbatch", "exec sleep 1000")
-    monkeypatch.setattr(slurm, "SBATCH_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(executor, "SBATCH_TIMEOUT_S", 0.5)
     code, _, err = cli(["submit", *overrides(tmp_path, 4, "cluster.gpus_per_task=0")], capsys)
     run = RunDir(tmp_path / "run")
     name = submissions(run)[0]["name"]

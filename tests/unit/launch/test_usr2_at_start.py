@@ -16,7 +16,7 @@ import pytest
 from support.fake_slurm import SUBMITTED, cli, overrides
 
 from batchinfer.errors import RunDirError
-from batchinfer.launch import slurm, slurm_merge
+from batchinfer.launch import executor, slurm, slurm_merge
 from batchinfer.launch.jobs import submissions
 from batchinfer.rundir.store import RunDir
 
@@ -58,7 +58,7 @@ def test_the_step_python_holds_usr2_from_its_first_statement(tmp_path: Path) -> 
     )
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     results = {}
-    for name, python in (("ours", slurm.step_python()), ("plain", sys.executable)):
+    for name, python in (("ours", executor.step_python()), ("plain", sys.executable)):
         proc = subprocess.Popen(
             f"exec {python} -u -m probe FOLDER",
             shell=True,
@@ -94,8 +94,14 @@ def submitted(tmp_path: Path, fake_bin: Any, capsys: Any) -> RunDir:
         f'{SUBMITTED}env | grep "^SLURM_" | sort | tr "\\n" " " >> "{calls}"; echo >> "{calls}"; '
         'echo "Submitted batch job $((700 + n))"',
     )
-    # sacct answers of any array (the last argument) as SACCT says of 700
-    fake_bin("sacct", f'for a; do j=$a; done\ncat <<"EOF" | sed "s/^700/$j/"\n{SACCT}EOF')
+    # sacct answers of any array (the last argument) as SACCT says of 700; with -X (the states
+    # `heal` checks first: is a job of DIR still queued or running?) the tasks' own lines, as
+    # sacct -X prints them: no steps, and no pending range (this run has no tasks 5-9).
+    fake_bin(
+        "sacct",
+        'for a; do j=$a; done\ncase " $* " in *" -X "*) keep="^[^.[]*$";; *) keep="";; esac\n'
+        f'cat <<"EOF" | sed "s/^700/$j/" | grep -e "$keep"\n{SACCT}EOF',
+    )
     ov = overrides(tmp_path, 12, "cluster.gpus_per_task=0", "sharding.num_shards=6", "cluster.shards_per_task=2")
     code, _, err = cli(["submit", *ov, "cluster.max_attempts=2"], capsys)
     assert code == 0, err
