@@ -1,5 +1,8 @@
-"""Launch: running shards here (`local`) or as a Slurm array through submitit (`submit`),
-the Slurm commands (`slurm`), the submissions recorded in DIR/jobs.jsonl (`jobs`).
+"""Launch: running shards here (`local`: one engine in this process through `shardloop`, or
+several engine processes: `engines` for the task, `member` for each engine, `protocol` between
+them), when a task asks to run again (`requeue`), Slurm's commands (`slurm`), submitit's executor
+(`executor`), submitting a run as Slurm arrays (`submit`), and the submissions recorded in
+DIR/jobs.jsonl (`jobs`).
 
 Imports everything below it (config .. engine), never insight. `slurm_task` and `slurm_merge`
 are what submitit pickles by name for a queued job, so they are defined here, at the names
@@ -23,7 +26,7 @@ def slurm_task(run_dir: str, shards: list[int]) -> None:
     # Before anything else: submitit's own USR2 handler would requeue behind the worker's back,
     # and the engine's processes must start with USR2 blocked (they inherit the mask).
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
-    from batchinfer.engine.worker import Stopped
+    from batchinfer.errors import Stopped
 
     setup_logging()
     try:

@@ -17,13 +17,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from batchinfer import errors
 from batchinfer.config.engines import engine_devices, engine_envs, task_gpus
-from batchinfer.errors import BatchinferError, EngineFailure, RunDirError
-from batchinfer.inputs.read import Shard
+from batchinfer.errors import EngineFailure, RunDirError, Stopped
+from batchinfer.inputs.shards import Shard
 from batchinfer.launch import slurm
 from batchinfer.launch.protocol import ExitRecord, LineReader, Message, Status, answer, decode, send
-from batchinfer.rundir.locks import ShardLock
+from batchinfer.launch.requeue import earns_another_attempt, requeue_for_another_attempt, requeue_on_stop
+from batchinfer.launch.shardloop import EngineSlot
+from batchinfer.rundir.locks import ShardLock, configured_mode
+from batchinfer.rundir.progress import count_failure
 from batchinfer.rundir.store import RunDir
 from batchinfer.stopsignals import STOP_SIGNALS
 
@@ -36,8 +38,9 @@ REAP_WAIT_S = 60.0
 
 
 @dataclass
-class MemberProcess:
-    """One engine's worker process, seen from the task."""
+class MemberLink:
+    """The task's end of the pipe to one member (the member holds the other end, member.TaskLink),
+    with the member's process and what it said so far."""
 
     index: int
     devices: str
@@ -61,7 +64,7 @@ class TaskStop:
 
     def __init__(self) -> None:
         self.signum: Optional[int] = None
-        self.members: list[MemberProcess] = []
+        self.members: list[MemberLink] = []
         self._announced = False
 
     def install(self) -> dict[int, Any]:
@@ -104,7 +107,7 @@ def run_engines(run: RunDir, shards: list[Shard], n: int) -> None:
     # pending in each until its own handler is in place, instead of killing it.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
     saved = stop.install()
-    members: list[MemberProcess] = []
+    members: list[MemberLink] = []
     log.info("%d engines for shards %s: %s", n, [s.index for s in shards], "; ".join(_devices(e) for e in envs))
     try:
         for k, env in enumerate(envs):
@@ -135,7 +138,7 @@ def _devices(env: dict[str, str]) -> str:
     return f"cores {env['VLLM_CPU_OMP_THREADS_BIND']}"
 
 
-def _start(run: RunDir, k: int, n: int, env: dict[str, str]) -> MemberProcess:
+def _start(run: RunDir, k: int, n: int, env: dict[str, str]) -> MemberLink:
     """Start engine k's worker process with its devices in its environment."""
     to_r, to_w = os.pipe()  # not inheritable: only pass_fds hands the member its two ends
     from_r, from_w = os.pipe()
@@ -155,10 +158,10 @@ def _start(run: RunDir, k: int, n: int, env: dict[str, str]) -> MemberProcess:
     os.close(to_r)
     os.close(from_w)
     os.set_blocking(from_r, False)  # read what is there; a member's silence never blocks the task
-    return MemberProcess(k, engine_devices(env), proc, to_w, LineReader(from_r))
+    return MemberLink(k, engine_devices(env), proc, to_w, LineReader(from_r))
 
 
-def _serve(members: list[MemberProcess], todo: deque[int], stop: TaskStop) -> None:
+def _serve(members: list[MemberLink], todo: deque[int], stop: TaskStop) -> None:
     """Hand out shards one at a time until every engine has exited, whatever each one does."""
     sel = selectors.DefaultSelector()
     for m in members:
@@ -184,7 +187,7 @@ def _serve(members: list[MemberProcess], todo: deque[int], stop: TaskStop) -> No
     sel.close()
 
 
-def _read(m: MemberProcess, todo: deque[int], stop: TaskStop) -> None:
+def _read(m: MemberLink, todo: deque[int], stop: TaskStop) -> None:
     """Act on what the member has said."""
     for line in m.from_member.read():
         said = decode(line)
@@ -206,7 +209,7 @@ def _read(m: MemberProcess, todo: deque[int], stop: TaskStop) -> None:
             log.warning("engine %d said %r out of turn: ignored", m.index, line[:200])
 
 
-def _hand_out(m: MemberProcess, todo: deque[int], stop: TaskStop) -> None:
+def _hand_out(m: MemberLink, todo: deque[int], stop: TaskStop) -> None:
     """Answer `next`: the next shard (none once a stop signal came)."""
     shard = todo.popleft() if todo and stop.signum is None else None
     m.handed = shard
@@ -214,14 +217,14 @@ def _hand_out(m: MemberProcess, todo: deque[int], stop: TaskStop) -> None:
         _give_back(m, todo)
 
 
-def _give_back(m: MemberProcess, todo: deque[int]) -> None:
+def _give_back(m: MemberLink, todo: deque[int]) -> None:
     """A shard answered but never acknowledged goes back to the front of the queue."""
     if m.handed is not None:
         todo.appendleft(m.handed)
         m.handed = None
 
 
-def _close(m: MemberProcess, todo: deque[int]) -> None:
+def _close(m: MemberLink, todo: deque[int]) -> None:
     """The member is done talking: close its pipe; a shard it did not acknowledge goes back."""
     m.closed_at = time.monotonic()
     for fd in (m.to_member, m.from_member.fd):
@@ -232,7 +235,7 @@ def _close(m: MemberProcess, todo: deque[int]) -> None:
     _give_back(m, todo)
 
 
-def _reap(m: MemberProcess, force: bool) -> None:
+def _reap(m: MemberLink, force: bool) -> None:
     """Once the member has exited (or, with force, now), kill what is left of its process group
     (its engine) and judge a member that said nothing by how it ended."""
     hung = m.proc.poll() is None
@@ -254,13 +257,10 @@ def _reap(m: MemberProcess, force: bool) -> None:
         m.outcome = ExitRecord(Status.DIED, error=f"the engine's worker process died ({why})")
 
 
-def _decide(run: RunDir, members: list[MemberProcess], n: int, signum: Optional[int], left: list[int]) -> None:
+def _decide(run: RunDir, members: list[MemberLink], n: int, signum: Optional[int], left: list[int]) -> None:
     """One verdict for the task: finished, stopped (requeued on USR2), or failed (requeued while
     cluster.max_attempts allows). A stop signal decides first: what a member did after it (a config
     error, a failure) is said, and the task stops as the signal asks."""
-    from batchinfer.engine.worker import Stopped
-    from batchinfer.launch.local import _stopped, requeue_after_failure
-
     outcomes = {m.index: m.outcome or ExitRecord(Status.DIED, error="no outcome") for m in members}
     for m in members:
         log.info(
@@ -291,14 +291,14 @@ def _decide(run: RunDir, members: list[MemberProcess], n: int, signum: Optional[
     if signum is not None:
         if failed:
             log.error("%s", summary)
-        _stopped(signum)
+        requeue_on_stop(signum)
         raise Stopped(signum)
     config_errors = [outcomes[m.index] for m in failed if outcomes[m.index].status is Status.ERROR]
     if config_errors:
-        raise _rebuilt(config_errors[0], summary)  # another attempt would fail the same way
+        raise config_errors[0].rebuilt_error(summary)  # another attempt would fail the same way
     if slurm.this_job():
         again = [
-            requeue_after_failure(
+            earns_another_attempt(
                 run,
                 outcomes[m.index].shard if outcomes[m.index].shard is not None else -1,
                 outcomes[m.index].failures,
@@ -308,32 +308,18 @@ def _decide(run: RunDir, members: list[MemberProcess], n: int, signum: Optional[
             for m in failed
         ]
         if any(again):
-            slurm.requeue_self()
+            requeue_for_another_attempt()
     raise EngineFailure(f"{summary}. Run the same command (or `batchinfer resume`) to finish the rest")
 
 
-def _count_death(run: RunDir, m: MemberProcess, n: int, outcome: ExitRecord) -> Optional[int]:
+def _count_death(run: RunDir, m: MemberLink, n: int, outcome: ExitRecord) -> Optional[int]:
     """A member that died without a word (SIGKILL, the OOM killer) counted nothing: count its
     shard's failed attempt here, under that shard's lock (free now that its group is gone)."""
-    from batchinfer.engine.worker import count_failure
-
     assert m.current is not None
-    engine = {"index": m.index, "of": n, "devices": m.devices}
+    slot = EngineSlot(index=m.index, of=n, devices=m.devices)
     try:
-        with ShardLock(run.shard_dir(m.current), log=log.warning):
-            return count_failure(run, m.current, outcome.error or "died", engine=engine)
+        with ShardLock(run.shard_dir(m.current), mode=configured_mode(run.path), log=log.warning):
+            return count_failure(run.progress_path(m.current), m.current, outcome.error or "died", engine=slot)
     except RunDirError as e:
         log.error("shard %d: could not count the failure of %s: %s", m.current, m.describe(n), e)
         return None
-
-
-def _rebuilt(outcome: ExitRecord, summary: str) -> BatchinferError:
-    """The member's own error class (a config, input or storage error), with the task's summary."""
-    cls = getattr(errors, str(outcome.kind), None)
-    message = f"{outcome.error} ({summary})"
-    if isinstance(cls, type) and issubclass(cls, BatchinferError):
-        try:
-            return cls(message)
-        except TypeError:
-            pass
-    return BatchinferError(message)

@@ -14,23 +14,27 @@ import sys
 from collections.abc import Iterator
 from typing import Optional
 
-from batchinfer.inputs.read import Shard
+from batchinfer import security
+from batchinfer.engine.output import EngineOutput
+from batchinfer.errors import BatchinferError, Stopped
+from batchinfer.inputs.shards import Shard
 from batchinfer.launch.protocol import ExitRecord, LineReader, Message, Status, encode, parse_answer, send
+from batchinfer.launch.shardloop import EngineSlot, ShardLoop
+from batchinfer.logs import setup_logging
 from batchinfer.rundir.store import RunDir
 
 log = logging.getLogger("batchinfer")
 EXIT_DONE, EXIT_FAILED, EXIT_STOPPED = 0, 1, 3
 
 
-class Member:
-    """This process's link to its task: shards in, `took`/`done` and how it ended out."""
+class TaskLink:
+    """A member's end of the pipe to its task (the task holds the other end, engines.MemberLink):
+    shards in, `took`/`done` and how this engine ended out."""
 
-    def __init__(self, index: int, of: int, devices: str, fd_in: int, fd_out: int):
-        self.index = index
-        self.record = {"index": index, "of": of, "devices": devices}
+    def __init__(self, slot: EngineSlot, fd_in: int, fd_out: int):
+        self.slot = slot
         self._in = LineReader(fd_in)
         self._out = fd_out
-        self.failure = ExitRecord(Status.FAILED)
         for fd in (fd_in, fd_out):
             os.set_inheritable(fd, False)  # a process it starts (exec) never holds the task's pipe
         # vLLM forks its engine core (no exec): the fork must not keep the pipe either, or the task
@@ -62,10 +66,6 @@ class Member:
             yield by_index[index]
             send(self._out, encode(Message.DONE, index))
 
-    def failed(self, shard: Optional[Shard], failures: Optional[int]) -> None:
-        """Remember which shard failed and its failures in this submission (counted under its lock)."""
-        self.failure = ExitRecord(Status.FAILED, shard=shard.index if shard is not None else None, failures=failures)
-
     def finish(self, record: ExitRecord) -> None:
         """Tell the task how this engine ended."""
         send(self._out, encode(Message.EXIT, record))
@@ -84,41 +84,47 @@ def devices_of_this_engine() -> str:
     return devices
 
 
+def counted(loop: ShardLoop, shards: Iterator[Shard]) -> Iterator[Shard]:
+    """The shards as the task hands them, each added to the bar as it comes."""
+    for shard in shards:
+        loop.count_in(shard)
+        yield shard
+
+
+def run_member(run: RunDir, link: TaskLink) -> ExitRecord:
+    """Start the engine, then run the shards the task hands out until it says `end`; how it ended."""
+    name = f"{run.path.name} engine {link.slot['index']}"
+    loop: Optional[ShardLoop] = None
+    try:
+        with EngineOutput(run.logs_dir, enabled=True) as output, ShardLoop(run, None, output, name, link.slot) as loop:
+            loop.start_engine()  # before it takes a shard: no shard lock is held while it starts
+            loop.run(counted(loop, link.shards(run)))
+    except Stopped as e:
+        return ExitRecord(Status.STOPPED, signal=e.signum)
+    except BatchinferError as e:
+        return ExitRecord.for_error(e)
+    except Exception as e:
+        log.exception("engine %s failed", link.slot["index"])
+        shard = loop.current.index if loop is not None and loop.current is not None else None
+        failures = loop.failures if loop is not None else None
+        return ExitRecord(Status.FAILED, error=f"{type(e).__name__}: {e}", shard=shard, failures=failures)
+    return ExitRecord(Status.DONE)
+
+
+EXIT_STATUS = {Status.DONE: EXIT_DONE, Status.STOPPED: EXIT_STOPPED}  # any other: EXIT_FAILED
+
+
 def main(argv: list[str]) -> int:
     """Run the shards the task hands out on one engine; report how it ended; exit status to match."""
-    from batchinfer import security
-    from batchinfer.engine.output import EngineOutput
-    from batchinfer.engine.worker import Stopped
-    from batchinfer.errors import BatchinferError
-    from batchinfer.launch.local import _run_shards
-    from batchinfer.logs import setup_logging
-
     run_dir, index, of, fd_in, fd_out = argv
     setup_logging()
-    member = Member(int(index), int(of), devices_of_this_engine(), int(fd_in), int(fd_out))
-    log.info("engine %s of %s on %s", index, of, member.record["devices"])
+    link = TaskLink(EngineSlot(index=int(index), of=int(of), devices=devices_of_this_engine()), int(fd_in), int(fd_out))
+    log.info("engine %s of %s on %s", index, of, link.slot["devices"])
     run = RunDir(run_dir)
-    try:
-        with (
-            security.private_umask(run.config.output.private),
-            EngineOutput(run.logs_dir, enabled=True) as output,
-        ):
-            _run_shards(run, member.shards(run), None, output, member)
-    except Stopped as e:
-        member.finish(ExitRecord(Status.STOPPED, signal=e.signum))
-        return EXIT_STOPPED
-    except BatchinferError as e:
-        member.finish(ExitRecord(Status.ERROR, kind=type(e).__name__, error=str(e)))
-        return EXIT_FAILED
-    except Exception as e:
-        log.exception("engine %s failed", index)
-        failure = member.failure
-        member.finish(
-            ExitRecord(Status.FAILED, error=f"{type(e).__name__}: {e}", shard=failure.shard, failures=failure.failures)
-        )
-        return EXIT_FAILED
-    member.finish(ExitRecord(Status.DONE))
-    return EXIT_DONE
+    with security.private_umask(run.config.output.private):
+        record = run_member(run, link)
+    link.finish(record)
+    return EXIT_STATUS.get(record.status, EXIT_FAILED)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Optional, Union
 
+from batchinfer import errors
+
 END = "end"  # the task's answer when it has no shard left for this member
 
 
@@ -47,6 +49,22 @@ class ExitRecord:
     error: Optional[str] = None
     shard: Optional[int] = None  # FAILED: the shard it failed on
     failures: Optional[int] = None  # that shard's failures in this submission (None: not counted)
+
+    @classmethod
+    def for_error(cls, e: errors.BatchinferError) -> ExitRecord:
+        """ERROR: a config, input or storage error, to be raised again by the task (rebuilt_error)."""
+        return cls(Status.ERROR, kind=type(e).__name__, error=str(e))
+
+    def rebuilt_error(self, summary: str) -> errors.BatchinferError:
+        """The member's own error class (errors.py, by its name in `kind`), with the task's summary."""
+        cls = getattr(errors, str(self.kind), None)
+        message = f"{self.error} ({summary})"
+        if isinstance(cls, type) and issubclass(cls, errors.BatchinferError):
+            try:
+                return cls(message)
+            except TypeError:
+                pass
+        return errors.BatchinferError(message)
 
     def to_json(self) -> str:
         """One line of JSON."""
