@@ -1,4 +1,6 @@
-"""Errors users see: each says what is wrong and what to do."""
+"""Errors users see: each says what is wrong and what to do; and Stopped, which is no error."""
+
+import signal
 
 
 class BatchinferError(Exception):
@@ -60,3 +62,12 @@ class RequeueFailed(BatchinferError):
     """`scontrol requeue` of this task failed: the task must exit non-zero, not COMPLETED."""
 
     exit_code = 1
+
+
+class Stopped(Exception):
+    """A stop signal arrived; committed work is safe, the rest is left for resume. Not a
+    BatchinferError: a stop is not a failure (no attempt is counted), and the CLI exits 128 + signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
