@@ -18,7 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Optional
 
-from batchinfer.errors import BatchinferError, EngineFailure
+from batchinfer.errors import BatchinferError, EngineFailure, Stopped
 
 log = logging.getLogger("batchinfer")
 
@@ -113,8 +113,6 @@ class EngineOutput:
 
 def _engine_failure(exc: BaseException) -> bool:
     """Whether an exception may come from the engine (not a stop, nor bad input or config)."""
-    from batchinfer.engine.worker import Stopped
-
     if isinstance(exc, (Stopped, KeyboardInterrupt)):
         return False
     return isinstance(exc, EngineFailure) or not isinstance(exc, BatchinferError)

@@ -16,9 +16,8 @@ from batchinfer.models.pooling import class_labels
 from batchinfer.models.tokens import model_dir
 from batchinfer.requests.pooling import pooling_request, special_tokens
 from batchinfer.requests.prompts import PromptBuilder, RowError
+from batchinfer.requests.request import ErrorRow, RequestKey
 from batchinfer.rundir.schema import error_row
-
-RequestKey = tuple[tuple[int, ...], str, int]
 
 
 class PoolingRows:
@@ -30,14 +29,15 @@ class PoolingRows:
         self.prompts = prompts
         self.labels = labels or []  # classify: the model's id2label, in class order
         self._around: Optional[tuple[list[int], list[int]]] = None
+        self.poisoned: set[RequestKey] = set()  # fault injection poisons generation prompts only
 
-    def request(self, index: int, base: dict[str, Any], row: dict[str, Any], engine: Any) -> Any:
+    def request(self, index: int, base: dict[str, Any], row: dict[str, Any], engine: Any) -> RequestKey | ErrorRow:
         """The row's request key (identical texts share one: pooling is deterministic), or its error row."""
         if self._around is None:
             self._around = special_tokens(engine.encode)
         why = task_mismatch(row, self.task.name)
         if why:
-            return dict(error_row(index, base["id"], "unsupported", f"row {index}: {why}"), **base)
+            return ErrorRow(dict(error_row(index, base["id"], "unsupported", f"row {index}: {why}"), **base))
         # vLLM's rule: a model that embeds scores as a bi-encoder, a classifier as a cross-encoder
         cross = self.task.name == "score" and "embed" not in engine.pooling_tasks
         try:
@@ -53,10 +53,10 @@ class PoolingRows:
             )
             self.params(engine, extras)
         except RowError as e:
-            return dict(error_row(index, base["id"], e.kind, f"row {index}: {e.message}"), **base)
+            return ErrorRow(dict(error_row(index, base["id"], e.kind, f"row {index}: {e.message}"), **base))
         except ValueError as e:  # refused for another reason than its length (which is a RowError)
-            return dict(error_row(index, base["id"], "rejected", f"row {index}: {e}"), **base)
-        return (tuple(ids), extras, -1)
+            return ErrorRow(dict(error_row(index, base["id"], "rejected", f"row {index}: {e}"), **base))
+        return RequestKey(tuple(ids), extras)
 
     def params(self, engine: Any, extras: str) -> Any:
         """The engine's PoolingParams for a request; a task the model cannot run fails the shard."""

@@ -3,9 +3,7 @@ finished requests kept (within a memory budget) for duplicates that come in late
 
 from __future__ import annotations
 
-import hashlib
 import sys
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -55,13 +53,6 @@ def todo_slices(start: int, stop: int, skip: np.ndarray, size: int) -> Iterator[
             gathered = []
     if gathered:
         yield gathered
-
-
-def request_digest(ids: Any, own: str) -> bytes:
-    """A request's identity in the result cache: prompt token ids and the row's own sampling."""
-    h = hashlib.blake2b(array("q", ids).tobytes(), digest_size=16)
-    h.update(own.encode())
-    return h.digest()
 
 
 def result_bytes(result: Any) -> int:

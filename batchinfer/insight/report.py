@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from batchinfer.rundir.stats import markdown_table, shard_record, shard_stats, totals
+from batchinfer.rundir.stats import markdown_table, shard_stats, totals
 from batchinfer.rundir.store import RunDir
 
 
@@ -17,8 +17,6 @@ def build_report(
 
     shards = shard_stats(run)
     for s in shards:
-        if "engine" not in s:  # which of its task's engines ran the shard (absent: a single-engine run)
-            s["engine"] = shard_record(run, s["shard"]).get("engine")
         s["engine"] = engine_record(s["engine"])
     tot = totals(shards)
     gpus = gpus_per_task(run.config, [s["device"] for s in shards])
@@ -119,7 +117,7 @@ def format_report(rep: dict[str, Any], charts: list[Path]) -> str:
 def write_report(run: RunDir, **kw: Any) -> tuple[dict[str, Any], str]:
     """Write DIR/report/{report.md, report.json, *.png}; return the report and its markdown."""
     from batchinfer.insight.charts import write_charts
-    from batchinfer.rundir.store import write_json
+    from batchinfer.rundir.durable import write_json
 
     rep = build_report(run, **kw)
     folder = run.path / "report"

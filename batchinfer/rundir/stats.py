@@ -2,71 +2,57 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any, Optional
 
-from batchinfer.rundir.store import RunDir, read_json
-
-PHASES = ("startup", "prepare", "generate", "commit")  # seconds a task holds its GPUs, by what it does
-SERIES_POINTS = 500  # progress.json keeps at most this many {t, rows_done, output_tokens} points
+from batchinfer.rundir.progress import PHASES, PrefixCache, Progress, rates, read_progress
+from batchinfer.rundir.store import RunDir
 
 
-def with_rates(progress: dict[str, Any]) -> dict[str, Any]:
-    """A progress record plus output and total (prompt + output) tokens/s over its generate seconds,
-    and the prefix-cache hit rate (cached / prompt tokens of engine requests; None when not reported)."""
-    gen = progress.get("seconds", {}).get("generate", 0.0)
-    prompt, output = progress.get("prompt_tokens", 0), progress.get("output_tokens", 0)
-    cache = progress.get("prefix_cache") or {}
+def with_rates(counts: dict[str, Any]) -> dict[str, Any]:
+    """Counts (tokens, rows, seconds, prefix cache, as in a progress record) plus their rates (see rates)."""
+    cache = counts.get("prefix_cache")
     return dict(
-        progress,
-        output_tokens_per_s=round(output / gen, 2) if gen else None,
-        total_tokens_per_s=round((prompt + output) / gen, 2) if gen else None,
-        rows_per_s=round(progress.get("rows_done", 0) / gen, 2) if gen else None,
-        prefix_cache_hit_rate=round(cache["hits"] / cache["queries"], 4) if cache.get("queries") else None,
+        counts,
+        **rates(
+            counts.get("prompt_tokens", 0),
+            counts.get("output_tokens", 0),
+            counts.get("rows_done", 0),
+            counts.get("seconds", {}).get("generate", 0.0),
+            PrefixCache(cache["queries"], cache["hits"]) if cache else None,
+        )._asdict(),
     )
 
 
-def add_point(progress: dict[str, Any]) -> None:
-    """Append a time-series point; past SERIES_POINTS, every other point goes (first and last stay)."""
-    series = progress["series"]
-    series.append(
-        {"t": round(time.time(), 1), "rows_done": progress["rows_done"], "output_tokens": progress["output_tokens"]}
-    )
-    if len(series) > SERIES_POINTS:
-        series[:] = series[:-1:2] + series[-1:]
-
-
-def shard_record(run: RunDir, index: int) -> dict[str, Any]:
-    """A shard's latest record (DONE.json, else progress.json, else empty) with its rates."""
+def shard_record(run: RunDir, index: int) -> tuple[bool, Progress]:
+    """(done, the shard's latest record: DONE.json, else progress.json, else an empty one)."""
     done = run.is_done(index)
-    path = run.done_path(index) if done else run.progress_path(index)
-    return dict(with_rates(read_json(path) if path.is_file() else {}), done=done)
+    record = read_progress(run.done_path(index) if done else run.progress_path(index))
+    return done, record or Progress(shard=index)
 
 
 def shard_stats(run: RunDir) -> list[dict[str, Any]]:
     """One row per shard of the plan: rows, tokens, seconds by phase, rates, errors, time series."""
     out = []
     for shard in run.shards():
-        rec = shard_record(run, shard.index)
-        seconds = rec.get("seconds", {})
+        done, rec = shard_record(run, shard.index)
         out.append(
             {
                 "shard": shard.index,
-                "done": rec["done"],
+                "done": done,
                 "rows": shard.rows,
-                "rows_done": rec.get("rows_done", 0),
-                "prompt_tokens": rec.get("prompt_tokens", 0),
-                "output_tokens": rec.get("output_tokens", 0),
-                "seconds": {p: seconds.get(p, 0.0) for p in PHASES},
-                "output_tokens_per_s": rec["output_tokens_per_s"],
-                "total_tokens_per_s": rec["total_tokens_per_s"],
-                "rows_per_s": rec["rows_per_s"],
-                "prefix_cache": rec.get("prefix_cache"),
-                "prefix_cache_hit_rate": rec["prefix_cache_hit_rate"],
-                "errors": rec.get("errors", {}),
-                "attempts": rec.get("attempts", 0),
-                "series": rec.get("series", []),
-                "device": rec.get("device"),
+                "rows_done": rec.rows_done,
+                "prompt_tokens": rec.prompt_tokens,
+                "output_tokens": rec.output_tokens,
+                "seconds": {p: getattr(rec.seconds, p) for p in PHASES},
+                **rec.rates()._asdict(),
+                "prefix_cache": {"queries": rec.prefix_cache.queries, "hits": rec.prefix_cache.hits}
+                if rec.prefix_cache
+                else None,
+                "errors": rec.errors,
+                "attempts": rec.attempts,
+                "series": rec.series,
+                "device": rec.device,
+                "engine": rec.engine,  # which of its task's engines ran it (None: a single-engine run)
             }
         )
     return out

@@ -14,10 +14,12 @@ from support.openai_batch import request, run_batch
 from support.runs import assert_only_missing_rows_redone, committed_rows, model_overrides, recorded_commits
 
 from batchinfer.config.compose import compose
+from batchinfer.engine.stopflag import StopFlag
 from batchinfer.engine.vllm_engine import Completion
-from batchinfer.engine.worker import ShardWorker, StopFlag, Stopped
+from batchinfer.engine.worker import ShardWorker
+from batchinfer.errors import Stopped
 from batchinfer.launch.local import run_local
-from batchinfer.rundir import store
+from batchinfer.rundir import durable, tables
 from batchinfer.rundir.store import RunDir
 
 ROWS = 160
@@ -43,7 +45,7 @@ def clean(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path, engin
 
 def part_rows(run: RunDir) -> list[int]:
     """Rows of the committed parts of shard 0, each as often as it was committed."""
-    return [r for p in run.parts(0) for r in store.read_table(p, run.schema)["row"].to_pylist()]
+    return [r for p in run.committed_files(0) for r in tables.read_table(p, run.schema)["row"].to_pylist()]
 
 
 @pytest.mark.engine
@@ -54,7 +56,7 @@ def test_eio_after_a_part_is_published_never_commits_its_rows_twice(
     out = clean["dir"] / where.split()[0]
     calls = {"n": 0}
     if where.startswith("progress"):
-        real = store.atomic_write
+        real = durable.atomic_write
 
         def flaky(path: Path, data: bytes, fault_prefix: Any = None) -> None:
             if path.name == "progress.json":
@@ -63,9 +65,9 @@ def test_eio_after_a_part_is_published_never_commits_its_rows_twice(
                     raise OSError(errno.EIO, "Input/output error", str(path))
             real(path, data, fault_prefix)
 
-        monkeypatch.setattr(store, "atomic_write", flaky)
+        monkeypatch.setattr(durable, "atomic_write", flaky)
     else:
-        real_fsync = store.fsync_dir
+        real_fsync = durable.fsync_dir
 
         def flaky_fsync(path: Path) -> None:
             if sys._getframe(1).f_code.co_name == "publish_new":
@@ -74,13 +76,13 @@ def test_eio_after_a_part_is_published_never_commits_its_rows_twice(
                     raise OSError(errno.EIO, "Input/output error", str(path))
             real_fsync(path)
 
-        monkeypatch.setattr(store, "fsync_dir", flaky_fsync)
+        monkeypatch.setattr(durable, "fsync_dir", flaky_fsync)
     with pytest.raises(Exception, match="Input/output error"):
         run_local(compose([*clean["base"], f"output.dir={out}"]), engine=engine)
     monkeypatch.undo()
     run = RunDir(out)
     before = committed_rows(out)
-    assert len(run.parts(0)) == 3  # the fault landed right after the third part was published
+    assert len(run.committed_files(0)) == 3  # the fault landed right after the third part was published
     assert len(part_rows(run)) == len(set(part_rows(run))) == 3 * 16  # each row in one part only
     progress = json.loads(run.progress_path(0).read_text())
     assert progress["failures"] == 1 and "Input/output error" in progress["last_error"]
@@ -116,7 +118,7 @@ def test_a_stop_while_prompts_are_prepared_is_acted_on_before_any_request(
     with pytest.raises(Stopped, match="SIGUSR2"):
         ShardWorker(run, lambda: engine, stop).run_shard(run.shards()[0])
     assert len(encoded) == 5 and added == []  # stopped at once: the rest was not prepared, nothing was sent
-    assert run.parts(0) == []
+    assert run.committed_files(0) == []
 
 
 @pytest.mark.engine

@@ -12,7 +12,7 @@ from support.procs import run_cli
 from support.runs import run_overrides as overrides
 
 from batchinfer.config.compose import compose
-from batchinfer.rundir.stats import PHASES
+from batchinfer.rundir.progress import PHASES
 
 
 def report_overrides(model: Path, corpus: Path, out: Path) -> list[str]:

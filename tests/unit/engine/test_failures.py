@@ -16,9 +16,11 @@ from support.corpus import read_output, write_corpus
 from support.fake_engine import FakeEngine, fake_overrides, keyed
 
 from batchinfer.config.compose import compose
+from batchinfer.engine.stopflag import StopFlag
 from batchinfer.engine.vllm_engine import Completion
-from batchinfer.engine.worker import ShardWorker, StopFlag, Stopped
-from batchinfer.inputs.read import open_input
+from batchinfer.engine.worker import ShardWorker
+from batchinfer.errors import Stopped
+from batchinfer.inputs.convert import open_input
 from batchinfer.launch.local import run_shards
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.prepare import prepare
@@ -71,7 +73,7 @@ def _fail_reading(worker: ShardWorker, run: RunDir) -> None:
 
 
 def _fail_making_a_row(worker: ShardWorker, run: RunDir) -> None:
-    real = worker._result_row
+    real = worker.task_rows.result_row
     made = [0]
 
     def result_row(base: dict[str, Any], c: Completion) -> dict[str, Any]:
@@ -80,7 +82,7 @@ def _fail_making_a_row(worker: ShardWorker, run: RunDir) -> None:
             raise KeyError("a bug in making a result row")
         return real(base, c)
 
-    worker._result_row = result_row  # type: ignore[method-assign]
+    worker.task_rows.result_row = result_row  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize(

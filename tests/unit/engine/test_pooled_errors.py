@@ -42,9 +42,9 @@ def rows_of(tmp_path: Path, *overrides: str) -> PoolingRows:
 
 def test_a_refused_text_is_rejected_and_a_pair_too_long_to_cut_is_overlong(tmp_path: Path) -> None:
     embed = rows_of(tmp_path, "task=embed")
-    got = embed.request(0, {"id": "a"}, {"text": "a bad text"}, RefusingPoolingEngine())
+    got = embed.request(0, {"id": "a"}, {"text": "a bad text"}, RefusingPoolingEngine()).row
     assert got["error"]["kind"] == "rejected" and "the tokenizer refuses this text" in got["error"]["message"]
     score = rows_of(tmp_path, "task=score", "task.query={q}", "task.document={d}", "prompt.overlong=truncate_right")
     long = {"q": " ".join(["w"] * 20), "d": "doc"}
-    got = score.request(1, {"id": "b"}, long, RefusingPoolingEngine())
+    got = score.request(1, {"id": "b"}, long, RefusingPoolingEngine()).row
     assert got["error"]["kind"] == "overlong" and "cannot be cut to 16 tokens" in got["error"]["message"]

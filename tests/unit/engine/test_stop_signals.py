@@ -18,10 +18,11 @@ import pytest
 from support.corpus import read_output
 from support.fake_engine import FakeEngine, keyed, prepared
 
-from batchinfer.engine import worker
+from batchinfer.engine import stopflag
+from batchinfer.engine.stopflag import StopFlag
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.engine.watchdog import StepInterrupted, Watchdog
-from batchinfer.engine.worker import StopFlag, Stopped
+from batchinfer.errors import Stopped
 from batchinfer.launch import slurm
 from batchinfer.launch.local import run_shards
 from batchinfer.rundir.merge import merge
@@ -55,7 +56,7 @@ def test_the_handler_records_a_signal_even_where_a_log_write_would_fail(
 
     stop = StopFlag()
     saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)}
-    monkeypatch.setattr(worker.log, "warning", reentrant)
+    monkeypatch.setattr(stopflag.log, "warning", reentrant)
     try:
         stop.install()
         signal.raise_signal(signal.SIGUSR2)  # the handler runs in this thread, here
@@ -141,7 +142,7 @@ def test_a_stop_during_a_hung_step_commits_what_finished_and_requeues(
     rows = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
     requeues: list[str] = []
     monkeypatch.setattr(slurm, "this_job", lambda: "77_0")
-    monkeypatch.setattr(slurm, "requeue_this_job", lambda: requeues.append("requeue"))
+    monkeypatch.setattr(slurm, "requeue_task", lambda: requeues.append("requeue"))
     eng = keyed(HangingEngine(hang_at=4), run)
     try:
         with pytest.raises(Stopped, match="SIGUSR2"):

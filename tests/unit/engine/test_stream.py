@@ -16,9 +16,13 @@ from support.fake_engine import FakeEngine, fake_overrides, keyed
 
 from batchinfer.config.compose import compose
 from batchinfer.engine import stream
+from batchinfer.engine.feed import PREFIX_TOKENS, Feed, work_order
+from batchinfer.engine.stopflag import StopFlag
 from batchinfer.engine.vllm_engine import Completion
-from batchinfer.engine.worker import PREFIX_TOKENS, Feed, ShardWorker, StopFlag, Stopped, work_order
+from batchinfer.engine.worker import ShardWorker
+from batchinfer.errors import Stopped
 from batchinfer.launch.local import run_shards
+from batchinfer.requests.request import ErrorRow, RequestKey, request_digest
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.store import RunDir
@@ -71,9 +75,9 @@ def test_first_request_goes_out_before_the_shard_is_read_and_every_row_is_writte
     # the engine is fed while later windows are read: requests went out at many points of the reading
     assert len(set(eng.encoded_at_add)) >= ROWS // WINDOW
     # each window is in work order (shared prefixes together, by length): the first window's requests
-    first_keys = [(tuple(ids), "", -1) for ids in eng.added[:first]]
+    first_keys = [RequestKey(tuple(ids), "") for ids in eng.added[:first]]
     assert len(set(first_keys)) == first and first_keys == sorted(first_keys, key=work_order)
-    assert first_keys != [(tuple(_ids(eng, r["text"])), "", -1) for r in rows[:first]]  # not input order
+    assert first_keys != [RequestKey(tuple(_ids(eng, r["text"])), "") for r in rows[:first]]  # not input order
     merge(run)
     out = read_output(run.path)
     assert [r["row"] for r in out] == list(range(ROWS))
@@ -143,13 +147,13 @@ def test_todo_slices_skip_committed_rows_a_slice_at_a_time() -> None:
 
 def test_result_cache_keeps_the_most_recent_results_within_its_budget() -> None:
     cache = stream.ResultCache(budget=3 * stream.ENTRY_BYTES + 10)
-    keys = [stream.request_digest([i, i + 1], "") for i in range(4)]
+    keys = [request_digest([i, i + 1], "") for i in range(4)]
     for i, k in enumerate(keys[:3]):
         cache.put(k, f"r{i}", 1)
     assert cache.get(keys[0]) == "r0"  # used: now the most recent
     cache.put(keys[3], "r3", 1)  # over budget: the least recently used (keys[1]) goes
     assert [cache.get(k) for k in keys] == ["r0", None, "r2", "r3"]
-    assert stream.request_digest([1, 2], "") != stream.request_digest([1, 2], '{"seed": 1}')
+    assert request_digest([1, 2], "") != request_digest([1, 2], '{"seed": 1}')
     assert len(cache) == 3 and PREFIX_TOKENS > 2
 
 
@@ -174,7 +178,7 @@ def test_a_poison_prompt_far_apart_costs_two_engine_deaths_and_refused_requests_
             recorded.append(json.loads(run.progress_path(0).read_text()).get("crashed"))
     assert len(engines) == 3  # two engine deaths, none for row 200
     # after the second, row 3's request is known by its digest, for its duplicates
-    assert recorded == [{}, {stream.request_digest(eng.ids("poison prompt"), "").hex(): 3}]
+    assert recorded == [{}, {request_digest(eng.ids("poison prompt"), "").hex(): 3}]
     first, second, third = engines
     assert first.died_with is not None and len(first.died_with) > 1  # a full batch in flight
     assert second.died_with == [second.ids("poison prompt")]  # isolated, it died with the poison alone
@@ -192,9 +196,9 @@ def test_a_poison_prompt_far_apart_costs_two_engine_deaths_and_refused_requests_
 
 def test_result_cache_counts_the_bytes_of_texts_and_reasoning() -> None:
     """A result holds its texts and reasoning texts as Python keeps them: an emoji is 4 bytes."""
-    feed = Feed(iter([]), lambda i, row: ({}, None), lambda base, c: {}, [], 1)
+    feed = Feed(iter([]), lambda i, row: ErrorRow({}), lambda base, c: {}, [], 1)
     wide, thinking = "\N{GRINNING FACE}" * 1000, "thinking " * 500
-    feed.finished(((1, 2, 3), "", -1), Completion("r", [wide], "stop", 3, 1000, reasoning=[thinking]))
+    feed.finished(RequestKey((1, 2, 3), ""), Completion("r", [wide], "stop", 3, 1000, reasoning=[thinking]))
     assert feed.cache.size >= stream.ENTRY_BYTES + 4 * len(wide) + len(thinking)
     assert stream.result_bytes(Completion("r", ["abc"], "stop", 3, 1)) < stream.result_bytes(
         Completion("r", ["\N{GRINNING FACE}" * 3], "stop", 3, 1)

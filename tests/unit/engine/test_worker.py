@@ -14,9 +14,10 @@ from support.corpus import read_output, write_corpus
 from support.fake_engine import FakeEngine, fake_overrides, keyed, prepared
 
 from batchinfer.config.compose import compose
+from batchinfer.engine.stopflag import StopFlag
 from batchinfer.engine.vllm_engine import Completion
-from batchinfer.engine.worker import StopFlag, Stopped
-from batchinfer.inputs.read import Shard
+from batchinfer.errors import Stopped
+from batchinfer.inputs.shards import Shard
 from batchinfer.launch.local import run_shards
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.prepare import prepare
@@ -56,7 +57,7 @@ def test_fake_engine_run_commits_often_dedupes_and_merges_in_order(tmp_path: Pat
 
 
 def test_stop_flag_commits_then_resume_finishes(tmp_path: Path) -> None:
-    from batchinfer.engine.worker import ShardWorker, Stopped
+    from batchinfer.engine.worker import ShardWorker
 
     run = prepared(tmp_path, 20, "output.commit_every_rows=100")
     stop = StopFlag()
@@ -78,10 +79,16 @@ def test_stop_flag_commits_then_resume_finishes(tmp_path: Path) -> None:
 
 
 def test_work_order_groups_shared_prefixes_then_sorts_by_length() -> None:
-    from batchinfer.engine.worker import PREFIX_TOKENS, work_order
+    from batchinfer.engine.feed import PREFIX_TOKENS, work_order
+    from batchinfer.requests.request import RequestKey
 
     a, b = tuple(range(PREFIX_TOKENS)), tuple(range(100, 100 + PREFIX_TOKENS))
-    keys = [(b + (1, 2, 3), "", -1), (a + (9,) * 10, "", -1), (b + (5,), "", -1), (a + (7,), "", -1)]
+    keys = [
+        RequestKey(b + (1, 2, 3), ""),
+        RequestKey(a + (9,) * 10, ""),
+        RequestKey(b + (5,), ""),
+        RequestKey(a + (7,), ""),
+    ]
     ordered = sorted(keys, key=work_order)
     assert [len(k[0]) - PREFIX_TOKENS for k in ordered] == [1, 10, 1, 3]
     assert [k[0][:PREFIX_TOKENS] for k in ordered] == [a, a, b, b]

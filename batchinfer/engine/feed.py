@@ -1,0 +1,90 @@
+"""A shard's requests for the engine, prepared a window of rows at a time and queued in work order;
+identical requests share one, and a finished one's result serves identical requests that come later."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from batchinfer.engine.stream import ResultCache, result_bytes
+from batchinfer.engine.vllm_engine import Completion
+from batchinfer.requests.request import ErrorRow, Made, RequestKey
+
+PREFIX_TOKENS = 32  # a system prompt or template head (longer shared runs stay in the prefix cache)
+
+
+def work_order(key: RequestKey) -> tuple[Any, ...]:
+    """Requests sharing their first PREFIX_TOKENS tokens side by side (prefix-cache hits), and
+    within such a group by length, so a batch's sequences finish close together."""
+    ids = key.ids
+    return (ids[:PREFIX_TOKENS], len(ids), ids, key.own, -1 if key.own_row is None else key.own_row)
+
+
+class Feed:
+    """A shard's requests, prepared a slice of rows at a time. A duplicate joins its identical
+    request while that is not finished, or takes its result from the cache once it is; a window's
+    new requests join the queue in work_order once the window is read. Window sizes: `sizes` first
+    (the isolated rows, then a small first window), then `window` rows each."""
+
+    def __init__(
+        self,
+        rows: Iterator[tuple[int, dict[str, Any]]],
+        request: Callable[[int, dict[str, Any]], Made],
+        result_row: Callable[[dict[str, Any], Completion], dict[str, Any]],
+        sizes: list[int],
+        window: int,
+    ):
+        self.rows = rows
+        self.request = request
+        self.result_row = result_row
+        self.sizes = deque(sizes)
+        self.window = window
+        self.groups: dict[RequestKey, list[dict[str, Any]]] = {}  # requests not finished, with their rows
+        self.queue: deque[RequestKey] = deque()  # prepared, in work order, not yet sent
+        self.cache = ResultCache()
+        self.exhausted = False
+        self._building: list[RequestKey] = []
+        self._read = 0  # rows read into the window being built
+        self._size = self.sizes.popleft() if self.sizes else window
+
+    def prepare(self, n: int, check_stop: Callable[[], None]) -> list[dict[str, Any]]:
+        """Read up to n more rows; the rows finished without the engine (error rows, cache hits)."""
+        out: list[dict[str, Any]] = []
+        taken = 0
+        for index, row in self.rows:
+            check_stop()
+            made = self.request(index, row)
+            if isinstance(made, ErrorRow):
+                out.append(made.row)
+            elif made.key in self.groups:
+                self.groups[made.key].append(made.base)
+            else:
+                hit = self.cache.get(made.key.digest()) if made.key.shared else None
+                if hit is not None:
+                    out.append(self.result_row(made.base, hit))
+                else:
+                    self.groups[made.key] = [made.base]
+                    self._building.append(made.key)
+            self._read += 1
+            if self._read >= self._size:
+                self._flush()
+            taken += 1
+            if taken >= n:
+                break
+        else:
+            self.exhausted = True
+            self._flush()
+        return out
+
+    def finished(self, key: RequestKey, result: Completion) -> None:
+        """Keep a finished request's result for identical requests still to come."""
+        if key.shared:
+            self.cache.put(key.digest(), result, result_bytes(result))
+
+    def _flush(self) -> None:
+        """The window being built joins the queue in work order; the next window starts."""
+        self.queue.extend(sorted(self._building, key=work_order))
+        self._building = []
+        self._read = 0
+        self._size = self.sizes.popleft() if self.sizes else self.window

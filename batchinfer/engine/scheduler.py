@@ -1,0 +1,271 @@
+"""One attempt at a shard's remaining rows on a started engine, in small steps as vLLM splits
+add/step/collect: submit ready requests (about 2 x max_num_seqs in flight), refill the feed, drain
+one engine step, maybe commit. The same for generation and pooling: only the task's rows differ."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Optional, Protocol
+
+import numpy as np
+
+from batchinfer import faults
+from batchinfer.engine.crashes import Crashes, count_suspects
+from batchinfer.engine.feed import Feed
+from batchinfer.engine.stream import first_window_rows, todo_slices, window_rows
+from batchinfer.engine.vllm_engine import Completion
+from batchinfer.errors import Stopped, StorageError
+from batchinfer.inputs.shards import Shard
+from batchinfer.requests.prompts import Prompt, RowError
+from batchinfer.requests.request import ErrorRow, Made, RequestKey
+from batchinfer.rundir.progress import Progress
+from batchinfer.rundir.schema import error_row
+
+if TYPE_CHECKING:
+    from batchinfer.engine.worker import ShardWorker
+
+log = logging.getLogger("batchinfer")
+_ATTEMPTS = itertools.count()  # this process's shard attempts: part of each request id
+
+
+class EngineLike(Protocol):
+    """What the worker needs of an engine (vllm_engine.Engine, or a fake in unit tests)."""
+
+    max_model_len: int
+    max_num_seqs: int
+    startup_seconds: float
+
+    def sampling_params(self, sampling: dict[str, Any]) -> Any: ...
+    def encode(self, prompt: Prompt, chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]: ...
+    def add(self, request_id: str, token_ids: list[int], params: Any) -> None: ...
+    def step(self) -> list[Completion]: ...
+    def has_unfinished(self) -> bool: ...
+    def abort_all(self) -> None: ...
+
+
+class TaskRows(Protocol):
+    """A task's rows <-> engine requests (generation.GenerationRows, pooled.PoolingRows)."""
+
+    poisoned: set[RequestKey]  # fault injection: requests that kill the engine when added
+
+    def request(self, index: int, base: dict[str, Any], row: dict[str, Any], engine: Any) -> RequestKey | ErrorRow: ...
+    def params(self, engine: Any, own: str) -> Any: ...
+    def result_row(self, base: dict[str, Any], c: Completion) -> dict[str, Any]: ...
+
+
+class ShardScheduler:
+    """Streams a shard's rows not yet committed to the engine and commits between engine steps."""
+
+    def __init__(
+        self, worker: ShardWorker, shard: Shard, record: Progress, engine: EngineLike, committed: Any, t_ready: float
+    ):
+        """committed: the shard's committed rows (sorted); t_ready: when the engine was ready."""
+        self.worker, self.shard, self.record, self.engine = worker, shard, record, engine
+        self.crashes = Crashes(record)
+        isolated = self.crashes.isolated
+        skip = np.union1d(committed, np.asarray(self.crashes.crashed_rows + isolated, dtype=np.int64))
+        self.target = 2 * engine.max_num_seqs
+        self.window = window_rows(engine.max_num_seqs)
+        # Rows in flight at an engine death run one at a time first (their own window, fed before
+        # any other), so a row that kills the engine again is known exactly; then the shard streams.
+        rows = itertools.chain(
+            rows_of(worker.dataset, iter([isolated] if isolated else [])),
+            rows_of(worker.dataset, todo_slices(shard.start, shard.stop, skip, max(engine.max_num_seqs, 1))),
+        )
+        sizes = ([len(isolated)] if isolated else []) + [first_window_rows(engine.max_num_seqs)]
+        self.feed = Feed(rows, self._request, worker.task_rows.result_row, sizes, self.window)
+        self.pending: list[dict[str, Any]] = worker.crash_rows(self.crashes.crashed_rows)  # rows to commit
+        self.in_flight: dict[str, RequestKey] = {}  # request id -> key, sent and not finished
+        self.n_isolate = 0  # isolated requests still to finish: while any, one request at a time
+        self.finished = 0  # rows finished in this attempt (for the trace)
+        self.seq = 0
+        # Request ids unique in this process: an engine reused across shards and attempts may still
+        # answer a request of an earlier attempt, which must not pass for this attempt's request.
+        self.attempt = next(_ATTEMPTS)
+        # Set only inside the engine's add and step: only the engine's own failures (a refused add
+        # apart) make the rows in flight suspects, not an input read error, a commit or a bug.
+        self.in_engine = False
+        self.t_ready = t_ready
+        self.t_gen = self.last_commit = time.monotonic()
+        self.first_request = True
+
+    def _request(self, index: int, row: dict[str, Any]) -> Made:
+        return self.crashes.unless_crashed(self.worker.request(index, row, self.engine))
+
+    def run(self) -> None:
+        """Every remaining row answered and committed; on any exception, finished rows are committed
+        first, then it is raised."""
+        if self.worker.bar is not None and self.pending:
+            self.worker.bar.update(len(self.pending))
+        isolated = self.crashes.isolated
+        if isolated:
+            log.warning(
+                "shard %d: running %d rows in flight at the last engine death one at a time",
+                self.shard.index,
+                len(isolated),
+            )
+            self.pending += self._prepare(len(isolated))
+        self.n_isolate = len(self.feed.queue)
+        self.last_commit = self.t_gen = time.monotonic()
+        self.record.add_point()  # generation starts: the gap since the last attempt's commit shows as 0 tok/s
+        try:
+            while self.step():
+                pass
+        except BaseException as e:
+            self._after_error(e)
+            raise
+        self.record.seconds.generate += time.monotonic() - self.t_gen
+        if self.feed.cache.hits:
+            log.info(
+                "shard %d: %d rows took an identical finished request's result", self.shard.index, self.feed.cache.hits
+            )
+        if self.pending:
+            self.worker.commit(self.shard, self.pending, self.record)
+
+    def step(self) -> bool:
+        """One round: submit, refill, drain one engine step, maybe commit; False once all is answered."""
+        self.submit()
+        if not self.refill() and not self.in_flight and not self.feed.queue:
+            return False
+        if self.in_flight:
+            self.drain()
+        self.worker.stop.check()
+        self.maybe_commit()
+        return True
+
+    def submit(self) -> None:
+        """Send queued requests while fewer than the target are in flight (one while isolating)."""
+        while self.feed.queue and len(self.in_flight) < (1 if self.n_isolate else self.target):
+            key = self.feed.queue.popleft()
+            rid = f"{self.shard.index}-{self.attempt}-{self.seq}"
+            self.seq += 1
+            try:
+                params = self.worker.task_rows.params(self.engine, key.own)
+                self.in_engine = True
+                self.engine.add(rid, list(key.ids), params)
+                self.in_engine = False
+            except (RowError, ValueError) as e:  # vLLM refused this request alone: an error row
+                self.in_engine = False
+                self._refused(key, e)
+                continue
+            if self.first_request:
+                self.first_request = False
+                self.record.first_request_seconds = round(time.monotonic() - self.t_ready, 3)
+                log.info(
+                    "shard %d: first request %.2f s after the engine was ready",
+                    self.shard.index,
+                    self.record.first_request_seconds,
+                )
+            self.in_flight[rid] = key
+            if key in self.worker.task_rows.poisoned:
+                faults.kill_engine()
+
+    def _refused(self, key: RequestKey, e: Exception) -> None:
+        """The rows of a request the engine refused are error rows."""
+        self.n_isolate = max(0, self.n_isolate - 1)  # a refused isolated request is done with too
+        kind, why = (e.kind, e.message) if isinstance(e, RowError) else ("rejected", str(e))
+        members = self.feed.groups.pop(key)
+        self.pending.extend(
+            dict(m, **error_row(m["row"], m["id"], kind, f"row {m['row']}: vLLM refused it: {why}")) for m in members
+        )
+        self.finished += len(members)
+
+    def refill(self) -> bool:
+        """Prepare more rows while the queue runs short (or nothing is in flight); whether it did."""
+        if self.feed.exhausted or (len(self.feed.queue) >= self.window and self.in_flight):
+            return False
+        t_prepare = time.monotonic()
+        done_now = self._prepare(self.engine.max_num_seqs)
+        self.t_gen += time.monotonic() - t_prepare  # prepare seconds are not generate seconds
+        self.pending += done_now
+        self.finished += len(done_now)
+        return True
+
+    def _prepare(self, n: int) -> list[dict[str, Any]]:
+        """Prepare up to n more rows (stopping at once on a stop signal); the rows already finished.
+        Its seconds count as prepare: the engine may be computing meanwhile, or waiting for it."""
+        t0 = time.monotonic()
+        done = self.feed.prepare(n, self.worker.stop.check)  # preparing a window takes a while: act on a stop now
+        self.record.seconds.prepare += time.monotonic() - t0
+        if self.worker.bar is not None and done:
+            self.worker.bar.update(len(done))
+        return done
+
+    def drain(self) -> None:
+        """Run one engine step and take the requests it finished."""
+        self.in_engine = True
+        completions = self.engine.step()
+        self.in_engine = False
+        for c in completions:
+            self._collect(c)
+        faults.trace_finished(self.finished)
+        faults.point(faults.IN_GENERATE)
+
+    def _collect(self, c: Completion) -> None:
+        """A finished request's rows join the rows to commit."""
+        key = self.in_flight.pop(c.request_id, None)
+        if key is None:  # an earlier attempt's request on this reused engine: not ours
+            log.warning("shard %d: ignoring a result for unknown request %s", self.shard.index, c.request_id)
+            return
+        members = self.feed.groups.pop(key)
+        self.n_isolate = max(0, self.n_isolate - 1)
+        self.pending.extend(self.worker.task_rows.result_row(m, c) for m in members)
+        self.finished += len(members)
+        self.feed.finished(key, c)
+        cache = self.record.prefix_cache
+        if cache is not None and c.cached_tokens is not None:
+            cache.queries += c.prompt_tokens
+            cache.hits += c.cached_tokens
+        if self.worker.bar is not None:
+            self.worker.bar.update(len(members))
+
+    def maybe_commit(self) -> None:
+        """Commit every output.commit_every_rows rows or output.commit_every_seconds."""
+        out = self.worker.cfg.output
+        now = time.monotonic()
+        if len(self.pending) >= out.commit_every_rows or (
+            self.pending and now - self.last_commit >= out.commit_every_seconds
+        ):
+            self.record.seconds.generate += now - self.t_gen
+            self.worker.commit(self.shard, self.pending, self.record)
+            self.pending = []
+            self.last_commit = self.t_gen = time.monotonic()
+
+    def _after_error(self, e: BaseException) -> None:
+        """Whatever stops the attempt (a signal, an engine death), finished rows are committed first;
+        rows in flight at an engine failure (not a stop) become suspects (see crashes.py). A stop
+        signal may reach the engine too and kill it: that is a stop, not an error."""
+        try:
+            in_flight = self._in_flight_rows() if self.in_engine else []
+            if isinstance(e, StorageError):
+                return  # committing again would fail the same way; the log says what to fix
+            stopping = isinstance(e, Stopped) or self.worker.stop.signum is not None
+            if stopping:
+                self.worker.stop.announce()
+            else:
+                count_suspects(self.record, in_flight)
+            if self.pending:
+                self.worker.commit(self.shard, self.pending, self.record, error=None if stopping else repr(e))
+            elif not stopping:
+                self.worker.write_progress(self.shard, self.record, error=repr(e))
+        finally:
+            # Only after the commit: aborting requests of a dead engine can raise. A live engine
+            # is cleared so that a reused one (local runs) does not return this attempt's requests.
+            if self.in_flight:
+                try:
+                    self.engine.abort_all()
+                except Exception as abort_error:
+                    log.warning("shard %d: aborting requests in flight failed: %r", self.shard.index, abort_error)
+
+    def _in_flight_rows(self) -> list[tuple[dict[str, Any], RequestKey]]:
+        """(output base, request) of every row in flight."""
+        return [(m, k) for k in self.in_flight.values() for m in self.feed.groups[k]]
+
+
+def rows_of(dataset: Any, slices: Iterator[list[int]]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(index, row) of the rows in these slices, reading one slice of the input at a time."""
+    for indices in slices:
+        yield from zip(indices, dataset.select(indices).to_list(), strict=True)
