@@ -25,7 +25,7 @@ from pathlib import Path
 from batchinfer.errors import RunDirError
 from batchinfer.rundir.locks import ShardLock
 try:
-    with ShardLock(Path(sys.argv[1]), log=lambda m: None):
+    with ShardLock(Path(sys.argv[1]), mode="auto", log=lambda m: None):
         print("held")
 except RunDirError as e:
     print(e)
@@ -36,7 +36,7 @@ except RunDirError as e:
 def _no_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
     """The lock judged is the run's own: a Slurm job around the suite (CI inside a job) must not
     leak in, and each mode's one-time log line must be logged again whatever ran before."""
-    from batchinfer.rundir import locks
+    from batchinfer.rundir.locks import lock as lock_mod
 
     for var in (
         "SLURM_JOB_ID",
@@ -46,7 +46,7 @@ def _no_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
         "SLURM_CLUSTER_NAME",
     ):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(locks, "_logged", set())
+    monkeypatch.setattr(lock_mod, "_logged", set())
 
 
 @pytest.mark.engine

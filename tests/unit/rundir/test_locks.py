@@ -31,7 +31,13 @@ from batchinfer.errors import ConfigError, RunDirError, TransientRunDirError
 from batchinfer.launch.local import run_shards
 from batchinfer.rundir import locks
 from batchinfer.rundir import merge as merge_mod
-from batchinfer.rundir.locks import Holder, RunLock, ShardLock, Verdict
+from batchinfer.rundir.locks import Holder, RunLock, ShardLock, Verdict, configured_mode
+from batchinfer.rundir.locks import filesystems as fs_mod
+from batchinfer.rundir.locks import holder as holder_mod
+from batchinfer.rundir.locks import judge as judge_mod
+from batchinfer.rundir.locks import lock as lock_mod
+from batchinfer.rundir.locks import lockfile as lockfile_mod
+from batchinfer.rundir.locks import mode as mode_mod
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.store import RunDir
 
@@ -49,7 +55,7 @@ def _no_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests set the Slurm job they mean; the real one (CI inside a job) must not leak in."""
     for var in SLURM_VARS:
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(locks, "_logged", set())
+    monkeypatch.setattr(lock_mod, "_logged", set())
 
 
 def in_job(
@@ -209,19 +215,19 @@ def test_flock_unsupported_falls_back_to_a_lock_file(
     seen = emulate(monkeypatch, mode)
     d = tmp_path / "shards" / "00003"
     said: list[str] = []
-    with ShardLock(d, log=said.append) as held:
+    with ShardLock(d, mode="auto", log=said.append) as held:
         assert held.excl is not None
         record = json.loads((d / "lock.excl").read_text())
         assert record["pid"] == os.getpid() and record["nonce"]
         with pytest.raises(RunDirError, match=rf"00003: shard is being written by host \S+ pid {os.getpid()}"):
-            with ShardLock(d, log=said.append):
+            with ShardLock(d, mode="auto", log=said.append):
                 pass
     assert not (d / "lock.excl").exists()
     assert said == [
         f"locks: flock unsupported on this filesystem ({mode.upper()}: {os.strerror(getattr(errno, mode.upper()))}); using lock files"
     ]
     assert seen.paths() == {str(d / "lock")}  # the emulation answered, on the shard's lock
-    with ShardLock(d, log=said.append):  # released: free again
+    with ShardLock(d, mode="auto", log=said.append):  # released: free again
         pass
     assert len(said) == 1  # said once per process
     assert sorted(p.name for p in d.iterdir()) == ["lock"]
@@ -259,11 +265,11 @@ def test_node_local_flock_is_detected_and_uses_lock_files(
     options = options.format(cfg_default=cfg_default, cfg_global=cfg_global)
     info = tmp_path / "mountinfo"
     info.write_text(MOUNTINFO.format(mount=mount, fstype=fstype, source="srv:/export", options=options))
-    monkeypatch.setattr(locks, "MOUNTINFO", str(info))
+    monkeypatch.setattr(fs_mod, "MOUNTINFO", str(info))
     d = mount / "run" / "shards" / "00000"
     assert locks.node_local_flock(mount / "other" / "x") is None  # the longest mount point decides
     said: list[str] = []
-    with ShardLock(d, log=said.append) as held:
+    with ShardLock(d, mode="auto", log=said.append) as held:
         if why:
             assert held.excl is not None and (d / "lock.excl").exists()
             assert said == [f"locks: {mount} is {why}: flock there locks only within one node; using lock files"]
@@ -276,7 +282,7 @@ def test_output_lock_setting_forces_the_mode_and_stays_out_of_the_fingerprint(tm
     assert run.run["config"]["output"]["lock"] == "file"
     assert not any(k.startswith("output.lock") for k in run.run["fingerprint_keys"])
     assert "output.lock" not in fingerprint_keys(to_dict(compose(["output.lock=flock"])), "x")
-    with ShardLock(run.shard_dir(0)) as held:  # the mode comes from DIR/run.yaml
+    with ShardLock(run.shard_dir(0), mode=configured_mode(run.path)) as held:  # the mode comes from DIR/run.yaml
         assert held.excl is not None
     with pytest.raises(ConfigError, match="output.lock='nfs' is not one of: auto, flock, file"):
         compose(["output.lock=nfs"])
@@ -286,7 +292,7 @@ def test_a_run_yaml_that_cannot_be_read_now_is_not_taken_for_auto(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = prepared(tmp_path, 4, "output.lock=file")
-    monkeypatch.setattr(locks, "RUN_YAML_RETRY_WAITS", (0.0, 0.0), raising=False)
+    monkeypatch.setattr(mode_mod, "RUN_YAML_RETRY_WAITS", (0.0, 0.0), raising=False)
     run_yaml = run.path / "run.yaml"
     real_read = Path.read_text
     failures = {"left": 1}
@@ -298,11 +304,13 @@ def test_a_run_yaml_that_cannot_be_read_now_is_not_taken_for_auto(
         return real_read(self, *a, **kw)
 
     monkeypatch.setattr(Path, "read_text", flaky)
-    with ShardLock(run.shard_dir(0)) as held:  # read again: lock files, as configured, not flock
+    with ShardLock(
+        run.shard_dir(0), mode=configured_mode(run.path)
+    ) as held:  # read again: lock files, as configured, not flock
         assert held.excl is not None and failures["left"] == 0
     failures["left"] = 3  # it stays unreadable: refused, naming the file
     with pytest.raises(RunDirError, match=rf"{run_yaml}: it cannot be read: Input/output error") as e:
-        with ShardLock(run.shard_dir(0)):
+        with ShardLock(run.shard_dir(0), mode=configured_mode(run.path)):
             pass
     assert isinstance(e.value, TransientRunDirError)
     assert not (run.shard_dir(0) / "lock").exists() and not (run.shard_dir(0) / "lock.excl").exists()
@@ -310,8 +318,31 @@ def test_a_run_yaml_that_cannot_be_read_now_is_not_taken_for_auto(
     good = run_yaml.read_text()
     run_yaml.write_text(good[: len(good) // 2] + "\n  [unclosed")
     with pytest.raises(RunDirError, match=rf"{run_yaml}: it is not valid YAML"):
-        with ShardLock(run.shard_dir(0)):
+        with ShardLock(run.shard_dir(0), mode=configured_mode(run.path)):
             pass
+
+
+def test_the_lock_takes_its_mode_from_the_caller_and_the_worker_reads_run_yaml_at_each_shard(
+    tmp_path: Path,
+) -> None:
+    """A lock never reads run.yaml (issue 28): its caller passes the mode. The worker reads
+    output.lock from run.yaml afresh for each shard, so a resume that changed it (run.yaml
+    rewritten while a task runs) decides the next shard's mechanism."""
+    run = prepared(tmp_path, 8, "sharding.num_shards=2", "output.lock=file")
+    with pytest.raises(TypeError, match="mode"):
+        ShardLock(run.shard_dir(0))  # type: ignore[call-arg]
+    with ShardLock(run.shard_dir(0), mode="flock") as held:  # the caller's mode, whatever run.yaml says
+        assert held.fd is not None and held.excl is None
+    (run.shard_dir(0) / "lock").unlink()
+    run_shards(run, [0], engine=keyed(FakeEngine(), run))
+    assert run.is_done(0) and not (run.shard_dir(0) / "lock").exists()  # lock files, as configured
+    resumed = RunDir(run.path)
+    record = resumed.run
+    record["config"]["output"]["lock"] = "flock"
+    resumed.write_run(record)  # as a resume does; `run` keeps its own cached config
+    assert run.config.output.lock == "file"
+    run_shards(run, [1], engine=keyed(FakeEngine(), run))
+    assert run.is_done(1) and json.loads((run.shard_dir(1) / "lock").read_text())["released"] is True
 
 
 def test_flock_still_refuses_a_live_holder_recorded_on_another_node(
@@ -371,7 +402,7 @@ def test_flock_publishes_its_record_before_looking_at_the_lock_file(
     other's mechanism, so at most one holds, whatever the interleaving. Here the lock-file
     process runs all of its steps just after the flock process looked for a lock file."""
     d = tmp_path / "shards" / "00000"
-    real_read = locks._read
+    real_read = lock_mod.read_holder
     other: list[Any] = []
 
     def then_the_other_process(path: Path) -> Any:
@@ -381,7 +412,7 @@ def test_flock_publishes_its_record_before_looking_at_the_lock_file(
             other.append((ctx, ctx.__enter__()[0]))
         return seen
 
-    monkeypatch.setattr(locks, "_read", then_the_other_process)
+    monkeypatch.setattr(lock_mod, "read_holder", then_the_other_process)
     try:
         with ShardLock(d, mode="flock"):
             mine = "held"
@@ -401,7 +432,7 @@ def test_flock_gives_way_to_a_node_that_wrote_over_its_record(tmp_path: Path, mo
     fake_squeue(tmp_path, monkeypatch, "exit 0")  # job 99 has ended by the time the lock is free
     d = tmp_path / "shards" / "00000"
     theirs = dict(host="other-node", pid=7, slurm_job="99", since=2.0, nonce="theirs")
-    monkeypatch.setattr(locks, "_after_publish", lambda: write_holder(d / "lock", **theirs), raising=False)
+    monkeypatch.setattr(lock_mod, "_after_publish", lambda: write_holder(d / "lock", **theirs), raising=False)
     with pytest.raises(RunDirError, match=r"host other-node pid 7, Slurm job 99 \(it wrote its record over ours"):
         with ShardLock(d, mode="flock"):
             pass
@@ -480,7 +511,7 @@ def test_an_earlier_runs_release_keeps_the_later_runs_lock(tmp_path: Path, monke
     in_job(monkeypatch)
     path = tmp_path / "shards" / "00003" / "lock.excl"
     path.parent.mkdir(parents=True)
-    first = locks._ExclFile(path, lambda who: RunDirError(who), print)
+    first = lockfile_mod.ExclFile(path, lambda who: RunDirError(who), print)
     first.acquire()
     record = json.loads(path.read_text())
     write_holder(path, **dict(record, host="failing-node", pid=7))  # as if on a node that failed
@@ -503,18 +534,18 @@ def test_two_takers_of_one_stale_lock_one_wins(tmp_path: Path, monkeypatch: pyte
     d = tmp_path / "shards" / "00000"
     key = _stale(d)
     path = d / "lock.excl"
-    a = locks._ExclFile(path, lambda who: RunDirError(f"held by {who}"), print)
-    b = locks._ExclFile(path, lambda who: RunDirError(f"held by {who}"), print)
+    a = lockfile_mod.ExclFile(path, lambda who: RunDirError(f"held by {who}"), print)
+    b = lockfile_mod.ExclFile(path, lambda who: RunDirError(f"held by {who}"), print)
     refused: list[str] = []
 
     def b_meanwhile() -> None:  # b found the same stale lock and tries while a holds the claim
-        monkeypatch.setattr(locks, "_after_claim", lambda: None)
+        monkeypatch.setattr(lockfile_mod, "_after_claim", lambda: None)
         try:
             b.takeover(key)
         except RunDirError as e:
             refused.append(str(e))
 
-    monkeypatch.setattr(locks, "_after_claim", b_meanwhile)
+    monkeypatch.setattr(lockfile_mod, "_after_claim", b_meanwhile)
     assert a.takeover(key) is True
     assert refused and refused[0].startswith(
         f"held by host {socket.gethostname()} pid {os.getpid()}"
@@ -536,8 +567,8 @@ def test_a_pid_is_judged_only_on_its_own_machine_and_run(tmp_path: Path) -> None
     here = dict(host=mine.host, slurm_job=None, since=1.0, nonce="n", boot_id=mine.boot_id, pid_ns=mine.pid_ns)
     sleeper = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
-        started = locks._pid_start(sleeper.pid)
-        assert started is not None and mine.pid_start == locks._pid_start(os.getpid())
+        started = holder_mod.pid_start(sleeper.pid)
+        assert started is not None and mine.pid_start == holder_mod.pid_start(os.getpid())
         alive = Holder.from_record(dict(here, pid=sleeper.pid, pid_start=started))
         assert locks.judge_holder(alive) == locks.Judgement(Verdict.ALIVE, "process running")  # type: ignore[arg-type]
         # The pid runs another process than the one that took the lock: reused, the holder is gone.
@@ -607,7 +638,7 @@ def test_empty_lock_file_is_stale_only_when_old(tmp_path: Path) -> None:
     with pytest.raises(RunDirError, match=r"empty or unreadable, \d+ s old; it counts as stale after 300 s"):
         with ShardLock(d, mode="file"):
             pass
-    old = os.stat(d / "lock.excl").st_mtime - locks.LOCK_UNREADABLE_STALE_S - 5
+    old = os.stat(d / "lock.excl").st_mtime - lockfile_mod.LOCK_UNREADABLE_STALE_S - 5
     os.utime(d / "lock.excl", (old, old))
     with ShardLock(d, mode="file") as held:
         assert json.loads((d / "lock.excl").read_text())["nonce"] == held.excl.nonce  # type: ignore[union-attr]
@@ -629,7 +660,7 @@ def test_squeue_failing_keeps_the_lock(tmp_path: Path, monkeypatch: pytest.Monke
 
 def test_squeue_hanging_is_refused_within_the_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake_squeue(tmp_path, monkeypatch, "exec sleep 60")
-    monkeypatch.setattr(locks, "SQUEUE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(judge_mod, "SQUEUE_TIMEOUT_S", 1.0)
     d = tmp_path / "shards" / "00000"
     before = write_holder(d / "lock.excl", host="n1", pid=5, slurm_job="88", since=1.0, nonce="abc")
     with pytest.raises(RunDirError, match=r"Slurm did not answer \(squeue did not answer within 1 s\)"):
@@ -673,7 +704,8 @@ def test_a_lock_file_is_never_empty_at_its_name(tmp_path: Path) -> None:
         "import os, signal, sys\n"
         "from pathlib import Path\n"
         "from batchinfer.rundir import locks\n"
-        "locks.os.link = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "from batchinfer.rundir.locks import lockfile\n"
+        "lockfile.os.link = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
         f"locks.ShardLock(Path({str(d)!r}), mode='file').__enter__()\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True)
@@ -682,7 +714,7 @@ def test_a_lock_file_is_never_empty_at_its_name(tmp_path: Path) -> None:
     (leftover,) = d.glob("lock.excl.new-*")
     record = json.loads(leftover.read_text())  # a whole record, only never at the lock's name
     assert record["host"] == socket.gethostname() and record["nonce"]
-    old = os.stat(leftover).st_mtime - locks.LOCK_UNREADABLE_STALE_S - 5
+    old = os.stat(leftover).st_mtime - lockfile_mod.LOCK_UNREADABLE_STALE_S - 5
     os.utime(leftover, (old, old))
     with ShardLock(d, mode="file"):
         assert not leftover.exists()  # killed contenders' leftovers go once old
@@ -739,7 +771,7 @@ def test_merge_lock_in_another_process_refuses(tmp_path: Path) -> None:
     run = _finished(tmp_path)
     code = (
         "import sys, time\nfrom pathlib import Path\nfrom batchinfer.rundir.locks import RunLock\n"
-        f"with RunLock(Path({str(run.path)!r})):\n    print('held', flush=True)\n    sys.stdin.read()\n"
+        f"with RunLock(Path({str(run.path)!r}), mode='auto'):\n    print('held', flush=True)\n    sys.stdin.read()\n"
     )
     holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -750,7 +782,7 @@ def test_merge_lock_in_another_process_refuses(tmp_path: Path) -> None:
     finally:
         holder.communicate("", timeout=30)
     assert merge(run)["rows"] == 12
-    with RunLock(run.path):
+    with RunLock(run.path, mode=run.config.output.lock):
         pass
 
 
