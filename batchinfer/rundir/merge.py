@@ -76,7 +76,7 @@ def _merge(run: RunDir) -> dict[str, Any]:
         for n, shard in enumerate(shards):
             done = read_json(run.done_path(shard.index))
             # under the run lock, DONE.json written: no writer is compacting this shard any more
-            run.remove_leftovers(shard.index, done)
+            run.remove_compaction_leftovers(shard.index, done)
             for rows in shard_rows_in_order(run, shard, done):
                 writer.write(rows)
                 _accumulate(stats, rows.table)

@@ -54,7 +54,7 @@ def shard_rows_in_order(run: RunDir, shard: Shard, done: Any = UNREAD) -> Iterat
     compacted = run.compacted(shard.index, done)
     lines = run.output_format == "jsonl"
     if compacted is None:
-        yield from _parts_in_order(run, shard, run.parts(shard.index, done), lines)
+        yield from _parts_in_order(run, shard, run.committed_files(shard.index, done), lines)
         return
     if not compacted.is_file():
         run.check_compacted(shard.index, compacted)  # raises, naming the file and what to do

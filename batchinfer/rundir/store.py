@@ -190,12 +190,12 @@ class RunDir:
         naming a whole file."""
         sealed = self.done_record(index)  # read once: a second read could disagree (NFS)
         if self.compacted(index, sealed) is not None:  # finished already: its rows live in the compacted file
-            self.remove_leftovers(index, sealed, temporaries=True)
+            self.remove_temporaries_and_leftovers(index, sealed)
             return sealed  # type: ignore[return-value]
         shard = self.shard(index)
         folder = self.shard_dir(index)
         target = folder / self.compacted_name
-        sources = self.parts(index, sealed)
+        sources = self.committed_files(index, sealed)
         rows = ShardRows(shard, sources, self.schema)
         if not rows.check.complete:
             raise RunDirError(
@@ -263,13 +263,14 @@ class RunDir:
         return fill
 
     def part_files(self, index: int) -> list[Path]:
-        """The part-NNNNNN files in the shard's folder, in commit order (whatever DONE.json says)."""
+        """Every part-NNNNNN file in the shard's folder, in commit order, whatever DONE.json says (a
+        sealed shard's leftover parts too: committed_files says which files hold its rows)."""
         d = self.shard_dir(index)
         if not d.is_dir():
             return []
         return sorted(p for p in d.iterdir() if PART_RE.match(p.name))
 
-    def parts(self, index: int, done: Any = UNREAD) -> list[Path]:
+    def committed_files(self, index: int, done: Any = UNREAD) -> list[Path]:
         """The files holding a shard's committed rows: its compacted file when DONE.json names one,
         else its parts in commit order, after a compacted file no DONE.json names when the parts
         do not hold every row (DONE.json removed by hand after the parts were: it is the only copy)."""
@@ -286,7 +287,7 @@ class RunDir:
 
     def read_shard(self, index: int, columns: Optional[list[str]] = None) -> pa.Table:
         """All committed rows of a shard (commit order, or row order once compacted)."""
-        tables = [read_table(p, self.schema, columns) for p in self.parts(index)]
+        tables = [read_table(p, self.schema, columns) for p in self.committed_files(index)]
         if not tables:
             schema = self.schema if columns is None else pa.schema([self.schema.field(c) for c in columns])
             return schema.empty_table()
@@ -301,18 +302,32 @@ class RunDir:
             self.shard_dir(index), lambda k: f"part-{k:06d}.{fmt}", n, table_bytes(table, fmt), faults.PART_WRITE
         )
 
-    def clean_temporaries(self, index: int, done: Any = UNREAD) -> int:
-        """Remove what a killed writer left (call under the shard lock): temporaries, and by the
-        compaction rule parts of a shard whose DONE.json names its compacted file, or a compacted
-        file that DONE.json does not name while the parts hold every row. done: the shard's DONE.json
-        as the caller read it (None: none), read here once when not given. Never follows a symlink."""
+    def remove_temporaries_and_leftovers(self, index: int, done: Any = UNREAD) -> int:
+        """Remove what a killed writer left (call under the shard lock): its temporaries, and the
+        leftovers of a killed compaction (remove_compaction_leftovers: parts of a shard whose
+        DONE.json names its compacted file, or a compacted file no DONE.json names while the parts
+        hold every row); the count removed. done: the shard's DONE.json as the caller read it (None:
+        none), read here once when not given. Nothing is removed when the compacted file DONE.json
+        names is not whole (RunDirError). Never follows a symlink."""
         if done is UNREAD:
             done = self.done_record(index)
-        return self.remove_leftovers(index, done, temporaries=True)
+        removed = self.remove_compaction_leftovers(index, done)  # first: it may refuse, removing nothing
+        return removed + self.remove_temporaries(index)
 
-    def remove_leftovers(self, index: int, done: Optional[dict[str, Any]], temporaries: bool = False) -> int:
-        """Remove leftovers of a killed compaction (and temporaries if asked); the count removed.
-        done: the shard's DONE.json as read once by the caller (None: none).
+    def remove_temporaries(self, index: int) -> int:
+        """Remove the temporaries (.tmp-*) killed writers left in the shard's folder (call under the
+        shard lock: a live writer's temporary is its file being written); the count removed."""
+        d = self.shard_dir(index)
+        if not d.is_dir():
+            return 0
+        doomed = [p for p in d.iterdir() if p.name.startswith(TMP_PREFIX) and _regular_file(p)]
+        for p in doomed:
+            p.unlink(missing_ok=True)
+        return len(doomed)
+
+    def remove_compaction_leftovers(self, index: int, done: Optional[dict[str, Any]]) -> int:
+        """Remove leftovers of a killed compaction; the count removed. done: the shard's DONE.json as
+        read once by the caller (None: none).
 
         Parts go only once the compacted file DONE.json names is there with every row of the shard
         (else RunDirError, nothing removed); a compacted file DONE.json does not name goes only when
@@ -323,8 +338,8 @@ class RunDir:
             return 0
         compacted = self.compacted(index, done)
         files = [p for p in d.iterdir() if _regular_file(p)]
-        doomed = [p for p in files if temporaries and p.name.startswith(TMP_PREFIX)]
         parts = sorted(p for p in files if PART_RE.match(p.name))
+        doomed = []
         if compacted is not None and parts:
             self.check_compacted(index, compacted)
             doomed += parts

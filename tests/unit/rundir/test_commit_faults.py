@@ -12,11 +12,12 @@ from typing import Any
 import pytest
 from support.fake_engine import FakeEngine, prepared
 
+from batchinfer.engine.stopflag import StopFlag
 from batchinfer.engine.vllm_engine import Completion
-from batchinfer.engine.worker import ShardWorker, StopFlag
+from batchinfer.engine.worker import ShardWorker
 from batchinfer.errors import RunDirError
-from batchinfer.inputs.read import Shard
-from batchinfer.rundir import store
+from batchinfer.inputs.shards import Shard
+from batchinfer.rundir import durable
 from batchinfer.rundir.locks import ShardLock
 from batchinfer.rundir.schema import error_row, rows_to_table
 from batchinfer.rundir.store import RunDir
@@ -39,7 +40,7 @@ def test_a_part_name_taken_meanwhile_is_never_replaced(tmp_path: Path, monkeypat
         linked.append(Path(dst).name)
         real_link(src, dst)
 
-    monkeypatch.setattr(store.os, "link", link)
+    monkeypatch.setattr(durable.os, "link", link)
     second = run.write_part(0, rows_to_table([error_row(1, "doc-00001", "x", "second")], run.schema))
     monkeypatch.undo()
     # The fault landed: the stale listing was used, the first name tried was taken, the next one won.
@@ -61,7 +62,7 @@ def test_a_link_that_answers_eexist_after_succeeding_publishes_once(
         real_link(src, dst)
         raise FileExistsError(errno.EEXIST, "File exists", str(dst))
 
-    monkeypatch.setattr(store.os, "link", retransmitted)
+    monkeypatch.setattr(durable.os, "link", retransmitted)
     part = run.write_part(0, rows_to_table([error_row(0, "doc-00000", "x", "m")], run.schema))
     monkeypatch.undo()
     assert part.name == "part-000000.parquet"
@@ -93,8 +94,8 @@ def test_a_stale_link_count_does_not_publish_the_same_bytes_twice(
             return os.stat_result(fields)
         return st
 
-    monkeypatch.setattr(store.os, "link", retransmitted)
-    monkeypatch.setattr(store.os, "stat", stat)
+    monkeypatch.setattr(durable.os, "link", retransmitted)
+    monkeypatch.setattr(durable.os, "stat", stat)
     part = run.write_part(0, rows_to_table([error_row(0, "doc-00000", "x", "m")], run.schema))
     monkeypatch.undo()
     assert stale and stale[0] == 2  # the fault landed: two names, a stat that says one
@@ -119,9 +120,9 @@ def test_an_unlink_that_answers_enoent_after_succeeding_still_publishes(
         removed.append(Path(path).name)
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
 
-    monkeypatch.setattr(store.os, "unlink", retransmitted)
+    monkeypatch.setattr(durable.os, "unlink", retransmitted)
     part = run.write_part(0, rows_to_table([error_row(0, "doc-00000", "x", "m")], run.schema))
-    created = store.create_once(run.shard_dir(0) / "marker.json", b"{}")
+    created = durable.create_once(run.shard_dir(0) / "marker.json", b"{}")
     monkeypatch.undo()
     assert len(removed) == 2 and all(n.startswith(".tmp-") for n in removed)  # the fault landed twice
     assert part.name == "part-000000.parquet" and created
@@ -141,18 +142,18 @@ def test_failures_are_counted_under_the_lock_per_submission(tmp_path: Path, monk
     run = prepared(tmp_path, 6)
     shard = Shard(0, 0, 6)
     worker = ShardWorker(run, FailingEngine, StopFlag())
-    real_write = worker._write_progress
+    real_write = worker.write_progress
     held = []
 
     def write_progress(*args: Any, **kw: Any) -> None:
         try:  # a second writer is refused: the count is written under the shard lock
-            with ShardLock(run.shard_dir(0)):
+            with ShardLock(run.shard_dir(0), mode=run.config.output.lock):
                 held.append(False)
         except RunDirError:
             held.append(True)
         real_write(*args, **kw)
 
-    monkeypatch.setattr(worker, "_write_progress", write_progress)
+    monkeypatch.setattr(worker, "write_progress", write_progress)
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "100")
     for _ in range(2):
         with pytest.raises(RuntimeError):

@@ -79,12 +79,12 @@ def merged_bytes(run: RunDir) -> bytes:
 def test_compaction_writes_one_sorted_file_named_by_done(tmp_path: Path, fmt: str) -> None:
     run = committed(tmp_path, "run", fmt)
     commit_order = run.read_shard(0).column("row").to_pylist()
-    assert commit_order != sorted(commit_order) and len(run.parts(0)) == 3
+    assert commit_order != sorted(commit_order) and len(run.committed_files(0)) == 3
     finish_all(run)
     name = f"rows.{fmt}"
     assert read_json(run.done_path(0)) == dict(DONE, compacted=name)
     assert listing(run, 0) == ["DONE.json", "lock", "progress.json", name]
-    assert run.parts(0) == [run.shard_dir(0) / name]
+    assert run.committed_files(0) == [run.shard_dir(0) / name]
     table = run.read_shard(0)
     assert table.column("row").to_pylist() == list(range(12))  # sorted by row
     assert table.to_pylist() == rows_to_table([output_row(run, r) for r in range(12)], run.schema).to_pylist()
@@ -107,7 +107,7 @@ def test_a_kill_at_every_step_of_compaction(tmp_path: Path, fmt: str, reference:
     """The real worker seals shard 0 and is SIGKILLed at each step; the real worker resumed finishes
     the run without an engine, and the output is the uninterrupted run's."""
     run = committed(tmp_path, "killed", fmt)
-    parts = [p.name for p in run.parts(0)]
+    parts = [p.name for p in run.committed_files(0)]
     rows_before = run.read_shard(0).to_pylist()
     res = subprocess.run(
         [sys.executable, "-c", FINISH, str(run.path), "0"],
@@ -179,9 +179,9 @@ def test_a_run_dir_of_an_earlier_version_merges_from_its_parts(
         write_json(run.done_path(shard.index), DONE)
     stray = run.shard_dir(0) / f"rows.{fmt}"
     stray.write_bytes(reference["compacted"][1])  # wrong rows: read, it would break the merge
-    assert [p.name for p in run.parts(0)] == [f"part-00000{i}.{fmt}" for i in range(3)]
+    assert [p.name for p in run.committed_files(0)] == [f"part-00000{i}.{fmt}" for i in range(3)]
     assert merged_bytes(run) == reference["output"]
-    assert not stray.exists() and len(run.parts(0)) == 3
+    assert not stray.exists() and len(run.committed_files(0)) == 3
     assert read_json(run.stats_json)["rows"] == ROWS
 
 
@@ -190,15 +190,15 @@ def test_a_leftover_compacted_file_is_removed_under_the_shard_lock(tmp_path: Pat
     stray = run.shard_dir(0) / f"rows.{fmt}"
     stray.write_bytes(b"a killed compaction's file")
     (run.shard_dir(0) / f".tmp-rows.{fmt}.1-abc").write_bytes(b"half")
-    assert run.clean_temporaries(0) == 2 and not stray.exists()
-    assert len(run.parts(0)) == 3
+    assert run.remove_temporaries_and_leftovers(0) == 2 and not stray.exists()
+    assert len(run.committed_files(0)) == 3
 
 
 def test_done_naming_a_path_outside_the_shard_is_refused(tmp_path: Path) -> None:
     run = committed(tmp_path, "run", "parquet")
     write_json(run.done_path(0), dict(DONE, compacted="../../run.yaml"))
     with pytest.raises(RunDirError, match=r"'compacted' is '\.\./\.\./run\.yaml'"):
-        run.parts(0)
+        run.committed_files(0)
 
 
 def test_merge_streams_a_compacted_shard_in_row_groups_and_blocks(
@@ -248,7 +248,7 @@ def test_the_worker_removes_parts_a_finished_shard_left_without_an_engine(tmp_pa
     from batchinfer.engine.worker import ShardWorker
 
     run = committed(tmp_path, "run", fmt)
-    parts = {p.name: p.read_bytes() for p in run.parts(0)}
+    parts = {p.name: p.read_bytes() for p in run.committed_files(0)}
     run.finish_shard(0, DONE)
     compacted = run.compacted(0).read_bytes()  # type: ignore[union-attr]
     for name, data in parts.items():  # as a kill during the parts' removal leaves them

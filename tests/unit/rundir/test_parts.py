@@ -38,19 +38,19 @@ def test_part_commit_is_atomic_and_temporaries_are_cleaned(tmp_path: Path, fmt: 
     p1 = run.write_part(0, rows_to_table([error_row(2, "doc-00002", "x", "m")], run.schema))
     assert [p0.name, p1.name] == [f"part-000000.{fmt}", f"part-000001.{fmt}"]
     (run.shard_dir(0) / f".tmp-part-000002.{fmt}").write_bytes(b"torn")
-    assert [p.name for p in run.parts(0)] == [p0.name, p1.name]
+    assert [p.name for p in run.committed_files(0)] == [p0.name, p1.name]
     assert run.read_shard(0).column("row").to_pylist() == [1, 0, 2]
-    assert run.clean_temporaries(0) == 1
+    assert run.remove_temporaries_and_leftovers(0) == 1
     assert sorted(os.listdir(run.shard_dir(0))) == [p0.name, p1.name]
 
 
 def test_lock_refuses_second_writer_naming_holder(tmp_path: Path) -> None:
     d = tmp_path / "shard"
-    with ShardLock(d):
+    with ShardLock(d, mode="auto"):
         with pytest.raises(RunDirError, match=rf"shard is being written by host \S+ pid {os.getpid()}"):
-            with ShardLock(d):
+            with ShardLock(d, mode="auto"):
                 pass
-    with ShardLock(d):  # released: free again
+    with ShardLock(d, mode="auto"):  # released: free again
         pass
 
 

@@ -132,7 +132,7 @@ def test_a_hand_deleted_done_json_reseals_from_the_compacted_file(
     run = committed(tmp_path, "run", fmt)
     finish_all(run)
     run.done_path(0).unlink()  # by hand: rows.* is now the only copy of the shard's rows
-    assert [p.name for p in run.parts(0)] == [f"rows.{fmt}"]  # readers still find the rows
+    assert [p.name for p in run.committed_files(0)] == [f"rows.{fmt}"]  # readers still find the rows
     done = work(run, 0)  # no engine: every row is committed, in rows.*
     assert done["compacted"] == f"rows.{fmt}" and read_json(run.done_path(0)) == done
     assert run.compacted(0).read_bytes() == reference["compacted"][0]  # type: ignore[union-attr]
@@ -247,11 +247,11 @@ def test_a_compacted_file_removed_by_a_second_writer_keeps_the_parts(
             (run.shard_dir(0) / f"rows.{fmt}").unlink()  # B's cleanup of what it takes for a leftover
         real_point(name)
 
-    before = {p.name: p.read_bytes() for p in run.parts(0)}
+    before = {p.name: p.read_bytes() for p in run.committed_files(0)}
     monkeypatch.setattr(faults, "point", second_writer_cleans_up)
     with pytest.raises(RunDirError, match=refusal):
         run.finish_shard(0, {"rows_done": 12})
-    assert {p.name: p.read_bytes() for p in run.parts(0, None)} == before  # every committed part kept
+    assert {p.name: p.read_bytes() for p in run.committed_files(0, None)} == before  # every committed part kept
     monkeypatch.setattr(faults, "point", real_point)
     run.done_path(0).unlink(missing_ok=True)  # what the error says to do
     record = run.finish_shard(0, {"rows_done": 12})
