@@ -7,7 +7,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from batchinfer import slurm_env
 
@@ -144,14 +144,3 @@ def record_engine_start(seconds: float, model: object) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
-def engine_class() -> Callable[..., Any]:
-    """The engine class workers build: vLLM's, or the stand-in BATCHINFER_STANDIN_ENGINE names."""
-    name = os.environ.get(STANDIN_ENV)
-    if not name:
-        from batchinfer.engine.vllm_engine import Engine
-
-        return Engine
-    import importlib
-
-    module, _, attr = name.partition(":")
-    return getattr(importlib.import_module(module), attr)
