@@ -39,7 +39,8 @@ from batchinfer.inputs.shards import plan_shards
 from batchinfer.models.locations import resolve_model
 from batchinfer.models.pooling import embedding_dim
 from batchinfer.models.tokens import model_dir
-from batchinfer.requests.prompts import apply_labels, check_fields, load_template
+from batchinfer.requests.prompts import apply_labels
+from batchinfer.requests.row_templates import check_row_templates
 from batchinfer.rundir.durable import atomic_write, write_json
 from batchinfer.rundir.locks import flock_works
 from batchinfer.rundir.schema import output_schema, pooling_schema, schema_summary, schema_to_text
@@ -175,13 +176,9 @@ def refuse_foreign_folder(path: Path) -> None:
     )
 
 
-def _pooling_schema(c: dict[str, Any], id_type: pa.DataType, input_type: Any, columns: list[str]) -> pa.Schema:
-    """A pooling task's output schema: the embedding size from the model (or task.dimensions);
-    score's two templates checked against the input's fields as prompt.template is."""
+def _pooling_schema(c: dict[str, Any], id_type: pa.DataType, input_type: Any) -> pa.Schema:
+    """A pooling task's output schema: the embedding size from the model (or task.dimensions)."""
     task = c["task"]
-    if task["name"] == "score":
-        for key in ("query", "document"):
-            check_fields(task[key], columns, c["input"]["path"])
     dim = None
     if task["name"] == "embed":
         dim = task["dimensions"] or embedding_dim(model_dir(c["model"]["path"], c["model"]["revision"]))
@@ -227,59 +224,17 @@ def _create(
     input_record: dict[str, Any],
     contents: dict[str, bytes],
 ) -> None:
-    check_writable(run.path)
-    try:
-        run.path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(
-            f"output.dir {run.path}: cannot create it ({e.strerror}); choose a writable output.dir"
-        ) from None
-    (run.path / PREPARING).touch()
+    _make_folder(run)
     files = _freeze_files(run, c, contents)
     c = _with_paths(c, {key: str(run.path.absolute() / rec["path"]) for key, rec in files.items()})
     inp = c["input"]
-    remove_path(run.input_dir, ignore_errors=True)  # a symlinked DIR/input: the link goes, never its target
-    log.info("reading %s (%s) into %s", inp["path"], inp["format"], run.input_dir)
-    # `datasets` file-locks its cache: where flock fails (Lustre noflock, NFS without a lock
-    # manager) its cache goes to a node-local temporary folder, removed after the conversion.
-    local_cache = not flock_works(run.path)
-    if local_cache:
-        log.warning(
-            "flock does not work in %s: converting the input with a cache in %s", run.path, tempfile.gettempdir()
-        )
-    rows = convert_input(
-        input_files(inp["path"], inp["split"]),
-        inp["format"],
-        run.input_dir,
-        inp["id_column"],
-        inp["columns"],
-        local_cache=local_cache,
-    )
+    rows = _convert(run, inp)
     ds = open_input(run.input_dir)
     if is_reference(run.input_dir):
         log.info("%s refers to the %s files in place (not copied)", run.input_dir, inp["format"])
-    if (c.get("task") or {}).get("name") != "score":  # score's texts are task.query and task.document
-        check_fields(load_template(to_config(c).prompt), ds.column_names, inp["path"])
+    check_row_templates(to_config(c), ds.column_names, inp["path"])
     check_sampling_column(inp.get("sampling_column"), ds.column_names, inp["path"])
-    arrow = ds.data.schema
-    id_type = arrow.field(inp["id_column"]).type if inp["id_column"] else pa.int64()
-    columns = inp["columns"] or []
-    input_type = pa.struct([(col, column_type(arrow, col, inp["path"])) for col in columns]) if columns else None
-    # OpenAI batch rows may ask for n > 1 each: keep a samples column for them.
-    with_samples = c["sampling"]["n"] > 1 or inp["format"] == "openai"
-    labels = c["prompt"]["labels"]
-    task = (c.get("task") or {}).get("name", "generate")
-    if task in POOLING_TASKS:
-        schema = _pooling_schema(c, id_type, input_type, ds.column_names)
-    else:
-        schema = output_schema(
-            id_type,
-            2 if with_samples else 1,
-            input_type,
-            reasoning=bool(c["model"]["reasoning_parser"]),
-            labels=bool(labels["names"]),
-            confidence=labels["confidence"],
-        )
+    schema = _run_schema(c, ds.data.schema)
     sh = c["sharding"]
     shards = plan_shards(rows, sh["num_shards"], sh["rows_per_shard"], DEFAULT_ROWS_PER_SHARD)
     write_json(
@@ -307,3 +262,58 @@ def _create(
     )
     (run.path / PREPARING).unlink()
     log.info("prepared %s: %d rows in %d shards", run.path, rows, len(shards))
+
+
+def _make_folder(run: RunDir) -> None:
+    """Create DIR, marked as being prepared (PREPARING) until run.yaml is written."""
+    check_writable(run.path)
+    try:
+        run.path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"output.dir {run.path}: cannot create it ({e.strerror}); choose a writable output.dir"
+        ) from None
+    (run.path / PREPARING).touch()
+
+
+def _convert(run: RunDir, inp: dict[str, Any]) -> int:
+    """Convert the input into DIR/input once; its row count."""
+    remove_path(run.input_dir, ignore_errors=True)  # a symlinked DIR/input: the link goes, never its target
+    log.info("reading %s (%s) into %s", inp["path"], inp["format"], run.input_dir)
+    # `datasets` file-locks its cache: where flock fails (Lustre noflock, NFS without a lock
+    # manager) its cache goes to a node-local temporary folder, removed after the conversion.
+    local_cache = not flock_works(run.path)
+    if local_cache:
+        log.warning(
+            "flock does not work in %s: converting the input with a cache in %s", run.path, tempfile.gettempdir()
+        )
+    return convert_input(
+        input_files(inp["path"], inp["split"]),
+        inp["format"],
+        run.input_dir,
+        inp["id_column"],
+        inp["columns"],
+        local_cache=local_cache,
+    )
+
+
+def _run_schema(c: dict[str, Any], arrow: pa.Schema) -> pa.Schema:
+    """The run's output schema, from the task and the converted input's schema (arrow)."""
+    inp = c["input"]
+    id_type = arrow.field(inp["id_column"]).type if inp["id_column"] else pa.int64()
+    columns = inp["columns"] or []
+    input_type = pa.struct([(col, column_type(arrow, col, inp["path"])) for col in columns]) if columns else None
+    task = (c.get("task") or {}).get("name", "generate")
+    if task in POOLING_TASKS:
+        return _pooling_schema(c, id_type, input_type)
+    # OpenAI batch rows may ask for n > 1 each: keep a samples column for them.
+    with_samples = c["sampling"]["n"] > 1 or inp["format"] == "openai"
+    labels = c["prompt"]["labels"]
+    return output_schema(
+        id_type,
+        2 if with_samples else 1,
+        input_type,
+        reasoning=bool(c["model"]["reasoning_parser"]),
+        labels=bool(labels["names"]),
+        confidence=labels["confidence"],
+    )
