@@ -142,5 +142,3 @@ def record_engine_start(seconds: float, model: object) -> None:
     }
     with open(path, "a") as f:  # one short O_APPEND write per line: concurrent starts do not interleave
         f.write(json.dumps(rec) + "\n")
-
-
