@@ -6,17 +6,19 @@
 #   PURGE=1  also delete all cluster state (job state, accounting DB, logs,
 #            munge key) so the next up.sh starts from nothing. Job ids then
 #            restart at 1: use fresh submitit folders afterwards.
+#   SLURM_DEV_NODES=N  stop the N-node cluster instead (same value as given to
+#            up.sh; default 1); the other one is left alone. Also removes the
+#            nodes' network namespaces and bridge.
 # No `set -e`: one daemon failing to stop must not leave the others running.
 set -uo pipefail
 ROOT=${SLURM_DEV_ROOT:-${TMPDIR:-/tmp}/batchinfer-slurm}
-C=$ROOT/cluster
-export SLURM_CONF=$C/etc/slurm.conf
 log() { echo "[down.sh $(date +%T)] $*"; }
-
-[ -d "$C" ] || { log "nothing to do: $C does not exist"; exit 0; }
-
 # shellcheck source=slurm/dev/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+dev_layout || exit 1   # C (and the network names if NODES > 1)
+export SLURM_CONF=$C/etc/slurm.conf
+
+[ -d "$C" ] || { log "nothing to do: $C does not exist"; exit 0; }
 # stop "PIDFILE COMM"... : SIGTERM all, wait up to 15 s, then SIGKILL leftovers
 stop() {
   local pids=() spec pf comm pid left
@@ -49,7 +51,15 @@ if alive "$C/run/slurmctld.pid" slurmctld; then
 fi
 
 # dependants first: slurmd/slurmctld need slurmdbd, which needs mariadb; all need munge
-stop "$C/run/slurmd.pid slurmd" "$C/run/slurmctld.pid slurmctld"
+slurmds=("$C/run/slurmd.pid slurmd")
+if [ "$NODES" -gt 1 ]; then
+  # shellcheck source=slurm/dev/nodes.sh
+  source "$(dirname "${BASH_SOURCE[0]}")/nodes.sh"
+  slurmds=()
+  for i in $(seq 1 "$NODES"); do slurmds+=("$(slurmd_pidfile "$i") slurmd"); done
+fi
+stop "${slurmds[@]}" "$C/run/slurmctld.pid slurmctld"
+if [ "$NODES" -gt 1 ]; then net_down; fi
 stop "$C/run/slurmdbd.pid slurmdbd"
 stop "$C/run/mysqld.pid mariadbd" "$C/run/munge/munged.pid munged"
 

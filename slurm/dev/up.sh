@@ -17,6 +17,13 @@
 # (SLURM_DEV_ROOT defaults to ${TMPDIR:-/tmp}/batchinfer-slurm).
 # Stop with slurm/dev/down.sh (PURGE=1 also wipes the state).
 #
+# Two nodes: SLURM_DEV_NODES=2 bash slurm/dev/up.sh brings up a separate
+# cluster (state in $SLURM_DEV_ROOT/cluster-2n, ports 6837-6840, its own
+# munged/slurmctld/slurmdbd/MariaDB) whose nodes node1 and node2 each run a
+# slurmd in their own network, UTS and mount namespace on a bridge
+# (10.213.2.11 and .12; see nodes.sh for why). It runs beside the one-node
+# cluster; SLURM_DEV_NODES=2 bash slurm/dev/down.sh stops it alone.
+#
 # Knobs (environment):
 #   WITH_DBD=1       (default) MariaDB + slurmdbd, so real `sacct` works.
 #                    submitit polls sacct; without it a job that dies without
@@ -37,6 +44,12 @@
 #                    well above MaxArraySize, as Slurm wants.
 #   CPUS=N           CPUs advertised for the node (default: nproc). May exceed
 #                    the real count (SlurmdParameters=config_overrides).
+#                    With SLURM_DEV_NODES >= 2: per node, default 1.
+#   NODE_MEM=MB      RealMemory of each node of a multi-node cluster (default
+#                    4096: a tiny vLLM engine). Not enforced (CR_Core).
+#   SLURM_DEV_NODES=N  nodes (default 1). SLURM_DEV_NET / SLURM_DEV_SUBNET
+#                    name the bridge/netns prefix (bisl<N>n) and the /24
+#                    (10.213.<N>) of a multi-node cluster.
 #   INSTALL=1        apt-get install missing packages (default 1; 0 = fail).
 #   DB_PORT=6820     MariaDB TCP port (127.0.0.1). Changing it on a running
 #                    cluster needs down.sh first (mariadbd is not restarted).
@@ -45,14 +58,31 @@ set -euo pipefail
 ROOT=${SLURM_DEV_ROOT:-${TMPDIR:-/tmp}/batchinfer-slurm}
 mkdir -p "$ROOT"
 ROOT=$(cd "$ROOT" && pwd)   # env.sh must work from any directory
-C=$ROOT/cluster
+# shellcheck source=slurm/dev/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+dev_layout || exit 1   # C, NODES, *_PORT (and the network names if NODES > 1)
 WITH_DBD=${WITH_DBD:-1}
 INSTALL=${INSTALL:-1}
-CPUS=${CPUS:-$(nproc)}
-DB_PORT=${DB_PORT:-6820}
 MAX_ARRAY_SIZE=${MAX_ARRAY_SIZE:-1001}
-# "localhost" everywhere: the container's hostname may not resolve to itself
-NODE=localhost
+if [ "$NODES" = 1 ]; then
+  CPUS=${CPUS:-$(nproc)}
+  # "localhost" everywhere: the container's hostname may not resolve to itself
+  NODE=localhost
+  CLUSTER=dev
+  CTLD_HOST=localhost
+  NODE_FILES=""
+else
+  CPUS=${CPUS:-1}
+  NODE_MEM=${NODE_MEM:-4096}
+  NODE="node[1-$NODES]"
+  CLUSTER=dev${NODES}n
+  # nodes reach the controller at the bridge's host address
+  CTLD_HOST="localhost($HOST_ADDR)"
+  # one spool dir, pidfile and log per node (%n: the node's name)
+  NODE_FILES=-%n
+  # shellcheck source=slurm/dev/nodes.sh
+  source "$(dirname "${BASH_SOURCE[0]}")/nodes.sh"
+fi
 export SLURM_CONF=$C/etc/slurm.conf
 MUNGE_SOCK=$C/run/munge/munge.socket.2
 
@@ -60,8 +90,6 @@ MUNGE_SOCK=$C/run/munge/munge.socket.2
 log() { echo "[up.sh $(date +%T)] $*"; }
 die() { echo "[up.sh] ERROR: $*" >&2; exit 1; }
 
-# shellcheck source=slurm/dev/lib.sh
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 # wait_for SECONDS CMD... -> retry CMD every 0.2 s until it succeeds
 wait_for() {
   local t=$1; shift
@@ -86,9 +114,10 @@ stop_daemon() {
 # started. Comparing against that snapshot (not against the file on disk,
 # which a person may have edited, or a failed earlier run rewritten) tells
 # whether the running daemon has the config this run asks for.
-# stale DAEMON CONF -> true if DAEMON is running with a different CONF
+# stale DAEMON CONF [COMM] -> true if DAEMON (pidfile $C/run/DAEMON.pid, a
+# process named COMM, default DAEMON) is running with a different CONF
 stale() {
-  alive "$C/run/$1.pid" "$1" && ! cmp -s "$2" "$C/run/$1.conf"
+  alive "$C/run/$1.pid" "${3:-$1}" && ! cmp -s "$2" "$C/run/$1.conf"
 }
 # start_daemon DAEMON CONF ARGS... -> snapshot CONF, then start DAEMON
 start_daemon() {
@@ -123,7 +152,8 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # ---------------------------------------------------------------- dirs
-mkdir -p "$C"/{etc,log,state/ctld,state/d,run/munge,munge}
+mkdir -p "$C"/{etc,log,state/ctld,run/munge,munge}
+if [ "$NODES" = 1 ]; then mkdir -p "$C/state/d"; fi
 chown munge:munge "$C/munge" "$C/run/munge"
 chmod 0700 "$C/munge"      # munged insists on a private key dir
 chmod 0755 "$C/run/munge"  # munged refuses a socket dir without o+x
@@ -136,13 +166,22 @@ if [ -s "$C/mode" ] && [ "$(cat "$C/mode")" != "WITH_DBD=$WITH_DBD" ] && alive "
 fi
 echo "WITH_DBD=$WITH_DBD" > "$C/mode"
 # leave 5 % of the memory slurmd sees for the daemons themselves
-MEM=$(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p')
-MEM=$(( MEM * 95 / 100 ))
+if [ "$NODES" = 1 ]; then
+  MEM=$(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p')
+  MEM=$(( MEM * 95 / 100 ))
+  NODE_LINES="NodeName=$NODE CPUs=$CPUS RealMemory=$MEM State=UNKNOWN"
+else
+  NODE_LINES=""
+  for i in $(seq 1 "$NODES"); do
+    NODE_LINES+="NodeName=$(node_name "$i") NodeAddr=$(node_addr "$i") NodeHostname=$(node_name "$i") CPUs=$CPUS RealMemory=$NODE_MEM State=UNKNOWN"$'\n'
+  done
+  NODE_LINES=${NODE_LINES%$'\n'}
+fi
 
 if [ "$WITH_DBD" = 1 ]; then
   ACCT="AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
-AccountingStoragePort=6819
+AccountingStoragePort=$DBD_PORT
 # the slurmdbd connection does NOT use AuthInfo=socket=; it needs this:
 AccountingStoragePass=$MUNGE_SOCK
 JobCompType=jobcomp/none"
@@ -153,8 +192,8 @@ fi
 
 cat > "$C/etc/slurm.conf.new" <<EOF
 # generated by slurm/dev/up.sh -- edits are overwritten
-ClusterName=dev
-SlurmctldHost=localhost
+ClusterName=$CLUSTER
+SlurmctldHost=$CTLD_HOST
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -162,14 +201,14 @@ CredType=cred/munge
 # cred_expire also sets how long a requeued job waits before it may restart
 # (default 120 s); only a slurmctld restart applies it
 AuthInfo=socket=$MUNGE_SOCK,cred_expire=10
-SlurmctldPort=6817
-SlurmdPort=6818
+SlurmctldPort=$CTLD_PORT
+SlurmdPort=$SLURMD_PORT
 StateSaveLocation=$C/state/ctld
-SlurmdSpoolDir=$C/state/d
+SlurmdSpoolDir=$C/state/d$NODE_FILES
 SlurmctldPidFile=$C/run/slurmctld.pid
-SlurmdPidFile=$C/run/slurmd.pid
+SlurmdPidFile=$C/run/slurmd$NODE_FILES.pid
 SlurmctldLogFile=$C/log/slurmctld.log
-SlurmdLogFile=$C/log/slurmd.log
+SlurmdLogFile=$C/log/slurmd$NODE_FILES.log
 MailProg=/bin/true
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -188,7 +227,7 @@ MaxJobCount=$MAX_JOB_COUNT
 MinJobAge=300
 KillWait=10
 InactiveLimit=0
-NodeName=$NODE CPUs=$CPUS RealMemory=$MEM State=UNKNOWN
+$NODE_LINES
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 mv "$C/etc/slurm.conf.new" "$C/etc/slurm.conf"
@@ -200,7 +239,7 @@ if [ "$WITH_DBD" = 1 ]; then
 AuthType=auth/munge
 AuthInfo=socket=$MUNGE_SOCK
 DbdHost=localhost
-DbdPort=6819
+DbdPort=$DBD_PORT
 SlurmUser=root
 StorageType=accounting_storage/mysql
 StorageHost=127.0.0.1
@@ -295,32 +334,55 @@ fi
 # new MaxArraySize, `scontrol show config` reports the new value but sbatch
 # still enforces the old one (seen on 22.05); cred_expire also needs a
 # restart. slurmd is restarted too so both daemons run the same file.
-if stale slurmctld "$SLURM_CONF" || stale slurmd "$SLURM_CONF"; then
-  stop_daemon "$C/run/slurmd.pid" slurmd
+# slurmds: run/<key>.pid and .conf per node ("slurmd" on the one-node cluster)
+if [ "$NODES" = 1 ]; then
+  SLURMDS=(slurmd)
+  NODE_NAMES=("$NODE")
+else
+  net_up
+  SLURMDS=(); NODE_NAMES=()
+  for i in $(seq 1 "$NODES"); do
+    SLURMDS+=("slurmd-$(node_name "$i")"); NODE_NAMES+=("$(node_name "$i")")
+  done
+fi
+restart=0
+if stale slurmctld "$SLURM_CONF"; then restart=1; fi
+for d in "${SLURMDS[@]}"; do if stale "$d" "$SLURM_CONF" slurmd; then restart=1; fi; done
+if [ $restart = 1 ]; then
+  for d in "${SLURMDS[@]}"; do stop_daemon "$C/run/$d.pid" slurmd; done
   stop_daemon "$C/run/slurmctld.pid" slurmctld
 fi
 if ! alive "$C/run/slurmctld.pid" slurmctld; then
   start_daemon slurmctld "$SLURM_CONF"
   wait_for 30 sh -c 'scontrol ping | grep -q UP' || { tail "$C/log/slurmctld.log"; die "slurmctld not answering"; }
 fi
-if ! alive "$C/run/slurmd.pid" slurmd; then
-  start_daemon slurmd "$SLURM_CONF" -N "$NODE"
-fi
+for i in "${!SLURMDS[@]}"; do
+  alive "$C/run/${SLURMDS[$i]}.pid" slurmd && continue
+  if [ "$NODES" = 1 ]; then
+    start_daemon slurmd "$SLURM_CONF" -N "$NODE"
+  else
+    log "starting slurmd of ${NODE_NAMES[$i]}"
+    cp "$SLURM_CONF" "$C/run/${SLURMDS[$i]}.conf"
+    start_node_slurmd $(( i + 1 ))
+  fi
+done
 
-# the node must become idle; resume it if an unclean stop left it down/drained
+# every node must become idle; resume it if an unclean stop left it down/drained
 end=$(( $(date +%s) + 60 ))
-while :; do
-  st=$(sinfo -h -n "$NODE" -o %T 2>/dev/null || true)
-  case "$st" in
-    idle|mixed|allocated) break ;;
-    down*|drain*|fail*) scontrol update nodename="$NODE" state=resume || true ;;
-  esac
-  [ "$(date +%s)" -lt "$end" ] || { sinfo; tail "$C/log/slurmd.log"; die "node not idle (state=$st)"; }
-  sleep 0.5
+for n in "${NODE_NAMES[@]}"; do
+  while :; do
+    st=$(sinfo -h -n "$n" -o %T 2>/dev/null || true)
+    case "$st" in
+      idle|mixed|allocated) break ;;
+      down*|drain*|fail*) scontrol update nodename="$n" state=resume || true ;;
+    esac
+    [ "$(date +%s)" -lt "$end" ] || { sinfo; tail "$C"/log/slurmd*.log; die "node $n not idle (state=$st)"; }
+    sleep 0.5
+  done
 done
 
 log "cluster up: node $NODE state=$st MaxArraySize=$MAX_ARRAY_SIZE WITH_DBD=$WITH_DBD"
-daemons=(munge/munged slurmctld slurmd)
+daemons=(munge/munged slurmctld "${SLURMDS[@]}")
 if [ "$WITH_DBD" = 1 ]; then daemons+=(mysqld slurmdbd); fi
 for f in "${daemons[@]}"; do
   printf '  %-14s pid %s\n' "$(basename "$f")" "$(cat "$C/run/$f.pid")"
