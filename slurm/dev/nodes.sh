@@ -41,6 +41,9 @@ net_up() {
     ip netns exec "$ns" ip link set eth0 up
     # vLLM and other job processes talk to themselves over 127.0.0.1
     ip netns exec "$ns" ip link set lo up
+    # as on a real node, a default route: tools that find their own address by
+    # routing towards the outside (vLLM's get_ip) see the bridge address, not none
+    ip netns exec "$ns" ip route replace default via "$HOST_ADDR"
   done
 }
 
