@@ -20,7 +20,7 @@ from batchinfer.config.engines import engine_devices, engine_envs, engines_per_t
 from batchinfer.config.schema import to_config
 from batchinfer.errors import ConfigError, EngineFailure
 from batchinfer.launch import engines, slurm
-from batchinfer.launch.local import solo_engine, task_engines
+from batchinfer.launch.local import solo_slot, task_engines
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.store import RunDir
 
@@ -79,8 +79,8 @@ def test_a_lone_engine_records_that_it_holds_the_whole_task(tmp_path: Path, monk
     """Fewer shards left than engines_per_task: the one engine says `of 1`, so report charges it
     every GPU of the task; with engines_per_task=1 shards carry no engine record, as before."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
-    assert solo_engine(cfg("cluster.engines_per_task=4", tmp=tmp_path)) == {"index": 0, "of": 1, "devices": "0,1,2,3"}
-    assert solo_engine(cfg(tmp=tmp_path)) is None
+    assert solo_slot(cfg("cluster.engines_per_task=4", tmp=tmp_path)) == {"index": 0, "of": 1, "devices": "0,1,2,3"}
+    assert solo_slot(cfg(tmp=tmp_path)) is None
 
 
 # A member stand-in speaking launch/protocol.py: takes shards one at a time, "working" on each for
@@ -315,8 +315,7 @@ def under_slurm(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """This process as Slurm task 77_0; the requeues it asks for are recorded, not sent."""
     requeues: list[str] = []
     monkeypatch.setattr(slurm, "this_job", lambda: "77_0")
-    monkeypatch.setattr(slurm, "requeue_self", lambda: requeues.append("requeue") or True)
-    monkeypatch.setattr(slurm, "requeue_this_job", lambda: requeues.append("requeue"))
+    monkeypatch.setattr(slurm, "requeue_task", lambda: requeues.append("requeue"))
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
     return requeues
 
@@ -327,13 +326,12 @@ def under_slurm(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 TASK = r"""
 import json, signal, sys
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
-from batchinfer.engine.worker import Stopped
+from batchinfer.errors import Stopped
 from batchinfer.launch import engines, slurm
 from batchinfer.rundir.store import RunDir
 requeues = []
 slurm.this_job = lambda: "77_0"
-slurm.requeue_self = lambda: requeues.append("requeue") or True
-slurm.requeue_this_job = lambda: requeues.append("requeue")
+slurm.requeue_task = lambda: requeues.append("requeue")
 engines.MEMBER = [sys.executable, sys.argv[2]]
 engines.os.sched_getaffinity = lambda pid: {0, 1}
 run = RunDir(sys.argv[1])
@@ -437,7 +435,7 @@ def test_a_lock_refused_because_slurm_did_not_answer_is_tried_again(
 
     from batchinfer.engine import worker
     from batchinfer.errors import RunDirError, TransientRunDirError
-    from batchinfer.launch import local
+    from batchinfer.launch import local, shardloop
 
     run = small_run(tmp_path, 1)
     refusals = ["the holder's job could not be checked just now"] * 2
@@ -450,7 +448,7 @@ def test_a_lock_refused_because_slurm_did_not_answer_is_tried_again(
             return super().__enter__()
 
     monkeypatch.setattr(worker, "ShardLock", FlakyLock)
-    monkeypatch.setattr(local, "LOCK_RETRY_WAITS", (0.0, 0.0, 0.0), raising=False)
+    monkeypatch.setattr(shardloop, "LOCK_RETRY_WAITS", (0.0, 0.0, 0.0))
     local.run_shards(run, [0], engine=keyed(FakeEngine(), run))
     assert run.is_done(0) and not refusals
     refusals[:] = ["it is held by pid 4242 on this host"]  # alive: not transient
