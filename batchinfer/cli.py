@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="model=smollm2-135m (default; SmolLM2-135M-Instruct) or model=all-minilm-l6-v2 (embeddings)",
     )
     p.add_argument("--out", help="target folder (default: $BATCHINFER_HOME/models/<the model's name>)")
+    p = sub.add_parser("tune", help="pilot sample through the engine over a settings grid; winner and forecast")
+    _add_overrides(p)
+    from batchinfer.tune.cmdline import add_options
+
+    add_options(p)
     p = sub.add_parser("merge", help="verify every shard is complete and write the output")
     p.add_argument("dir")
     return parser
@@ -138,7 +143,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     """`batchinfer validate`: exit 0 when every row would run, 1 with error rows, 2 when the run would stop."""
     import json
 
-    from batchinfer.insight.validate import format_report, validate
+    from batchinfer.insight.validate import validate
+    from batchinfer.insight.validate_report import format_report
 
     cfg = _compose(args)
     if args.cfg:
@@ -235,6 +241,14 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    """`batchinfer tune`."""
+    from batchinfer.tune.cmdline import run
+
+    cfg = _compose(args)
+    return _print_cfg(cfg) if args.cfg else run(args, cfg)
+
+
 COMMANDS = {
     "run": cmd_run,
     "submit": cmd_submit,
@@ -247,6 +261,7 @@ COMMANDS = {
     "worker": cmd_worker,
     "merge": cmd_merge,
     "prepare-model": cmd_prepare_model,
+    "tune": cmd_tune,
 }
 
 
@@ -284,7 +299,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides += extra
     setup_logging()
-    from batchinfer.engine.worker import Stopped
+    from batchinfer.errors import Stopped
 
     try:
         return COMMANDS[args.command](args)

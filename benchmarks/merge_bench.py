@@ -43,7 +43,8 @@ TEXTS = [
 
 def build(root: Path, rows: int, shard_rows: int, part_rows: int, fmt: str) -> Path:
     """A finished run directory (DONE.json naming no compacted file) of `rows` rows."""
-    from batchinfer.rundir.store import RunDir, write_json
+    from batchinfer.rundir.durable import write_json
+    from batchinfer.rundir.store import RunDir
 
     run, ids = prepared_run(root, rows, fmt, f"sharding.rows_per_shard={shard_rows}")
     run = RunDir(run.path)
@@ -84,7 +85,7 @@ def baseline(run_dir: Path, out: Path) -> None:
     run = RunDir(run_dir)
     writer = pq.ParquetWriter(out, run.schema, compression="zstd")
     for shard in run.shards():
-        for p in run.parts(shard.index):
+        for p in run.committed_files(shard.index):
             if p.suffix == ".jsonl":
                 opts = pj.ParseOptions(explicit_schema=run.schema)
                 t = pj.read_json(p, read_options=pj.ReadOptions(block_size=16 << 20), parse_options=opts)

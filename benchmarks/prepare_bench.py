@@ -66,7 +66,13 @@ print(json.dumps({{"rows": rows, "inner": inner, "imports": t1 - t0, "start_mb":
 BATCHINFER = f"""
 import json, sys, time
 t0 = time.perf_counter()
-import batchinfer.inputs.read as read
+import importlib
+def inputs_module(name):
+    try:  # inputs/read.py before issue 28; convert, datasets_reader, jsonl_stream after it
+        return importlib.import_module("batchinfer.inputs." + name)
+    except ImportError:
+        return None
+read, convert, datasets_reader, jsonl_stream = map(inputs_module, ["read", "convert", "datasets_reader", "jsonl_stream"])
 import batchinfer.rundir.prepare as prep
 from batchinfer.config.compose import compose
 import datasets
@@ -84,7 +90,8 @@ def timed(owner, name, label):
     setattr(owner, name, wrapper)
 for owner, name in [(prep, "file_fingerprint"), (prep, "convert_input"), (read, "scan_jsonl"),
                     (read, "_jsonl_to_arrow"), (read, "count_lines"), (read, "check_ids"),
-                    (datasets.Dataset, "from_json"), (datasets.Dataset, "save_to_disk")]:
+                    (datasets_reader, "scan_jsonl"), (convert, "jsonl_to_arrow"), (jsonl_stream, "count_lines"),
+                    (convert, "check_ids"), (datasets.Dataset, "from_json"), (datasets.Dataset, "save_to_disk")]:
     timed(owner, name, name)
 corpus, out, model = sys.argv[1:4]
 t1 = time.perf_counter()
@@ -94,7 +101,7 @@ run = prep.prepare(cfg)
 t2 = time.perf_counter()
 rows = json.loads((run.path / "plan.json").read_text())["rows"]
 result = {{"rows": rows, "inner": t2 - t1, "imports": t1 - t0, "start_mb": start_mb, "phases": phases}}
-print(json.dumps(dict(result, code=read.__file__)))
+print(json.dumps(dict(result, code=prep.__file__)))
 """
 
 

@@ -78,7 +78,7 @@ SHARD = f"""
 import json, sys, time
 from pathlib import Path
 t0 = time.perf_counter()
-from batchinfer.inputs.read import open_input
+from batchinfer.inputs.convert import open_input
 t1 = time.perf_counter()
 start_mb = {RSS}
 ds = open_input(Path(sys.argv[1]) / "input")

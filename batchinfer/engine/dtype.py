@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from batchinfer.rundir.store import create_once, read_json
+from batchinfer.rundir.durable import create_once, read_json
 from batchinfer.versions import installed_versions
 
 log = logging.getLogger("batchinfer")

@@ -8,7 +8,8 @@ from typing import Any, Optional
 
 from batchinfer.errors import InputError
 from batchinfer.inputs.openai_batch import request_row
-from batchinfer.inputs.reference import ReferencedInput, plan_reference
+from batchinfer.inputs.reference import plan_reference
+from batchinfer.inputs.referenced import ReferencedInput
 from batchinfer.inputs.textfiles import csv_header, json_object, open_text, text_lines
 
 PEEK_BATCH_BYTES = 1 << 20  # a sample needs a row or two of each row group it touches

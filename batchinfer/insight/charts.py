@@ -10,7 +10,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchinfer.rundir.stats import PHASES
-from batchinfer.rundir.store import RunDir, read_table
+from batchinfer.rundir.store import RunDir
+from batchinfer.rundir.tables import read_table
 
 log = logging.getLogger("batchinfer")
 LEGEND_MAX = 12  # shards named in a legend; more are drawn unnamed

@@ -9,15 +9,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from batchinfer import slurm_states
 from batchinfer.config.schema import POOLING_TASKS
 from batchinfer.insight.cost import engine_record
 from batchinfer.launch.jobs import shard_tasks
-from batchinfer.rundir.stats import with_rates
+from batchinfer.rundir.progress import Progress, budget_key
 from batchinfer.rundir.store import RunDir
-
-RUNNING = {"RUNNING", "COMPLETING", "CONFIGURING"}
-QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RESIZING"}
-
 
 # A failed task's log is read from its end in blocks until a line looks like an error, and no
 # further back than this: a vLLM task's stderr can be large, and many tasks can fail at once.
@@ -103,36 +100,36 @@ def shard_status(run: RunDir, states: dict[str, str]) -> list[dict[str, Any]]:
     for shard in run.shards():
         rec: dict[str, Any] = {"shard": shard.index, "rows": shard.rows, "rows_done": 0, "output_tokens": 0}
         done, raw = _progress(run, shard.index, names)
-        progress = with_rates(raw)
-        gen = progress.get("seconds", {}).get("generate", 0.0)
+        progress = Progress.from_dict(raw)
+        gen = progress.seconds.generate
+        rates = progress.rates()
         rec.update(
-            rows_done=progress.get("rows_done", 0),
-            output_tokens=progress.get("output_tokens", 0),
+            rows_done=progress.rows_done,
+            output_tokens=progress.output_tokens,
             generate_seconds=gen,
-            output_tokens_per_s=progress["output_tokens_per_s"],
-            total_tokens_per_s=progress["total_tokens_per_s"],
-            rows_per_s=round(progress.get("rows_done", 0) / gen, 3) if gen else None,
-            updated=progress.get("updated"),
-            attempts=progress.get("attempts", 0),
-            failures=progress.get("failures", 0),
-            engine=engine_record(progress.get("engine")),  # which of its task's engines; None: the only one
+            output_tokens_per_s=rates.output_tokens_per_s,
+            total_tokens_per_s=rates.total_tokens_per_s,
+            rows_per_s=round(progress.rows_done / gen, 3) if gen else None,
+            updated=progress.updated,
+            attempts=progress.attempts,
+            failures=progress.failures,
+            engine=engine_record(progress.engine),  # which of its task's engines; None: the only one
         )
         task = tasks.get(shard.index)
         # cluster.max_attempts counts per submission: the worker keys failures by Slurm job id
-        by_job = progress.get("failures_by_job")
-        if task and isinstance(by_job, dict):
-            rec["failures_this_submission"] = by_job.get(task["job"].split("_")[0], 0)
+        if task and progress.failures_by_job is not None:
+            rec["failures_this_submission"] = progress.failures_in(budget_key(task["job"]))
         # a one-task "array" is a plain job to submitit: Slurm knows it as 123, not 123_0
         job_state = (states.get(task["job"]) or states.get(task["job"].rsplit("_", 1)[0], "")) if task else ""
         rec["job"] = task["job"] if task else None
         rec["job_state"] = job_state or None
         if done:
             state = "done"
-        elif job_state in RUNNING:
+        elif job_state in slurm_states.RUNNING:
             state = "running"
-        elif job_state in QUEUED:
+        elif job_state in slurm_states.QUEUED or job_state in slurm_states.PAUSED:  # waits, as queued ones do
             state = "pending"
-        elif job_state and job_state not in ("COMPLETED",) or progress.get("last_error"):
+        elif job_state and job_state not in ("COMPLETED",) or progress.last_error:
             state = "failed"
         elif rec["rows_done"]:
             state = "partial"
@@ -146,7 +143,7 @@ def shard_status(run: RunDir, states: dict[str, str]) -> list[dict[str, Any]]:
                 if key not in log_lines:
                     log_lines[key] = last_error_line(Path(task["folder"]), task["job"])
                 log_line = log_lines[key]
-            rec["error"] = progress.get("last_error") or log_line
+            rec["error"] = progress.last_error or log_line
             rec["log"] = log_line
         out.append(rec)
     return out

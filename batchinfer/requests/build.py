@@ -177,7 +177,7 @@ _ROW_TYPES = {f.name: f.type for f in fields(SamplingConfig) if f.name != "struc
 def check_row_sampling(own: dict[str, Any], where: str) -> None:
     """RowError (kind sampling) naming the key where a row's own sampling value has the wrong type
     or is out of the range the config's value would be checked against."""
-    from batchinfer.config.schema import RANGES
+    from batchinfer.config.checks import RANGES
 
     for key, value in own.items():
         kind = str(_ROW_TYPES.get(key, ""))

@@ -116,7 +116,7 @@ def test_lock_refusal_from_a_second_process(tmp_path: Path) -> None:
     run = prepare(
         compose([f"input.path={corpus}", f"output.dir={tmp_path}/run", f"model.path={fake_model_dir(tmp_path)}"])
     )
-    with ShardLock(run.shard_dir(0)):
+    with ShardLock(run.shard_dir(0), mode=run.config.output.lock):
         res = run_cli(["worker", str(run.path), "0"])
     assert res.returncode == 2
     assert "00000: shard is being written by host" in res.stderr and "wait for it or cancel it" in res.stderr

@@ -94,9 +94,9 @@ def test_second_worker_refuses_and_a_dead_holders_lock_is_free(
     assert f"00000: shard is being written by host {socket.gethostname()} pid {proc.pid}" in res.stderr
     kill_group(proc)
     assert group_alive(proc.pid) == []
-    with ShardLock(RunDir(out).shard_dir(0)):  # the kernel dropped the dead holder's lock
+    with ShardLock(RunDir(out).shard_dir(0), mode="auto"):  # the kernel dropped the dead holder's lock
         with pytest.raises(RunDirError, match="being written by"):
-            with ShardLock(RunDir(out).shard_dir(0)):
+            with ShardLock(RunDir(out).shard_dir(0), mode="auto"):
                 pass
     run = run_local(compose([*base, f"output.dir={out}"]), engine=standin_workload.engine)
     assert_exactly_once(read_output(run.path), rows)

@@ -35,7 +35,9 @@ LAYERS = {
     "versions": 0,
     "mounts": 0,
     "slurm_env": 0,
+    "slurm_states": 0,
     "stopsignals": 0,
+    "hashing": 0,
     "models": 1,
     "config": 2,
     "inputs": 3,
@@ -44,6 +46,7 @@ LAYERS = {
     "engine": 6,
     "launch": 7,
     "insight": 8,
+    "tune": 8,
     "cli": 9,
 }
 VLLM_IMPORTER = "batchinfer.engine.vllm_engine"

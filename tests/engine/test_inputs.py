@@ -138,7 +138,7 @@ def test_carried_types_survive_resume_and_merge(tmp_path: Path, tiny_model_path:
     from batchinfer.config.compose import compose
     from batchinfer.launch.local import run_local, run_shards
     from batchinfer.rundir.prepare import prepare
-    from batchinfer.rundir.store import read_table
+    from batchinfer.rundir.tables import read_table
 
     texts = write_corpus(tmp_path / "words.jsonl", 24, seed=5)
     n = len(texts)
@@ -164,7 +164,7 @@ def test_carried_types_survive_resume_and_merge(tmp_path: Path, tiny_model_path:
     assert run.schema.field("id").type == pa.binary()
     run_shards(run, [0], engine)  # then stopped: shard 1 never started
     assert run.is_done(0) and not run.is_done(1)
-    first = read_table(run.parts(0)[0], run.schema)  # the committed JSONL part reads back typed
+    first = read_table(run.committed_files(0)[0], run.schema)  # the committed JSONL part reads back typed
     assert first.column("input").type == run.schema.field("input").type
     run = run_local(compose(ov), engine=engine)
 

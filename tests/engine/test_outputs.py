@@ -17,7 +17,7 @@ from batchinfer.config.compose import compose
 from batchinfer.config.schema import to_config, to_dict
 from batchinfer.errors import ConfigError, InputError
 from batchinfer.launch.local import run_local
-from batchinfer.rundir.store import read_json
+from batchinfer.rundir.durable import read_json
 
 pytestmark = pytest.mark.engine
 

@@ -17,8 +17,8 @@ from support.runs import run_overrides as overrides
 from batchinfer.config.compose import compose
 from batchinfer.errors import ConfigError
 from batchinfer.launch.local import run_local
+from batchinfer.rundir.durable import read_json
 from batchinfer.rundir.merge import merge
-from batchinfer.rundir.store import read_json
 
 pytestmark = pytest.mark.engine
 

@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from batchinfer.config.compose import compose
+from batchinfer.rundir.durable import write_json
 from batchinfer.rundir.locks import ShardLock
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.schema import error_row, rows_to_table
-from batchinfer.rundir.store import RunDir, write_json
+from batchinfer.rundir.store import RunDir
 from support.corpus import write_corpus
 from support.runs import fake_model_dir
 
@@ -67,5 +68,5 @@ def committed(tmp_path: Path, name: str, fmt: str, shards: int = SHARDS, rows: i
 def finish_all(run: RunDir) -> None:
     """Finish every shard as a worker does (the uninterrupted run)."""
     for shard in run.shards():
-        with ShardLock(run.shard_dir(shard.index), log=lambda m: None):
+        with ShardLock(run.shard_dir(shard.index), mode=run.config.output.lock, log=lambda m: None):
             run.finish_shard(shard.index, DONE)

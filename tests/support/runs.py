@@ -75,14 +75,15 @@ def resume_and_check(workload: Workload, out: Path, engine: Any = None) -> None:
 def committed_rows(out: Path) -> dict[int, Any]:
     """Every committed row of a run directory: its JSON line's bytes (JSONL parts) or its record,
     from the parts or, once a shard is finished, the compacted file DONE.json names."""
-    from batchinfer.rundir.store import RunDir, read_table
+    from batchinfer.rundir.store import RunDir
+    from batchinfer.rundir.tables import read_table
 
     run = RunDir(out)
     if not run.exists():
         return {}
     rows: dict[int, Any] = {}
     for shard in run.shards():
-        for p in run.parts(shard.index):
+        for p in run.committed_files(shard.index):
             if p.suffix == ".jsonl":
                 found = [(json.loads(line)["row"], line) for line in p.read_bytes().splitlines() if line.strip()]
             else:
@@ -138,11 +139,12 @@ def assert_engine_output_kept_apart(out: Path, stderr: str) -> None:
 
 def committed_parts_are_whole(out: Path) -> int:
     """Every visible part reads back in full; returns the committed row count."""
-    from batchinfer.rundir.store import RunDir, read_table
+    from batchinfer.rundir.store import RunDir
+    from batchinfer.rundir.tables import read_table
 
     run = RunDir(out)
     total = 0
     for shard in run.shards():
-        for p in run.parts(shard.index):
+        for p in run.committed_files(shard.index):
             total += read_table(p, run.schema).num_rows
     return total

@@ -85,7 +85,7 @@ def test_a_run_directory_from_before_keeps_vllms_auto(tmp_path: Path, monkeypatc
     _chooses(monkeypatch, "float32")
     run_shards(run, [0], engine=keyed(FakeEngine(), run))
     (run.path / "dtype.json").unlink()  # as an older version left it
-    assert run.parts(0)
+    assert run.committed_files(0)
     assert dtype.settle(run.path, "auto") == "auto"
     assert "before batchinfer resolved auto" in json.loads((run.path / "dtype.json").read_text())["why"]
 

@@ -20,8 +20,9 @@ from batchinfer.errors import ConfigError
 from batchinfer.insight.report import build_report, format_report
 from batchinfer.insight.status import format_status, shard_status, summarize
 from batchinfer.launch import slurm
+from batchinfer.rundir.durable import write_json
 from batchinfer.rundir.prepare import prepare
-from batchinfer.rundir.store import RunDir, write_json
+from batchinfer.rundir.store import RunDir
 
 
 def layout(gpus: int, engines: Any, tp: int = 1, cpus: Optional[int] = None) -> Config:

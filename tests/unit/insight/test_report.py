@@ -15,7 +15,8 @@ from support.runs import fake_model_dir
 from batchinfer.config.compose import compose
 from batchinfer.insight.cost import GPU_HOUR_PRICES, cost
 from batchinfer.insight.status import summarize
-from batchinfer.rundir.stats import SERIES_POINTS, add_point, with_rates
+from batchinfer.rundir.progress import SERIES_POINTS, Progress
+from batchinfer.rundir.stats import with_rates
 
 # ---------------------------------------------------------------- arithmetic, no engine
 
@@ -36,14 +37,14 @@ def test_cost_arithmetic_is_exact() -> None:
 
 
 def test_series_is_thinned_to_its_cap() -> None:
-    progress: dict[str, Any] = {"series": [], "rows_done": 0, "output_tokens": 0}
+    progress = Progress(shard=0)
     for i in range(3 * SERIES_POINTS):
-        progress.update(rows_done=i, output_tokens=10 * i)
-        add_point(progress)
-        assert len(progress["series"]) <= SERIES_POINTS
-    rows = [p["rows_done"] for p in progress["series"]]
+        progress.rows_done, progress.output_tokens = i, 10 * i
+        progress.add_point()
+        assert len(progress.series) <= SERIES_POINTS
+    rows = [p["rows_done"] for p in progress.series]
     assert rows[0] == 0 and rows[-1] == 3 * SERIES_POINTS - 1 and rows == sorted(rows)
-    assert len(json.dumps(progress["series"])) < 40_000  # progress.json stays small
+    assert len(json.dumps(progress.series)) < 40_000  # progress.json stays small
 
 
 def test_rates_and_eta_of_running_tasks() -> None:

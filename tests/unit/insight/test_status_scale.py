@@ -22,8 +22,9 @@ from batchinfer.cli import main
 from batchinfer.config.compose import compose
 from batchinfer.insight import status
 from batchinfer.launch import slurm
+from batchinfer.rundir.durable import write_json
 from batchinfer.rundir.prepare import prepare
-from batchinfer.rundir.store import RunDir, write_json
+from batchinfer.rundir.store import RunDir
 
 # Arrays 100 (shards 0-2) and 101 (shards 3-5), a one-task array submitted as the plain job 103
 # (shard 6, recorded as task 103_0), the merge job 102.

@@ -16,8 +16,8 @@ from support.fake_engine import FakeEngine, fake_overrides, keyed
 
 from batchinfer.config.compose import compose
 from batchinfer.config.schema import Config, to_config, to_dict
-from batchinfer.inputs.read import open_input
-from batchinfer.insight.validate import check_rows
+from batchinfer.inputs.convert import open_input
+from batchinfer.insight.row_check import check_rows
 from batchinfer.launch.local import run_shards
 from batchinfer.requests.build import build_request
 from batchinfer.requests.prompts import PromptBuilder, RowError, apply_labels
