@@ -95,6 +95,9 @@ def validate(cfg: DictConfig) -> None:
     from batchinfer.config.engines import check_engines_value
 
     check_engines_value(cfg.cluster.engines_per_task)
+    from batchinfer.config.nodes import check_nodes
+
+    check_nodes(cfg)
     if cfg.sampling.seed_per_row and cfg.sampling.seed is None:
         raise ConfigError("sampling.seed_per_row=true needs sampling.seed (the base the row seeds derive from)")
     from batchinfer.security import check_config_secrets, private_mode

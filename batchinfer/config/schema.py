@@ -172,6 +172,8 @@ class ClusterConfig:
     # Engines (worker processes) per array task, each on its own GPUs (or cores): an int, or
     # "auto" = the task's GPUs / (tensor x pipeline parallel size). See config/engines.py.
     engines_per_task: Any = 1
+    # Nodes one engine spans (config/nodes.py): the first runs the worker, the others engine ranks only.
+    nodes_per_task: int = 1
     signal_lead_s: int = 120
     max_attempts: int = 3
     # The merge job (no GPU): minutes, memory (None: the partition's default) and CPUs. Merge streams

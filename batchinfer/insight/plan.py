@@ -220,6 +220,10 @@ def engines_section(c: Config, inp: Optional[dict[str, Any]]) -> dict[str, Any]:
         n = check_gpus(c)
     except ConfigError as e:
         return dict(out, problem=str(e))
+    if cl.nodes_per_task > 1:
+        from batchinfer.config.nodes import describe_nodes
+
+        out["nodes"] = describe_nodes(c)
     return dict(
         out,
         engines_per_task=n,

@@ -191,6 +191,8 @@ def _engines_lines(e: Any) -> list[str]:
         return []
     if e["problem"]:
         return [f"warning  {e['problem']}"]
+    if e.get("nodes"):
+        return [f"nodes    {e['nodes']}"]
     n, have, each = e["engines_per_task"], e["gpus_per_task"], e["gpus_per_engine"]
     setting = f"cluster.engines_per_task={e['setting']}"
     if n == 1:

@@ -61,8 +61,12 @@ def split_tasks(tasks: list[Any], limit: int) -> list[list[Any]]:
 def check_gpus(cfg: Config) -> int:
     """gpus_per_task must cover tensor x pipeline parallelism (0: a CPU partition) times
     cluster.engines_per_task; on a CPU partition each engine needs a core of cluster.cpus_per_task.
-    Returns the engines per task."""
+    Returns the engines per task. With cluster.nodes_per_task > 1, TP x PP spans the nodes instead."""
     from batchinfer.config.engines import engines_per_task
+    from batchinfer.config.nodes import check_nodes
+
+    if check_nodes(cfg) > 1:
+        return 1
 
     need = cfg.model.tensor_parallel_size * cfg.model.pipeline_parallel_size
     have = cfg.cluster.gpus_per_task
@@ -145,6 +149,10 @@ def array_parameters(cluster: ClusterConfig, n_tasks: int) -> dict[str, Any]:
             params[key] = getattr(cluster, key)
     if cluster.gpus_per_task:
         params["gpus_per_task"] = cluster.gpus_per_task
+    if cluster.nodes_per_task > 1:
+        # One task per node; submitit's own step runs the worker on the first node alone, and the
+        # worker starts the other nodes' engine ranks as a step of its own (launch/ranks.py).
+        params.update(nodes=cluster.nodes_per_task, ntasks_per_node=1, srun_args=["--nodes=1", "--ntasks=1"])
     return params
 
 

@@ -16,6 +16,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from batchinfer import security, slurm_env, slurm_states
+from batchinfer.config.nodes import describe_nodes
 from batchinfer.config.schema import to_config
 from batchinfer.errors import ConfigError, RunDirError, SlurmUnavailable, SubmissionRefused
 from batchinfer.launch import slurm
@@ -70,7 +71,10 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False, heal: 
     name = job_name(run, number)
     if dry_run:
         print(f"job name: {name}")
-        print(f"engines per task: {_engines_line(c, engines)}")
+        if cluster.nodes_per_task > 1:
+            print(f"nodes per task: {describe_nodes(c)}")
+        else:
+            print(f"engines per task: {_engines_line(c, engines)}")
         for n, chunk in enumerate(chunks):
             print(f"array {n}: {len(chunk)} tasks, sbatch parameters {slurm.array_parameters(cluster, len(chunk))}")
             for i, shards in enumerate(chunk):
