@@ -9,6 +9,7 @@ and answers one JSON line; `stop` (or end of input) closes the engine. A failure
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.tune.halving import Rung
+
+log = logging.getLogger("batchinfer")
 
 # Keys the trial sets for every rung itself: the user's values for them would clash.
 TRIAL_KEYS = (
@@ -73,12 +76,12 @@ class PeakMemory:
 
 def measure(run: Any, index: int, peak: Optional[float]) -> Rung:
     """A finished rung's figures from its DONE.json and committed rows."""
+    from batchinfer.rundir.durable import read_json
     from batchinfer.rundir.stats import with_rates
-    from batchinfer.rundir.store import read_json
 
-    done = with_rates(read_json(run.done_path(0)))
+    done = with_rates(read_json(run.shard_folder(0).done_path))
     names = [n for n in ("output_tokens", "finish_reason") if n in run.schema.names]
-    rows = run.read_shard(0, columns=names).to_pydict() if names else {}
+    rows = run.shard_folder(0).read_rows(columns=names).to_pydict() if names else {}
     lengths = [int(n or 0) for n in rows.get("output_tokens", [])]
     return Rung(
         rung=index,
@@ -95,14 +98,14 @@ def measure(run: Any, index: int, peak: Optional[float]) -> Rung:
 
 def build_engine(overrides: list[str], config_dir: Optional[str], rung_input: str, out: str) -> Any:
     """The setting's engine, built from its config as a run resolves it (model presets to folders)."""
-    from batchinfer import faults
     from batchinfer.config.compose import compose
     from batchinfer.config.schema import to_config
+    from batchinfer.engine.factory import engine_class
     from batchinfer.rundir.prepare import resolve_input
 
     cfg = compose(rung_overrides(overrides, rung_input, out), config_dir=config_dir)
     resolved, _ = resolve_input(cfg)
-    return faults.engine_class()(to_config(resolved))
+    return engine_class()(to_config(resolved))
 
 
 def run_rung(spec: dict[str, Any], engine: Any, index: int) -> Rung:
@@ -119,7 +122,9 @@ def run_rung(spec: dict[str, Any], engine: Any, index: int) -> Rung:
 
 def _reason(e: BaseException) -> str:
     """The first line that says what went wrong (vLLM's refusals are long)."""
-    text = str(e).strip().splitlines()
+    text = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if len(text) > 1 and "validation error" in text[0]:  # pydantic: the reason is on the next line
+        text = [f"{text[0]}: {text[1].split(' [type=')[0]}"]
     return f"{type(e).__name__}: {text[0] if text else ''}"[:400]
 
 
@@ -131,9 +136,9 @@ def serve(spec: dict[str, Any], answer: Any, lines: Any) -> None:
         engine = build_engine(
             spec["overrides"], spec["config_dir"], spec["rungs"][0], str(Path(spec["out"]) / "rung-0")
         )
-        answer(
-            {"event": "ready", "startup_seconds": round(getattr(engine, "startup_seconds", time.monotonic() - t0), 2)}
-        )
+        startup = round(getattr(engine, "startup_seconds", time.monotonic() - t0), 2)
+        log.info("tune trial: engine ready in %.1f s", startup)
+        answer({"event": "ready", "startup_seconds": startup})
         for line in lines:
             word, _, arg = line.strip().partition(" ")
             if word != "go":
