@@ -130,6 +130,17 @@ def layout(c: Any, rows: int) -> Layout:
     )
 
 
+def prompt_tokens(prompts: Prompts, winner: Outcome) -> dict[str, float]:
+    """The corpus's prompt tokens: every row counted as plan counts them, or (past EXACT_ROWS rows,
+    where lengths are characters) the pilot's engine-counted tokens per row times the rows."""
+    if prompts.unit == "tokens":
+        total = float(sum(prompts.lengths))
+    else:
+        rows = sum(r.rows for r in winner.rungs)
+        total = sum(r.prompt_tokens for r in winner.rungs) / rows * len(prompts.keys) if rows else 0.0
+    return {"value": round(total), "low": round(total), "high": round(total)}
+
+
 def tune(cfg: DictConfig, opts: Options) -> dict[str, Any]:
     """Run the whole tune and write its folder; the result as tune.json holds it."""
     from batchinfer.insight.cost import hourly_price
@@ -188,7 +199,10 @@ def finish(
         generates = c.task.name not in POOLING_TASKS
         rate = winner.output_tokens_per_s if generates else winner.rows_per_s
         measured = Measured(lengths or [0], rate or 0.0, winner.startup_seconds, generates)
-        fc = as_json(forecast(shape, measured, price[0], opts.seed))
+        fc = {
+            "prompt_tokens": prompt_tokens(prompts, winner),
+            **as_json(forecast(shape, measured, price[0], opts.seed)),
+        }
     pilot_lengths = [prompts.lengths[i] for i in pilot]
     result = {
         "version": TUNE_VERSION,
@@ -256,6 +270,7 @@ def format_result(r: dict[str, Any]) -> str:
     f = r["forecast"]
     if f:
         lines.append(f"forecast for {s['rows']:,} rows (95% bootstrap interval over the pilot's rows):")
+        lines.append(_fig("prompt tokens", f["prompt_tokens"]))
         lines.append(_fig("output tokens", f["output_tokens"]))
         lines.append(_fig("generate hours", f["generate_seconds"], " h", 1 / 3600))
         lines.append(_fig("engine starts", f["engine_starts"]))

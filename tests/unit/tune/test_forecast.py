@@ -46,3 +46,16 @@ def test_pooling_task_forecasts_rows_per_second() -> None:
 def test_output_distribution() -> None:
     d = output_distribution([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], at_max=3)
     assert d == {"rows": 10, "mean": 5.5, "p50": 6.0, "p90": 10.0, "share_at_max_tokens": 0.3}
+
+
+def test_prompt_tokens_counted_or_scaled_from_the_pilot() -> None:
+    from batchinfer.tune.command import prompt_tokens
+    from batchinfer.tune.halving import Outcome, Rung
+    from batchinfer.tune.sample import Prompts
+    from batchinfer.tune.settings import Setting
+
+    winner = Outcome(Setting(), 1.0, [Rung(0, 10, 300, 50, 1.0), Rung(1, 20, 600, 100, 1.0)])
+    counted = Prompts(["a", "b", "c"], [5, 7, 9], "tokens")
+    assert prompt_tokens(counted, winner) == {"value": 21, "low": 21, "high": 21}  # every row, as plan counts
+    proxy = Prompts(["a"] * 1000, [40] * 1000, "characters")
+    assert prompt_tokens(proxy, winner)["value"] == 30 * 1000  # 900 tokens over 30 pilot rows, x 1000 rows
