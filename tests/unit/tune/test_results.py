@@ -35,6 +35,7 @@ def test_winning_overrides_round_trip_into_run_with_the_same_fingerprint(tmp_pat
     first = prepare(default)
     again = prepare(tuned)  # reopens the same run directory: no output-changing key differs
     assert again.path == first.path and again.run["fingerprint"] == first.run["fingerprint"]
+    assert first.run["fingerprint"] == config_fingerprint(default)[1]  # what tune.json records is run.yaml's
     assert again.run["config"]["model"]["max_num_seqs"] == 8
     # the command line still wins over the group, as Hydra orders them
     assert (
