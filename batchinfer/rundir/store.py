@@ -14,7 +14,7 @@ from batchinfer.errors import RunDirError
 from batchinfer.inputs.shards import Shard
 from batchinfer.rundir.durable import atomic_write, read_json
 from batchinfer.rundir.schema import schema_from_text
-from batchinfer.rundir.shard_folder import UNREAD, ShardFolder
+from batchinfer.rundir.shard_folder import ShardFolder
 from batchinfer.security import redact_config
 
 OUTPUT_EXT = {"jsonl": "jsonl", "openai": "jsonl", "parquet": "parquet", "hf": "parquet"}
@@ -119,45 +119,3 @@ class RunDir:
             if s.index == index:
                 return s
         raise RunDirError(f"{self.plan_json}: no shard {index}")
-
-    def done_path(self, index: int) -> Path:
-        return self.shard_folder(index).done_path
-
-    def progress_path(self, index: int) -> Path:
-        return self.shard_folder(index).progress_path
-
-    def is_done(self, index: int) -> bool:
-        return self.shard_folder(index).is_done()
-
-    def done_record(self, index: int) -> Any:
-        return self.shard_folder(index).done_record()
-
-    def compacted(self, index: int, done: Any = UNREAD) -> Any:
-        return self.shard_folder(index).compacted(done)
-
-    def finish_shard(self, index: int, done: dict[str, Any]) -> dict[str, Any]:
-        return self.shard_folder(index).finish(done)
-
-    def part_files(self, index: int) -> list[Path]:
-        return self.shard_folder(index).part_files()
-
-    def committed_files(self, index: int, done: Any = UNREAD) -> list[Path]:
-        return self.shard_folder(index).committed_files(done)
-
-    def read_shard(self, index: int, columns: Optional[list[str]] = None) -> pa.Table:
-        return self.shard_folder(index).read_rows(columns)
-
-    def write_part(self, index: int, table: pa.Table) -> Path:
-        return self.shard_folder(index).write_part(table)
-
-    def remove_temporaries_and_leftovers(self, index: int, done: Any = UNREAD) -> int:
-        return self.shard_folder(index).remove_temporaries_and_leftovers(done)
-
-    def remove_temporaries(self, index: int) -> int:
-        return self.shard_folder(index).remove_temporaries()
-
-    def remove_compaction_leftovers(self, index: int, done: Any) -> int:
-        return self.shard_folder(index).remove_compaction_leftovers(done)
-
-    def check_compacted(self, index: int, path: Path) -> None:
-        return self.shard_folder(index).check_compacted(path)
