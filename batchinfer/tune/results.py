@@ -75,7 +75,7 @@ def plot(records: list[dict[str, Any]], winner: Optional[str], path: Path) -> bo
             ax.text(0, y, "  failed: " + r["failure"][:60], va="center", fontsize="small")
     ax.invert_yaxis()
     ax.set(xlabel="output tokens/s (steady)" if tokens else "rows/s (steady)")
-    ax.set_title("batchinfer tune: steady rate per setting (green: winner, red: failed)")
+    ax.set_title("Steady rate per setting (green: winner, red: failed)", fontsize="medium")
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
