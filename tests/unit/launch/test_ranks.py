@@ -1,0 +1,88 @@
+"""The head of an engine over several nodes (launch/ranks.py) without a cluster: the port taken
+from the job id and checked free, the arguments each node's engine gets, and a refused layout."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from support.fake_engine import prepared
+
+from batchinfer.config.nodes import NodeGroup, node_kwargs
+from batchinfer.errors import ConfigError
+from batchinfer.launch import ranks
+
+
+def test_the_port_comes_from_the_job_id_and_a_taken_one_is_passed_over() -> None:
+    first = ranks.PORT_BASE + 4321 % 1000
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", first))
+        taken.listen()
+        assert ranks.free_port("127.0.0.1", 4321) == first + 1
+    assert ranks.free_port("127.0.0.1", 4321) == first  # free again
+    assert ranks.free_port("127.0.0.1", 4322) == first + 1  # another task's job id: another port
+
+
+def test_each_node_gets_its_rank_and_the_head_address() -> None:
+    group = NodeGroup(nnodes=2, master_addr="10.0.0.1", master_port=29510)
+    assert node_kwargs(group) == {
+        "nnodes": 2,
+        "node_rank": 0,
+        "master_addr": "10.0.0.1",
+        "master_port": 29510,
+        "distributed_executor_backend": "mp",
+    }
+    assert node_kwargs(group, 1)["node_rank"] == 1
+    assert node_kwargs(None) == {} and node_kwargs(NodeGroup(1, "x", 1)) == {}
+
+
+def test_the_rank_step_runs_on_the_other_nodes_only(tmp_path: Path, monkeypatch) -> None:
+    run = prepared(
+        tmp_path,
+        4,
+        "cluster=slurm",
+        "cluster.gpus_per_task=0",
+        "cluster.nodes_per_task=3",
+        "model.tensor_parallel_size=3",
+    )
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setattr(socket, "gethostbyname", lambda node: "127.0.0.1")
+    step = ranks.RankStep(run, ["n1", "n2", "n3"], "n2")
+    assert step.others == ["n1", "n3"]
+    assert step.group == NodeGroup(nnodes=3, master_addr="127.0.0.1", master_port=ranks.PORT_BASE + 77)
+    assert step.cmd[:7] == [
+        "srun",
+        "--nodes=2",
+        "--ntasks=2",
+        "--ntasks-per-node=1",
+        "--nodelist=n1,n3",
+        "--kill-on-bad-exit=1",
+        "--unbuffered",
+    ]
+    # DIR, the head's address and port, the nodes, and the dtype settled for the run (DIR/dtype.json)
+    assert step.cmd[-5:-1] == [str(run.path), "127.0.0.1", str(ranks.PORT_BASE + 77), "3"]
+    assert step.cmd[-1] == json.loads((run.path / "dtype.json").read_text())["dtype"]
+
+
+def test_a_job_without_the_nodes_it_asks_for_is_refused(tmp_path: Path, monkeypatch) -> None:
+    run = prepared(
+        tmp_path,
+        4,
+        "cluster=slurm",
+        "cluster.gpus_per_task=0",
+        "cluster.nodes_per_task=2",
+        "model.tensor_parallel_size=2",
+    )
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    monkeypatch.delenv("SLURM_NODELIST", raising=False)
+    with pytest.raises(ConfigError, match="runs only as a Slurm job"):
+        with ranks.other_ranks(run):
+            pass
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n1")
+    monkeypatch.setenv("SLURMD_NODENAME", "n1")
+    monkeypatch.setattr(ranks, "allocation_nodes", lambda: ["n1"])
+    with pytest.raises(ConfigError, match=r"cluster.nodes_per_task=2, but this job has 1 node\(s\) \(n1\)"):
+        with ranks.other_ranks(run):
+            pass
