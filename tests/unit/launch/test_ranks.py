@@ -86,3 +86,51 @@ def test_a_job_without_the_nodes_it_asks_for_is_refused(tmp_path: Path, monkeypa
     with pytest.raises(ConfigError, match=r"cluster.nodes_per_task=2, but this job has 1 node\(s\) \(n1\)"):
         with ranks.other_ranks(run):
             pass
+
+
+def rank_step(tmp_path: Path, monkeypatch, cmd: list[str]) -> ranks.RankStep:
+    """A RankStep whose `srun` is cmd (no cluster): what it does when that process ends is the point."""
+    run = prepared(
+        tmp_path,
+        4,
+        "cluster=slurm",
+        "cluster.gpus_per_task=0",
+        "cluster.nodes_per_task=2",
+        "model.tensor_parallel_size=2",
+    )
+    monkeypatch.setattr(socket, "gethostbyname", lambda node: "127.0.0.1")
+    monkeypatch.setattr(ranks, "RANK_EXIT_GRACE_S", 0.1)
+    step = ranks.RankStep(run, ["n1", "n2"], "n1")
+    step.cmd = cmd
+    return step
+
+
+def test_a_rank_step_that_ends_by_itself_kills_the_engine_here(tmp_path: Path, monkeypatch) -> None:
+    import subprocess
+
+    engine = subprocess.Popen(["sleep", "600"])  # stands for this node's engine processes
+    step = rank_step(tmp_path, monkeypatch, ["sh", "-c", "exit 3"])
+    try:
+        step.start()
+        step._watcher.join(30)
+        assert step.died == "the engine ranks on n2 exited (srun exit status 3)"
+        assert engine.wait(30) == -9  # killed, so the engine fails on the head and the failure is counted
+    finally:
+        engine.kill()
+        step.stop()
+
+
+def test_stopping_the_rank_step_is_no_failure(tmp_path: Path, monkeypatch) -> None:
+    import subprocess
+
+    engine = subprocess.Popen(["sleep", "600"])
+    step = rank_step(tmp_path, monkeypatch, ["sleep", "600"])
+    try:
+        step.start()
+        step.stop()  # TERM to srun, which passes it to every rank
+        assert step.proc is not None and step.proc.returncode == -15
+        step._watcher.join(30)
+        assert step.died is None and engine.poll() is None  # the engine here is left alone
+    finally:
+        engine.kill()
+        engine.wait()
