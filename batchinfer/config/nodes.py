@@ -44,6 +44,14 @@ def check_nodes(cfg: Any) -> int:
             f"{cl.engines_per_task} (several engines in a task) cannot be combined with it: set "
             "cluster.engines_per_task=1, or cluster.nodes_per_task=1"
         )
+    if "VLLM_HOST_IP" in (cl.env or {}):
+        # cluster.env reaches every node alike, and each node must announce its own address
+        raise ConfigError(
+            f"cluster.env.VLLM_HOST_IP with cluster.nodes_per_task={nodes} would give every node the same "
+            "address; unset it and choose the network by interface instead, the same name on every node: "
+            "cluster.env.GLOO_SOCKET_IFNAME=<ifname> (CPU, and vLLM's own messages) and "
+            "cluster.env.NCCL_SOCKET_IFNAME=<ifname> (GPUs)"
+        )
     tp, pp = int(cfg.model.tensor_parallel_size), int(cfg.model.pipeline_parallel_size)
     per = ranks_per_node(cfg)
     where = f"cluster.gpus_per_task={per} GPUs" if cl.gpus_per_task else "1 rank (CPU: cluster.gpus_per_task=0)"

@@ -92,3 +92,15 @@ def test_plan_says_the_nodes_or_what_submit_would_refuse() -> None:
     ]
     bad = engines_section(layout(2, 8, 1, gpus=8), None)
     assert _engines_lines(bad)[0].startswith("warning  model.tensor_parallel_size=8 x model.pipeline_parallel_size=1")
+
+
+def test_one_host_address_for_every_node_is_refused() -> None:
+    cfg = layout(2, 2)
+    cfg.cluster.env = {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "ib0"}
+    assert check_nodes(cfg) == 2  # interface names are the same on every node: passed through
+    cfg.cluster.env["VLLM_HOST_IP"] = "10.0.0.1"
+    with pytest.raises(ConfigError, match=r"cluster.env.VLLM_HOST_IP with cluster.nodes_per_task=2 would give"):
+        check_nodes(cfg)
+    one = layout(1, 1)
+    one.cluster.env = {"VLLM_HOST_IP": "10.0.0.1"}
+    assert check_nodes(one) == 1  # one node: VLLM_HOST_IP is the user's to set
