@@ -30,6 +30,9 @@ from batchinfer.launch.local import run_local
 pytestmark = [pytest.mark.slurm]
 
 SHARDS = ["sharding.num_shards=3", "sampling.max_tokens=6"]
+# The first run of a task waits this long after its first committed part (none after a requeue):
+# a rank killed meanwhile surely dies mid-run. A stop signal ends the wait.
+RANK_HOLD = "+cluster.env.BATCHINFER_HOLD=60"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,14 +79,17 @@ def task_logs(run_dir: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").rglob("*")) if p.is_file())
 
 
-@pytest.mark.timeout(900)
-def test_an_engine_over_two_nodes_runs_each_row_once_and_usr2_requeues_it_once(
+@pytest.mark.timeout(1200)
+def test_an_engine_over_two_nodes_runs_each_row_once_through_a_dead_rank_and_usr2(
     cluster: TwoNodeCluster, tmp_path: Path, tiny_model_path: Path, engine: Any
 ) -> None:
+    """Three runs of one task, one engine start each: node2's rank killed (the engine fails on the
+    head: failure counted, requeued), USR2 during the next run's engine start (requeued once more),
+    then the end. Several proofs in one test: each real engine start costs ~45 s here."""
     corpus = tmp_path / "c.jsonl"
     rows = write_corpus(corpus, 60, seed=30)
-    # HOLD: the task waits after its first committed part until a stop signal (not after a requeue)
-    ov = two_node_overrides(tmp_path, corpus, tiny_model_path, "output.commit_every_rows=8", HOLD)
+    # the first run waits up to 60 s after its first committed part (the later runs do not)
+    ov = two_node_overrides(tmp_path, corpus, tiny_model_path, "output.commit_every_rows=8", RANK_HOLD)
     run_dir, job = submit(cluster, tmp_path, ov, cluster.env)
     wait_until(lambda: list(run_dir.glob("shards/*/part-*")), 600, "a committed part")
     # While the task holds: its processes run on both nodes (the engine's rank 1 on node2).
@@ -91,6 +97,14 @@ def test_an_engine_over_two_nodes_runs_each_row_once_and_usr2_requeues_it_once(
     assert set(running) == set(NODES), running
     before = committed_rows(run_dir)
     assert 0 < len(before) < len(rows)
+    # node2 fails: every process of the task there dies (the rank's main process and vLLM's
+    # worker it started: killing the main process alone leaves the worker computing)
+    assert any(_is_rank(p.split()[0], job) for p in running["node2"]), running
+    on_node2 = [int(p.split()[0]) for p in running["node2"] if not p.endswith(" slurmstepd")]
+    for pid in on_node2:
+        os.kill(pid, signal.SIGKILL)
+    log = run_dir / "logs" / "submission-000" / f"{job}_0_log.err"
+    wait_until(lambda: log.read_text().count("starting vLLM engine") == 2, 600, "the second run's engine start")
     res = cluster.run("scancel", "--signal=USR2", job, timeout=30)
     assert res.returncode == 0, res.stderr
     merge = first_submission(run_dir)["merge"]
@@ -103,16 +117,20 @@ def test_an_engine_over_two_nodes_runs_each_row_once_and_usr2_requeues_it_once(
     clean = run_local(compose([*local, "cluster=local", f"output.dir={tmp_path / 'clean'}"]), engine=engine)
     assert project(out) == project(read_output(clean.path))
     after = committed_rows(run_dir)
-    assert {r: after[r] for r in before} == before  # committed before the signal: unchanged
+    assert {r: after[r] for r in before} == before  # committed before the faults: unchanged
     logs = task_logs(run_dir)
-    # requeued once, by the head; both runs spanned both nodes and stopped node2's ranks themselves
-    assert len(re.findall(rf"requeued {job}(_0)?\b", logs)) == 1, logs[-3000:]
-    assert logs.count("engine ranks of node 1 of 2, meeting the head at") == 2
-    # the last run stopped node2's ranks itself (the requeue's kill may beat the first run to it)
+    # the dead rank failed the engine on the head, which counted it and requeued the task
+    assert logs.count("the engine ranks on node2 exited (srun exit status") == 1, logs[-3000:]
+    assert re.search(r"shard \d+ failed \(.*?\), attempt 1 of 3: requeueing", logs, re.S), logs[-3000:]
+    # then USR2: committed, requeued once more (two requeues in all, by the head each time)
+    assert "received SIGUSR2: committing and stopping" in logs
+    assert len(re.findall(rf"requeued {job}(_0)?\b", logs)) == 2, logs[-3000:]
+    # every run spanned both nodes; the last stopped node2's ranks itself
+    assert logs.count("engine ranks of node 1 of 2, meeting the head at") == 3
     assert "the engine ranks on node2 have stopped" in logs
     assert "world_size=2 rank=1" in logs  # the engine's second rank (on node2) joined
     states = cluster.run("sacct", "-n", "-X", "-D", "-P", "-o", "State", "-j", job).stdout.split()
-    assert states.count("REQUEUED") == 1 and states[-1] == "COMPLETED", states
+    assert states.count("REQUEUED") == 2 and states[-1] == "COMPLETED", states
     # no process of the task is left on either node
     wait_until(lambda: not cluster.job_processes(job), 60, f"no process of job {job} left")
 
@@ -163,3 +181,9 @@ def _job_of(pid: str) -> str:
         return ""
     found = [e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"SLURM_JOB_ID=")]
     return found[0] if found else ""
+
+
+def _is_rank(pid: str, job: str) -> bool:
+    """Whether pid is the engine rank's main process (engine/headless.py) of job."""
+    cmd = _cmdline(pid)
+    return b"batchinfer.engine.headless" in cmd and not cmd.split(b"\0")[0].endswith(b"srun") and _job_of(pid) == job
