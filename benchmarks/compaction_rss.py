@@ -1,4 +1,4 @@
-"""Peak RSS of sealing one big shard (RunDir.finish_shard: compaction of its parts into rows.*).
+"""Peak RSS of sealing one big shard (ShardFolder.finish: compaction of its parts into rows.*).
 
 Builds a run directory of one shard of --rows rows committed as a worker commits them (parts of
 --part-rows rows, each sorted by row at commit, the rows of a part spread over the whole shard as
@@ -55,7 +55,7 @@ def build(root: Path, rows: int, part_rows: int, fmt: str) -> Path:
             },
             schema=run.schema,
         )
-        run.write_part(0, table)
+        run.shard_folder(0).write_part(table)
     return run.path
 
 
@@ -65,8 +65,10 @@ def child(run_dir: str) -> None:
     from batchinfer.rundir.store import RunDir
 
     run = RunDir(run_dir)
+    # --code may name a checkout from before ShardFolder (its RunDir.finish_shard took the index)
+    seal = run.shard_folder(0).finish if hasattr(run, "shard_folder") else lambda d: run.finish_shard(0, d)
     t0 = time.perf_counter()
-    run.finish_shard(0, {"rows_done": run.shards()[0].rows})
+    seal({"rows_done": run.shards()[0].rows})
     seconds = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"seconds": seconds, "maxrss_kb": rss, "code": str(Path(batchinfer.__file__).parent.parent)}))

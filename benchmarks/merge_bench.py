@@ -5,7 +5,7 @@ shuffled commit order, shards of --shard-rows rows in parts of --part-rows), the
 child process whose peak RSS is read from wait4:
   - `merge` of the shards still in parts (DONE.json naming no compacted file: an earlier version's run),
   - pyarrow reading those parts and writing one Parquet file (the baseline),
-  - compaction of every shard (RunDir.finish_shard, as the worker does when a shard finishes),
+  - compaction of every shard (ShardFolder.finish, as the worker does when a shard finishes),
   - `merge` of the compacted shards, and the baseline over the compacted files.
 For JSONL output the baseline reads the JSON lines with pyarrow.json (the run's schema) and writes
 Parquet: pyarrow has no JSON writer. Medians of --repeats, alternating ours and the baseline.
@@ -71,8 +71,8 @@ def build(root: Path, rows: int, shard_rows: int, part_rows: int, fmt: str) -> P
                 },
                 schema=run.schema,
             )
-            run.write_part(shard.index, table)
-        write_json(run.done_path(shard.index), {"rows_done": shard.rows, "seconds": {"generate": 1.0}})
+            run.shard_folder(shard.index).write_part(table)
+        write_json(run.shard_folder(shard.index).done_path, {"rows_done": shard.rows, "seconds": {"generate": 1.0}})
     return run.path
 
 
@@ -85,7 +85,7 @@ def baseline(run_dir: Path, out: Path) -> None:
     run = RunDir(run_dir)
     writer = pq.ParquetWriter(out, run.schema, compression="zstd")
     for shard in run.shards():
-        for p in run.committed_files(shard.index):
+        for p in run.shard_folder(shard.index).committed_files():
             if p.suffix == ".jsonl":
                 opts = pj.ParseOptions(explicit_schema=run.schema)
                 t = pj.read_json(p, read_options=pj.ReadOptions(block_size=16 << 20), parse_options=opts)
@@ -109,7 +109,8 @@ def child(what: str, run_dir: str, out: str) -> None:
     else:  # compact every shard, as each worker does when its shard finishes
         run = RunDir(run_dir)
         for shard in run.shards():
-            run.finish_shard(shard.index, json.loads(run.done_path(shard.index).read_text()))
+            folder = run.shard_folder(shard.index)
+            folder.finish(json.loads(folder.done_path.read_text()))
     seconds = time.perf_counter() - t0
     print(json.dumps({"seconds": seconds, "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 

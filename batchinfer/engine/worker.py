@@ -82,8 +82,9 @@ class ShardWorker:
         # compacted file replaces, a compacted file no DONE.json names) goes, finished or not.
         # DONE.json is read once: a second read (NFS negative lookup cache) could disagree with the
         # one the cleanup went by.
-        sealed = self.run.done_record(shard.index)
-        if self.run.remove_temporaries_and_leftovers(shard.index, sealed):
+        folder = self.run.shard_folder(shard.index)
+        sealed = folder.done_record()
+        if folder.remove_temporaries_and_leftovers(sealed):
             log.info("shard %d: removed temporaries left by a killed writer", shard.index)
         if sealed is not None:
             return sealed
@@ -96,7 +97,7 @@ class ShardWorker:
         done = dict(self.record.to_dict(), finished=time.time(), **self._reproducibility())
         # Sealed only when the committed rows are exactly the shard's range (a later copy of a row
         # dropped); missing rows raise and leave the shard for resume.
-        return self.run.finish_shard(shard.index, done)
+        return folder.finish(done)
 
     def _reproducibility(self) -> dict[str, Any]:
         """What a reader needs to reproduce these rows: model, revision, settings, software, hardware."""
@@ -116,15 +117,16 @@ class ShardWorker:
         """The shard's record with counts rebuilt from its committed parts (the truth), attempts,
         failures and seconds carried over; and its committed rows (sorted)."""
         counted = [c for c in ("row", "prompt_tokens", "output_tokens", "error") if c in self.run.schema.names]
-        table = self.run.read_shard(shard.index, columns=counted)  # pooling outputs have no output_tokens
+        folder = self.run.shard_folder(shard.index)
+        table = folder.read_rows(columns=counted)  # pooling outputs have no output_tokens
         rows = done_rows(table.column("row"))  # sorted, so resume needs no set of a shard's rows
         kinds = pc.value_counts(pc.drop_null(pc.struct_field(table.column("error"), "kind"))).to_pylist()
-        old = read_progress(self.run.progress_path(shard.index)) or Progress(shard=shard.index)
+        old = read_progress(folder.progress_path) or Progress(shard=shard.index)
         record = Progress(
             shard=shard.index,
             rows_total=shard.rows,
             rows_done=len(rows),
-            parts=len(self.run.committed_files(shard.index)),
+            parts=len(folder.committed_files()),
             prompt_tokens=int(pc.sum(table.column("prompt_tokens")).as_py() or 0),
             output_tokens=int(pc.sum(table.column("output_tokens")).as_py() or 0) if "output_tokens" in counted else 0,
             errors={k["values"]: k["counts"] for k in kinds},
@@ -214,7 +216,7 @@ class ShardWorker:
         # after the part is published (EIO on progress.json, on the folder's fsync) cannot make
         # the error path commit them a second time. Unpublished, they are redone on resume.
         del rows_in[:]
-        self.run.write_part(shard.index, table)
+        self.run.shard_folder(shard.index).write_part(table)
         record.parts += 1
         record.rows_done += len(rows)
         record.prompt_tokens += sum(r["prompt_tokens"] or 0 for r in rows)
@@ -230,12 +232,12 @@ class ShardWorker:
 
     def write_progress(self, shard: Shard, record: Progress, error: Optional[str] = None) -> None:
         """The shard's progress.json from its record (and which engine of the task writes it)."""
-        write_progress(self.run.progress_path(shard.index), record, error, self.engine_record)
+        write_progress(self.run.shard_folder(shard.index).progress_path, record, error, self.engine_record)
 
     def _count_failure(self, shard: Shard, error: BaseException) -> None:
         """Count a failed attempt of this shard (see count_failure), under the shard lock held."""
         record = self.record if self.record is not None and self.record.shard == shard.index else None
-        path = self.run.progress_path(shard.index)
+        path = self.run.shard_folder(shard.index).progress_path
         self.failures = count_failure(path, shard.index, f"{type(error).__name__}: {error}", record, self.engine_record)
 
 

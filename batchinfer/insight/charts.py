@@ -101,7 +101,7 @@ def token_lengths(run: RunDir) -> tuple[pa.Table, str]:
     files = sorted(run.output_path.glob("output-*")) if run.output_path.is_dir() else [run.output_path]
     if run.output_format in ("parquet", "jsonl") and all(f.is_file() for f in files):
         return pa.concat_tables([read_table(f, run.schema, columns) for f in files]), "merged output"
-    return pa.concat_tables([run.read_shard(s.index, columns=columns) for s in run.shards()]), "parts"
+    return pa.concat_tables([run.shard_folder(s.index).read_rows(columns=columns) for s in run.shards()]), "parts"
 
 
 def _bins(values: list[int]) -> Any:

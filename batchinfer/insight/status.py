@@ -95,7 +95,7 @@ def shard_status(run: RunDir, states: dict[str, str]) -> list[dict[str, Any]]:
     """One record per shard: state, rows done of total, tokens, attempts, last error."""
     tasks = shard_tasks(run)
     log_lines: dict[str, Optional[str]] = {}  # a task's shards share its log: read it once
-    names = (run.done_path(0).name, run.progress_path(0).name)
+    names = (run.shard_folder(0).done_path.name, run.shard_folder(0).progress_path.name)
     out = []
     for shard in run.shards():
         rec: dict[str, Any] = {"shard": shard.index, "rows": shard.rows, "rows_done": 0, "output_tokens": 0}

@@ -319,7 +319,9 @@ def _count_death(run: RunDir, m: MemberLink, n: int, outcome: ExitRecord) -> Opt
     slot = EngineSlot(index=m.index, of=n, devices=m.devices)
     try:
         with ShardLock(run.shard_dir(m.current), mode=configured_mode(run.path), log=log.warning):
-            return count_failure(run.progress_path(m.current), m.current, outcome.error or "died", engine=slot)
+            return count_failure(
+                run.shard_folder(m.current).progress_path, m.current, outcome.error or "died", engine=slot
+            )
     except RunDirError as e:
         log.error("shard %d: could not count the failure of %s: %s", m.current, m.describe(n), e)
         return None

@@ -18,6 +18,7 @@ from batchinfer.errors import BatchinferError, EngineFailure, RunDirError, Stopp
 from batchinfer.inputs.shards import Shard
 from batchinfer.launch import slurm
 from batchinfer.launch.engines import run_engines
+from batchinfer.launch.ranks import other_ranks
 from batchinfer.launch.requeue import earns_another_attempt, requeue_for_another_attempt, requeue_on_stop
 from batchinfer.launch.shardloop import EngineSlot, ShardLoop, rows_done
 from batchinfer.rundir.durable import read_json
@@ -31,7 +32,7 @@ log = logging.getLogger("batchinfer")
 def run_shards(run: RunDir, indices: list[int], engine: Any = None) -> None:
     """Finish the given shards in this process with one engine, or with cluster.engines_per_task
     engine processes; stop signals commit first."""
-    shards = [s for s in run.shards() if s.index in set(indices) and not run.is_done(s.index)]
+    shards = [s for s in run.shards() if s.index in set(indices) and not run.shard_folder(s.index).is_done()]
     if not shards:
         return
     n = 1 if engine is not None else task_engines(run.config, len(shards))
@@ -39,8 +40,8 @@ def run_shards(run: RunDir, indices: list[int], engine: Any = None) -> None:
         if n > 1:
             run_engines(run, shards, n)
             return
-        with EngineOutput(run.logs_dir, enabled=engine is None) as output:
-            run_alone(run, shards, engine, output)
+        with EngineOutput(run.logs_dir, enabled=engine is None) as output, other_ranks(run) as nodes:
+            run_alone(run, shards, engine, output, nodes)
 
 
 def task_engines(cfg: Config, n_shards: int) -> int:
@@ -56,12 +57,12 @@ def solo_slot(cfg: Config) -> Optional[EngineSlot]:
     return EngineSlot(index=0, of=1, devices=engine_devices())
 
 
-def run_alone(run: RunDir, shards: list[Shard], engine: Any, output: EngineOutput) -> None:
+def run_alone(run: RunDir, shards: list[Shard], engine: Any, output: EngineOutput, nodes: Any = None) -> None:
     """Run shards on one engine, this process deciding for the task: a stop requeues it on USR2
     under Slurm; a failure requeues it while cluster.max_attempts allows, and is raised."""
     total = sum(s.rows for s in shards)
     done = sum(rows_done(run, s.index) for s in shards)
-    with ShardLoop(run, engine, output, run.path.name, solo_slot(run.config), total, done) as loop:
+    with ShardLoop(run, engine, output, run.path.name, solo_slot(run.config), total, done, nodes) as loop:
         try:
             loop.run(shards)
         except Stopped as e:
@@ -87,7 +88,7 @@ def run_alone(run: RunDir, shards: list[Shard], engine: Any, output: EngineOutpu
 def run_local(cfg: DictConfig, engine: Any = None) -> RunDir:
     """`batchinfer run`: every shard here with one engine, then merge."""
     run = prepare(cfg)
-    todo = [s.index for s in run.shards() if not run.is_done(s.index)]
+    todo = [s.index for s in run.shards() if not run.shard_folder(s.index).is_done()]
     if not todo and run.output_path.exists() and run.stats_json.is_file():
         rows = read_json(run.stats_json)["rows"]
         print(f"{run.path} is already complete: {rows} rows in {run.output_path}; nothing to do")

@@ -14,9 +14,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Optional, TypedDict
 
-from batchinfer import faults
 from batchinfer.config.schema import Config
 from batchinfer.engine.dtype import settle
+from batchinfer.engine.factory import engine_class
 from batchinfer.engine.output import EngineOutput
 from batchinfer.errors import BatchinferError, RunDirError, SlurmUnavailable, Stopped, TransientRunDirError
 from batchinfer.inputs.shards import Shard
@@ -61,8 +61,9 @@ def progress_bar(total: int, initial: int, desc: str, file: Any = None) -> Any:
 class EngineHolder:
     """Builds the engine on first use (a finished run never imports vllm) and reuses it."""
 
-    def __init__(self, c: Config, stop: Any, engine: Any = None, run_path: Optional[Path] = None):
+    def __init__(self, c: Config, stop: Any, engine: Any = None, run_path: Optional[Path] = None, nodes: Any = None):
         self.c = c
+        self.nodes = nodes  # a NodeGroup: this is node 0 of an engine over several nodes (launch/ranks.py)
         self.stop = stop
         self.engine = engine
         # `model.dtype: auto` settled for the whole run in DIR/dtype.json (None: for this machine)
@@ -77,14 +78,14 @@ class EngineHolder:
 
     def __call__(self) -> Any:
         if self.engine is None:
-            engine_cls = faults.engine_class()  # vLLM's (a test may name a stand-in)
+            engine_cls = engine_class()  # vLLM's (a test may name a stand-in)
 
             log.info("starting vLLM engine for %s", self.c.model.path)
             # Block stop signals while the engine starts: its processes inherit the mask (a
             # group-wide USR2 cannot kill them) and a signal sent meanwhile stays pending.
             self.stop.block()
             try:
-                self.engine = engine_cls(self.c, self.dtype)
+                self.engine = engine_cls(self.c, self.dtype, **({"nodes": self.nodes} if self.nodes else {}))
             finally:
                 self.stop.install()
             log.info("engine ready in %.1f s", self.engine.startup_seconds)
@@ -98,7 +99,7 @@ class EngineHolder:
 
 def rows_done(run: RunDir, index: int) -> int:
     """Rows of the shard committed so far, as its progress record says (0 before any)."""
-    record = read_progress(run.progress_path(index))
+    record = read_progress(run.shard_folder(index).progress_path)
     return record.rows_done if record is not None else 0
 
 
@@ -144,6 +145,7 @@ class ShardLoop:
         slot: Optional[EngineSlot],
         total: int = 0,
         done: int = 0,
+        nodes: Any = None,
     ):
         from batchinfer.engine.stopflag import StopFlag
         from batchinfer.engine.worker import ShardWorker
@@ -151,7 +153,7 @@ class ShardLoop:
         self.rundir = run
         self.stop = StopFlag()
         self.saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-        self.holder = EngineHolder(run.config, self.stop, engine, run.path)
+        self.holder = EngineHolder(run.config, self.stop, engine, run.path, nodes)
         self.owned = engine is None  # a loop that builds its engine stops it
         self.bar = progress_bar(total, done, desc=desc, file=output.bar_file())
         self.worker = ShardWorker(run, self.holder, self.stop, self.bar)

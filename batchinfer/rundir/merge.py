@@ -34,7 +34,7 @@ def format_indices(indices: list[int], limit: int = 20) -> str:
 
 def incomplete_shards(run: RunDir) -> list[int]:
     """Shards without DONE.json."""
-    return [s.index for s in run.shards() if not run.is_done(s.index)]
+    return [s.index for s in run.shards() if not run.shard_folder(s.index).is_done()]
 
 
 def merge(run: RunDir) -> dict[str, Any]:
@@ -74,9 +74,10 @@ def _merge(run: RunDir) -> dict[str, Any]:
     try:
         writer = OutputWriter(run, tmp)
         for n, shard in enumerate(shards):
-            done = read_json(run.done_path(shard.index))
+            folder = run.shard_folder(shard.index)
+            done = read_json(folder.done_path)
             # under the run lock, DONE.json written: no writer is compacting this shard any more
-            run.remove_compaction_leftovers(shard.index, done)
+            folder.remove_compaction_leftovers(done)
             for rows in shard_rows_in_order(run, shard, done):
                 writer.write(rows)
                 _accumulate(stats, rows.table)

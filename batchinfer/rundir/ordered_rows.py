@@ -16,8 +16,9 @@ import pyarrow.parquet as pq
 from batchinfer.errors import RunDirError
 from batchinfer.inputs.shards import Shard
 from batchinfer.rundir.schema import jsonl_columns, jsonl_to_table
+from batchinfer.rundir.shard_folder import UNREAD
 from batchinfer.rundir.shardrows import ShardRows, keep_mask_sorted, line_blocks, take_lines
-from batchinfer.rundir.store import UNREAD, RunDir
+from batchinfer.rundir.store import RunDir
 from batchinfer.rundir.tables import group_rows
 
 log = logging.getLogger("batchinfer")
@@ -49,15 +50,16 @@ def shard_rows_in_order(run: RunDir, shard: Shard, done: Any = UNREAD) -> Iterat
 
     A compacted shard is read a row group (or a block of lines) at a time; a shard still in parts
     (run directories of earlier versions) is merged from its parts a window at a time."""
+    folder = run.shard_folder(shard.index)
     if done is UNREAD:
-        done = run.done_record(shard.index)
-    compacted = run.compacted(shard.index, done)
+        done = folder.done_record()
+    compacted = folder.compacted(done)
     lines = run.output_format == "jsonl"
     if compacted is None:
-        yield from _parts_in_order(run, shard, run.committed_files(shard.index, done), lines)
+        yield from _parts_in_order(run, shard, folder.committed_files(done), lines)
         return
     if not compacted.is_file():
-        run.check_compacted(shard.index, compacted)  # raises, naming the file and what to do
+        folder.check_compacted(compacted)  # raises, naming the file and what to do
     pieces = _jsonl_blocks(run, compacted, lines) if compacted.suffix == ".jsonl" else _row_groups(run, compacted)
     expected = shard.start
     dropped = 0

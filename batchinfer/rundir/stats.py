@@ -25,8 +25,9 @@ def with_rates(counts: dict[str, Any]) -> dict[str, Any]:
 
 def shard_record(run: RunDir, index: int) -> tuple[bool, Progress]:
     """(done, the shard's latest record: DONE.json, else progress.json, else an empty one)."""
-    done = run.is_done(index)
-    record = read_progress(run.done_path(index) if done else run.progress_path(index))
+    folder = run.shard_folder(index)
+    done = folder.is_done()
+    record = read_progress(folder.done_path if done else folder.progress_path)
     return done, record or Progress(shard=index)
 
 

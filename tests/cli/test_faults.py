@@ -89,7 +89,7 @@ def test_second_worker_refuses_and_a_dead_holders_lock_is_free(
     proc = start_run([*base, f"output.dir={out}"], dict(standin_workload.env, BATCHINFER_HOLD="300"))
     wait_for_part(proc, out)
     res = run_cli(["worker", str(out), "0"], timeout=120)
-    assert not RunDir(out).is_done(0)  # the first worker was still writing the shard
+    assert not RunDir(out).shard_folder(0).is_done()  # the first worker was still writing the shard
     assert res.returncode == 2, res.stderr[-2000:]
     assert f"00000: shard is being written by host {socket.gethostname()} pid {proc.pid}" in res.stderr
     kill_group(proc)

@@ -83,7 +83,7 @@ def test_fault_point_then_resume(request: pytest.FixtureRequest, fault: str, cle
     if fault.startswith(("in-part-write", "before-part-rename")):
         assert list(out.glob("shards/*/.tmp-part-*"))  # the torn write is there, and ignored
     if fault == "before-done:1":
-        assert committed == ROWS // 2 and not run.is_done(0)
+        assert committed == ROWS // 2 and not run.shard_folder(0).is_done()
     resume_and_check(work, out)
     assert not list(out.glob("shards/*/.tmp-*"))
 
@@ -118,7 +118,7 @@ def test_usr2_during_engine_start_is_acted_on(workload: Workload, engine: Any, c
             kill_group(proc)
     assert proc.returncode == 128 + signal.SIGUSR2, (log + rest)[-3000:]
     assert "stopped by SIGUSR2" in rest and "engine ready" in rest
-    assert not RunDir(out).is_done(0)
+    assert not RunDir(out).shard_folder(0).is_done()
     time.sleep(1)
     assert group_alive(proc.pid) == []
     resume_and_check(workload, out, engine)

@@ -45,7 +45,8 @@ def clean(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path, engin
 
 def part_rows(run: RunDir) -> list[int]:
     """Rows of the committed parts of shard 0, each as often as it was committed."""
-    return [r for p in run.committed_files(0) for r in tables.read_table(p, run.schema)["row"].to_pylist()]
+    files = run.shard_folder(0).committed_files()
+    return [r for p in files for r in tables.read_table(p, run.schema)["row"].to_pylist()]
 
 
 @pytest.mark.engine
@@ -82,9 +83,9 @@ def test_eio_after_a_part_is_published_never_commits_its_rows_twice(
     monkeypatch.undo()
     run = RunDir(out)
     before = committed_rows(out)
-    assert len(run.committed_files(0)) == 3  # the fault landed right after the third part was published
+    assert len(run.shard_folder(0).committed_files()) == 3  # the fault landed right after the third part was published
     assert len(part_rows(run)) == len(set(part_rows(run))) == 3 * 16  # each row in one part only
-    progress = json.loads(run.progress_path(0).read_text())
+    progress = json.loads(run.shard_folder(0).progress_path.read_text())
     assert progress["failures"] == 1 and "Input/output error" in progress["last_error"]
     assert progress["suspects"] == {}  # the filesystem failed, not the engine: no row is suspect
 
@@ -118,7 +119,7 @@ def test_a_stop_while_prompts_are_prepared_is_acted_on_before_any_request(
     with pytest.raises(Stopped, match="SIGUSR2"):
         ShardWorker(run, lambda: engine, stop).run_shard(run.shards()[0])
     assert len(encoded) == 5 and added == []  # stopped at once: the rest was not prepared, nothing was sent
-    assert run.committed_files(0) == []
+    assert run.shard_folder(0).committed_files() == []
 
 
 @pytest.mark.engine
@@ -151,7 +152,7 @@ def test_finished_rows_are_committed_before_requests_are_aborted(
         monkeypatch.undo()
         real_abort = engine.abort_all
         real_abort()  # leave the shared engine empty for the next test
-    table = run.read_shard(0)
+    table = run.shard_folder(0).read_rows()
     assert 0 < table.num_rows < ROWS and table.num_rows >= len(finished)
     by_row = {r["row"]: r for r in clean["out"]}
     for r in table.to_pylist():

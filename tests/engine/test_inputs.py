@@ -163,8 +163,9 @@ def test_carried_types_survive_resume_and_merge(tmp_path: Path, tiny_model_path:
     run = prepare(compose(ov))
     assert run.schema.field("id").type == pa.binary()
     run_shards(run, [0], engine)  # then stopped: shard 1 never started
-    assert run.is_done(0) and not run.is_done(1)
-    first = read_table(run.committed_files(0)[0], run.schema)  # the committed JSONL part reads back typed
+    assert run.shard_folder(0).is_done() and not run.shard_folder(1).is_done()
+    # the committed JSONL part reads back typed
+    first = read_table(run.shard_folder(0).committed_files()[0], run.schema)
     assert first.column("input").type == run.schema.field("input").type
     run = run_local(compose(ov), engine=engine)
 

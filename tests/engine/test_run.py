@@ -36,7 +36,7 @@ def test_every_row_exactly_once_in_input_order(
     assert all(r["finish_reason"] == "length" and r["output_tokens"] == 6 for r in out)
     stats = read_json(run.stats_json)
     assert stats["rows"] == 120 and stats["shards"] == 3 and stats["output_tokens"] == 720
-    done = read_json(run.done_path(0))
+    done = read_json(run.shard_folder(0).done_path)
     assert done["rows_done"] == 40
     # Reproducibility record: model + revision, settings, software versions, host and device.
     assert done["model"]["path"] == str(tiny_model_path) and "revision" in done["model"]
@@ -76,7 +76,7 @@ def test_partial_dir_finishes_only_what_is_missing(tmp_path: Path, tiny_model_pa
     part0 = run.shard_dir(1) / "part-000000.parquet"
     pq.write_table(compacted.slice(0, 10), part0)
     (run.shard_dir(1) / "rows.parquet").unlink()
-    run.done_path(1).unlink()
+    run.shard_folder(1).done_path.unlink()
     shutil.rmtree(run.shard_dir(2))
     kept = committed_rows(run.path)
     run.output_path.unlink()

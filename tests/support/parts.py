@@ -58,10 +58,10 @@ def committed(tmp_path: Path, name: str, fmt: str, shards: int = SHARDS, rows: i
         random.Random(shard.index).shuffle(order)
         run.shard_dir(shard.index).mkdir(parents=True, exist_ok=True)
         for start in range(0, len(order), 5):
-            run.write_part(
-                shard.index, rows_to_table([output_row(run, r) for r in order[start : start + 5]], run.schema)
+            run.shard_folder(shard.index).write_part(
+                rows_to_table([output_row(run, r) for r in order[start : start + 5]], run.schema)
             )
-        write_json(run.progress_path(shard.index), {"rows_done": shard.rows, "output_tokens": 7})
+        write_json(run.shard_folder(shard.index).progress_path, {"rows_done": shard.rows, "output_tokens": 7})
     return run
 
 
@@ -69,4 +69,4 @@ def finish_all(run: RunDir) -> None:
     """Finish every shard as a worker does (the uninterrupted run)."""
     for shard in run.shards():
         with ShardLock(run.shard_dir(shard.index), mode=run.config.output.lock, log=lambda m: None):
-            run.finish_shard(shard.index, DONE)
+            run.shard_folder(shard.index).finish(DONE)

@@ -68,18 +68,18 @@ def group_alive(pgid: int, wait: float = 10.0) -> list[int]:
         time.sleep(0.2)
 
 
-# `batchinfer` in a subprocess with RunDir.write_part spied on: each committed part's rows are
+# `batchinfer` in a subprocess with ShardFolder.write_part spied on: each committed part's rows are
 # appended to argv[1] as a JSON line (what a resume redid, even after compaction removed its parts).
 COMMIT_SPY = """
 import json, sys
-from batchinfer.rundir.store import RunDir
-real = RunDir.write_part
-def spy(self, index, table):
-    path = real(self, index, table)
+from batchinfer.rundir.shard_folder import ShardFolder
+real = ShardFolder.write_part
+def spy(self, table):
+    path = real(self, table)
     with open(sys.argv[1], "a") as f:
         f.write(json.dumps(table.column("row").to_pylist()) + "\\n")
     return path
-RunDir.write_part = spy
+ShardFolder.write_part = spy
 from batchinfer.cli import main
 sys.exit(main(sys.argv[2:]))
 """

@@ -83,7 +83,7 @@ def committed_rows(out: Path) -> dict[int, Any]:
         return {}
     rows: dict[int, Any] = {}
     for shard in run.shards():
-        for p in run.committed_files(shard.index):
+        for p in run.shard_folder(shard.index).committed_files():
             if p.suffix == ".jsonl":
                 found = [(json.loads(line)["row"], line) for line in p.read_bytes().splitlines() if line.strip()]
             else:
@@ -96,22 +96,22 @@ def committed_rows(out: Path) -> dict[int, Any]:
 
 @contextlib.contextmanager
 def recorded_commits() -> Iterator[list[int]]:
-    """The rows this process commits meanwhile (RunDir.write_part spied on), in commit order."""
-    from batchinfer.rundir.store import RunDir
+    """The rows this process commits meanwhile (ShardFolder.write_part spied on), in commit order."""
+    from batchinfer.rundir.shard_folder import ShardFolder
 
-    real = RunDir.write_part
+    real = ShardFolder.write_part
     rows: list[int] = []
 
-    def spy(self: Any, index: int, table: Any) -> Any:
-        path = real(self, index, table)
+    def spy(self: Any, table: Any) -> Any:
+        path = real(self, table)
         rows.extend(table.column("row").to_pylist())
         return path
 
-    RunDir.write_part = spy  # type: ignore[method-assign]
+    ShardFolder.write_part = spy  # type: ignore[method-assign]
     try:
         yield rows
     finally:
-        RunDir.write_part = real  # type: ignore[method-assign]
+        ShardFolder.write_part = real  # type: ignore[method-assign]
 
 
 def assert_only_missing_rows_redone(out: Path, before: dict[int, Any], redone: list[int], total: int) -> None:
@@ -145,6 +145,6 @@ def committed_parts_are_whole(out: Path) -> int:
     run = RunDir(out)
     total = 0
     for shard in run.shards():
-        for p in run.committed_files(shard.index):
+        for p in run.shard_folder(shard.index).committed_files():
             total += read_table(p, run.schema).num_rows
     return total

@@ -49,7 +49,12 @@ class StandinEngine:
     pooling_tasks: tuple[str, ...] = ()
 
     def __init__(
-        self, cfg: Any, dtype: Optional[str] = None, refuse_every: int = 0, step_seconds: Optional[float] = None
+        self,
+        cfg: Any,
+        dtype: Optional[str] = None,
+        refuse_every: int = 0,
+        step_seconds: Optional[float] = None,
+        nodes: Any = None,  # the head of an engine over several nodes: the stand-in computes alone
     ):
         from transformers import AutoTokenizer
 

@@ -85,7 +85,7 @@ def test_a_run_directory_from_before_keeps_vllms_auto(tmp_path: Path, monkeypatc
     _chooses(monkeypatch, "float32")
     run_shards(run, [0], engine=keyed(FakeEngine(), run))
     (run.path / "dtype.json").unlink()  # as an older version left it
-    assert run.committed_files(0)
+    assert run.shard_folder(0).committed_files()
     assert dtype.settle(run.path, "auto") == "auto"
     assert "before batchinfer resolved auto" in json.loads((run.path / "dtype.json").read_text())["why"]
 
@@ -113,7 +113,7 @@ def test_an_engine_in_another_dtype_is_refused(tmp_path: Path, monkeypatch: pyte
         run_shards(run, [0], engine=eng)
     eng.dtype = "float32"
     run_shards(run, [0], engine=eng)
-    done = json.loads(run.done_path(0).read_text())
+    done = json.loads(run.shard_folder(0).done_path.read_text())
     assert done["model"]["dtype"] == "float32"  # what the engine ran, not `auto`
 
 

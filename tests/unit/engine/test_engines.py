@@ -201,8 +201,8 @@ def failures_counted(run: RunDir) -> dict[int, int]:
     """{shard: failures in its progress.json}, for shards that have one."""
     out = {}
     for s in run.shards():
-        if run.progress_path(s.index).is_file():
-            out[s.index] = json.loads(run.progress_path(s.index).read_text()).get("failures", 0)
+        if run.shard_folder(s.index).progress_path.is_file():
+            out[s.index] = json.loads(run.shard_folder(s.index).progress_path.read_text()).get("failures", 0)
     return {k: v for k, v in out.items() if v}
 
 
@@ -234,7 +234,7 @@ def test_a_dead_engine_is_counted_under_its_shard_lock_and_its_sibling_finishes(
     msg = str(e.value)
     assert f"engine 1 of 2 (devices cpu:1) failed on shard {dead}" in msg and "killed by SIGKILL" in msg
     assert under_slurm == ["requeue"]  # once for the task
-    progress = json.loads(run.progress_path(dead).read_text())
+    progress = json.loads(run.shard_folder(dead).progress_path.read_text())
     assert progress["failures"] == 1 and progress["failures_by_job"] == {"77": 1}
     assert progress["engine"] == {"index": 1, "of": 2, "devices": "cpu:1"} and "SIGKILL" in progress["last_error"]
     assert failures_counted(run) == {dead: 1}
@@ -450,7 +450,7 @@ def test_a_lock_refused_because_slurm_did_not_answer_is_tried_again(
     monkeypatch.setattr(worker, "ShardLock", FlakyLock)
     monkeypatch.setattr(shardloop, "LOCK_RETRY_WAITS", (0.0, 0.0, 0.0))
     local.run_shards(run, [0], engine=keyed(FakeEngine(), run))
-    assert run.is_done(0) and not refusals
+    assert run.shard_folder(0).is_done() and not refusals
     refusals[:] = ["it is held by pid 4242 on this host"]  # alive: not transient
     (tmp_path / "again").mkdir()
     run2 = small_run(tmp_path / "again", 1)

@@ -37,7 +37,7 @@ def _run(tmp_path: Path, n: int = ROWS, *extra: str) -> tuple[RunDir, list[dict[
 
 
 def _progress(run: RunDir) -> dict[str, Any]:
-    return json.loads(run.progress_path(0).read_text())
+    return json.loads(run.shard_folder(0).progress_path.read_text())
 
 
 def _assert_own_answers(run: RunDir, rows: list[dict[str, Any]], errors: dict[int, str]) -> None:
@@ -125,8 +125,8 @@ def test_a_refused_isolated_request_ends_isolation_like_a_finished_one(tmp_path:
     refused. Then the shard streams with many requests in flight: the refusal does not keep one
     more request running alone."""
     run, rows = _run(tmp_path, ROWS)
-    run.progress_path(0).parent.mkdir(parents=True, exist_ok=True)
-    run.progress_path(0).write_text(json.dumps({"shard": 0, "suspects": {"2": 1, "5": 1}}))
+    run.shard_folder(0).progress_path.parent.mkdir(parents=True, exist_ok=True)
+    run.shard_folder(0).progress_path.write_text(json.dumps({"shard": 0, "suspects": {"2": 1, "5": 1}}))
     eng = keyed(FakeEngine(refuse=[rows[5]["text"]]), run)
     ShardWorker(run, lambda: eng, StopFlag()).run_shard(run.shards()[0])
     assert eng.added[0] == eng.ids(rows[2]["text"]) and eng.in_flight[0] == 1  # row 2 alone first
@@ -142,7 +142,7 @@ def test_a_stop_pending_before_the_engine_starts_starts_no_engine(tmp_path: Path
     started: list[FakeEngine] = []
     with pytest.raises(Stopped, match="SIGUSR2"):
         ShardWorker(run, lambda: started.append(FakeEngine()) or started[-1], stop).run_shard(run.shards()[0])
-    assert started == [] and run.read_shard(0).num_rows == 0 and not run.is_done(0)
+    assert started == [] and run.shard_folder(0).read_rows().num_rows == 0 and not run.shard_folder(0).is_done()
 
 
 class StaleEngine(FakeEngine):
@@ -168,7 +168,7 @@ def test_a_result_for_an_earlier_attempts_request_on_a_reused_engine_is_ignored(
     eng.step = step_then_stop  # type: ignore[method-assign]
     with pytest.raises(Stopped):
         ShardWorker(run, lambda: eng, stop).run_shard(run.shards()[0])
-    assert eng.queue and run.read_shard(0).num_rows == eng.per_step  # the rest still in the engine
+    assert eng.queue and run.shard_folder(0).read_rows().num_rows == eng.per_step  # the rest still in the engine
     eng.step = real_step  # type: ignore[method-assign]
     ShardWorker(run, lambda: eng, StopFlag()).run_shard(run.shards()[0])
     _assert_own_answers(run, rows, errors={})

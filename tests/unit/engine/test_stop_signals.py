@@ -153,11 +153,11 @@ def test_a_stop_during_a_hung_step_commits_what_finished_and_requeues(
     # the stopped worker's flag woke the step; the engine is left with one that wakes nothing
     assert eng.wakes[0]() is True and eng.wakes[-1]() is False
     # the rows answered before the hang are committed (none was due: the stop committed them)
-    committed = run.read_shard(0).to_pylist()
+    committed = run.shard_folder(0).read_rows().to_pylist()
     assert len(committed) == 3 * eng.per_step == len(eng.answered)
     assert sorted(r["text"] for r in committed) == sorted(FakeEngine.answer(ids) for ids in eng.answered)
-    progress = json.loads(run.progress_path(0).read_text())
-    assert progress["rows_done"] == len(committed) and progress["suspects"] == {} and not run.is_done(0)
+    progress = json.loads(run.shard_folder(0).progress_path.read_text())
+    assert progress["rows_done"] == len(committed) and progress["suspects"] == {} and not run.shard_folder(0).is_done()
     run_shards(run, [0], engine=keyed(FakeEngine(), run))
     out = read_output(merge(run) and run.path)
     assert [r["row"] for r in out] == list(range(30))

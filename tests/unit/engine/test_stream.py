@@ -124,9 +124,9 @@ def test_a_stop_while_a_later_window_is_prepared_stops_at_once_and_keeps_committ
     with pytest.raises(Stopped, match="SIGUSR2"):
         ShardWorker(run, lambda: eng, stop).run_shard(run.shards()[0])
     assert eng.encoded == at  # nothing tokenized after the signal
-    committed = run.read_shard(0).column("row").to_pylist()
-    assert len(committed) == len(set(committed)) > 0 and not run.is_done(0)
-    progress = json.loads(run.progress_path(0).read_text())
+    committed = run.shard_folder(0).read_rows().column("row").to_pylist()
+    assert len(committed) == len(set(committed)) > 0 and not run.shard_folder(0).is_done()
+    progress = json.loads(run.shard_folder(0).progress_path.read_text())
     assert progress["rows_done"] == len(committed) and progress["first_request_seconds"] >= 0
     # resume: only what is missing goes to the engine, and again before the shard is read
     second = CountingEngine()
@@ -168,14 +168,14 @@ def test_a_poison_prompt_far_apart_costs_two_engine_deaths_and_refused_requests_
     run = _run(tmp_path, rows, "output.commit_every_rows=5")
     engines: list[FakeEngine] = []
     recorded: list[Any] = []  # progress.json's crashed requests after each death
-    while not run.is_done(0):
+    while not run.shard_folder(0).is_done():
         eng = FakeEngine(refuse=["refused prompt one", "refused prompt two"], poison=["poison prompt"])
         engines.append(eng)
         try:
             ShardWorker(run, lambda e=eng: e, StopFlag()).run_shard(run.shards()[0])
         except RuntimeError as e:
             assert "engine core died" in str(e) and len(engines) < 6
-            recorded.append(json.loads(run.progress_path(0).read_text()).get("crashed"))
+            recorded.append(json.loads(run.shard_folder(0).progress_path.read_text()).get("crashed"))
     assert len(engines) == 3  # two engine deaths, none for row 200
     # after the second, row 3's request is known by its digest, for its duplicates
     assert recorded == [{}, {request_digest(eng.ids("poison prompt"), "").hex(): 3}]

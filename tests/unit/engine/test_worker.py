@@ -51,7 +51,7 @@ def test_fake_engine_run_commits_often_dedupes_and_merges_in_order(tmp_path: Pat
             assert r["text"] == FakeEngine.answer(eng.encode([{"content": x["text"]}])), r
     assert out[11]["error"] == {"kind": "prompt", "message": "row 11: field 'text' is null or missing"}
     assert stats["rows"] == 30 and stats["errors"] == {"prompt": 1}
-    done = json.loads(run.done_path(0).read_text())
+    done = json.loads(run.shard_folder(0).done_path.read_text())
     assert done["parts"] >= 3  # committed between steps, not once at the end (then compacted)
     assert done["device"] == "fake device" and done["model"]["path"] == run.run["config"]["model"]["path"]
 
@@ -71,7 +71,7 @@ def test_stop_flag_commits_then_resume_finishes(tmp_path: Path) -> None:
     eng.step = step_then_signal  # type: ignore[method-assign]
     with pytest.raises(Stopped):
         ShardWorker(run, lambda: eng, stop).run_shard(Shard(0, 0, 20))
-    assert run.read_shard(0).num_rows == 3 and not run.is_done(0)
+    assert run.shard_folder(0).read_rows().num_rows == 3 and not run.shard_folder(0).is_done()
     second = FakeEngine()
     run_shards(run, [0], engine=keyed(second, run))
     assert len(second.added) == 17  # only what was missing
@@ -118,8 +118,8 @@ def test_hold_waits_after_the_first_commit_until_a_stop_signal(tmp_path: Path, m
 
     def stop_during_hold() -> None:  # the hold's sleep is where the signal lands
         time.sleep(0.5)
-        seen.append(RunDir(run.path).read_shard(0).num_rows)
-        if not run.is_done(0):  # a finished run has no handler left: USR2 would end pytest
+        seen.append(RunDir(run.path).shard_folder(0).read_rows().num_rows)
+        if not run.shard_folder(0).is_done():  # a finished run has no handler left: USR2 would end pytest
             os.kill(os.getpid(), signal.SIGUSR2)
 
     threading.Thread(target=stop_during_hold).start()
@@ -127,7 +127,7 @@ def test_hold_waits_after_the_first_commit_until_a_stop_signal(tmp_path: Path, m
     with pytest.raises(Stopped):
         run_shards(run, [0], engine=keyed(FakeEngine(), run))
     assert time.monotonic() - t0 < 30 and seen and 0 < seen[0] < 20  # held on a partial shard, not 60 s
-    assert 0 < run.read_shard(0).num_rows < 20 and not run.is_done(0)
+    assert 0 < run.shard_folder(0).read_rows().num_rows < 20 and not run.shard_folder(0).is_done()
     # once per process, and never in a requeued Slurm job's later runs
     faults.hold(lambda: False)
     monkeypatch.setattr(faults, "_held", False)

@@ -124,9 +124,11 @@ def submitted_run(tmp_path: Path) -> RunDir:
     write_jobs(run, ARRAYS, {0: "102"})
     for index in (0, 2):
         run.shard_dir(index).mkdir(parents=True)
-    write_json(run.done_path(0), {"rows_done": 2, "output_tokens": 8, "seconds": {"generate": 2.0}, "attempts": 1})
     write_json(
-        run.progress_path(2),
+        run.shard_folder(0).done_path, {"rows_done": 2, "output_tokens": 8, "seconds": {"generate": 2.0}, "attempts": 1}
+    )
+    write_json(
+        run.shard_folder(2).progress_path,
         {"rows_done": 1, "output_tokens": 4, "seconds": {"generate": 2.0}, "attempts": 2, "updated": 5.0},
     )
     return run

@@ -325,7 +325,7 @@ def test_symlinked_input_and_temporaries_are_unlinked_never_followed(tmp_path: P
     assert not (run.path / ".tmp-output.parquet").exists() and run.output_path.is_file()
     shard_tmp = run.shard_dir(0) / ".tmp-part-000009.parquet"
     shard_tmp.symlink_to(outside / "precious.txt")
-    run.clean_temporaries(0)
+    run.shard_folder(0).remove_temporaries_and_leftovers()
     assert (outside / "precious.txt").is_file()
 
 

@@ -113,15 +113,15 @@ def test_failed_scontrol_requeue_fails_the_task(
     monkeypatch.setattr("batchinfer.launch.run_shards", lambda r, s: run_shards(r, s, engine=preempted_engine()))
     with pytest.raises(RequeueFailed, match=r"scontrol requeue 77_0 failed: .*presently disabled for job 77_0"):
         slurm_task(str(run.path), [0])
-    committed = run.read_shard(0).num_rows
-    assert 0 < committed < 30 and not run.is_done(0)  # rows were committed before the requeue
+    committed = run.shard_folder(0).read_rows().num_rows
+    assert 0 < committed < 30 and not run.shard_folder(0).is_done()  # rows were committed before the requeue
     # under plain sbatch (slurm/batchinfer.sbatch runs `batchinfer worker DIR TASK`): exit 1, one line
     monkeypatch.setattr(
         "batchinfer.launch.local.run_task", lambda d, t: run_shards(RunDir(d), [t], engine=preempted_engine())
     )
     code, _, err = cli(["worker", str(run.path), "0"], capsys)
     assert code == 1 and "batchinfer: error: scontrol requeue 77_0 failed" in err and "Traceback" not in err
-    assert run.read_shard(0).num_rows > committed
+    assert run.shard_folder(0).read_rows().num_rows > committed
 
 
 def test_sbatch_refusing_gres_says_which_setting_and_dir_stays_usable(
@@ -208,7 +208,7 @@ def test_status_shows_failures_per_submission(tmp_path: Path, fake_bin: Any, cap
         ]
     ):
         run.shard_dir(index).mkdir(parents=True)
-        run.progress_path(index).write_text(json.dumps(progress))
+        run.shard_folder(index).progress_path.write_text(json.dumps(progress))
     code, out, _ = cli(["status", str(run.path)], capsys)
     assert code == 0 and "Slurm did not answer" not in out
     assert "failed 3 times (1 in this submission); EngineDead: boom" in out

@@ -21,6 +21,6 @@ def reference(tmp_path: Path, fmt: str) -> dict[str, Any]:
     """The uninterrupted run: the run, its compacted files and merged output."""
     run = committed(tmp_path, "reference", fmt)
     finish_all(run)
-    files = {s.index: run.compacted(s.index).read_bytes() for s in run.shards()}  # type: ignore[union-attr]
+    files = {s.index: run.shard_folder(s.index).compacted().read_bytes() for s in run.shards()}  # type: ignore[union-attr]
     merge(run)
     return {"run": run, "compacted": files, "output": run.output_path.read_bytes()}

@@ -21,15 +21,15 @@ def test_temporaries_and_compaction_leftovers_are_removed_by_their_own_methods(t
     stray.write_bytes(b"a killed compaction's file")
     temporary = folder / f".tmp-part-000009.{fmt}.1-abc"
     temporary.write_bytes(b"half")
-    parts = sorted(p.name for p in run.part_files(0))
+    parts = sorted(p.name for p in run.shard_folder(0).part_files())
 
-    assert run.remove_temporaries(0) == 1
+    assert run.shard_folder(0).remove_temporaries() == 1
     assert not temporary.exists() and stray.exists()  # the temporary only
 
     temporary.write_bytes(b"half")
-    assert run.remove_compaction_leftovers(0, None) == 1
+    assert run.shard_folder(0).remove_compaction_leftovers(None) == 1
     assert not stray.exists() and temporary.exists()  # the compaction leftover only
-    assert sorted(p.name for p in run.part_files(0)) == parts  # the parts hold the rows: kept
+    assert sorted(p.name for p in run.shard_folder(0).part_files()) == parts  # the parts hold the rows: kept
 
 
 def test_a_refused_cleanup_removes_nothing_not_even_temporaries(tmp_path: Path, fmt: str) -> None:
@@ -37,24 +37,24 @@ def test_a_refused_cleanup_removes_nothing_not_even_temporaries(tmp_path: Path, 
     goes (as before the split into two methods)."""
     run = committed(tmp_path, "run", fmt)
     folder = run.shard_dir(0)
-    write_json(run.done_path(0), dict(DONE, compacted=f"rows.{fmt}"))
+    write_json(run.shard_folder(0).done_path, dict(DONE, compacted=f"rows.{fmt}"))
     temporary = folder / f".tmp-rows.{fmt}.1-abc"
     temporary.write_bytes(b"half")
     before = sorted(p.name for p in folder.iterdir())
     with pytest.raises(RunDirError, match=rf"names rows\.{fmt}, which is missing"):
-        run.remove_temporaries_and_leftovers(0)
+        run.shard_folder(0).remove_temporaries_and_leftovers()
     assert sorted(p.name for p in folder.iterdir()) == before
 
 
 def test_committed_files_are_the_compacted_file_while_part_files_lists_leftover_parts(tmp_path: Path, fmt: str) -> None:
     run = committed(tmp_path, "run", fmt)
-    part = run.part_files(0)[0]
+    part = run.shard_folder(0).part_files()[0]
     kept = part.read_bytes()
     finish_all(run)
     shutil.copyfile(tmp_path / "corpus.jsonl", part.with_name("unrelated.txt"))  # not a part: never listed
     part.write_bytes(kept)  # a sealed shard's leftover part (removed meanwhile by the sealing)
-    compacted = run.compacted(0)
-    assert compacted is not None and compacted.name == read_json(run.done_path(0))["compacted"]
-    assert run.committed_files(0) == [compacted]
-    assert run.part_files(0) == [part]
-    assert run.remove_temporaries_and_leftovers(0) == 1 and run.part_files(0) == []
+    compacted = run.shard_folder(0).compacted()
+    assert compacted is not None and compacted.name == read_json(run.shard_folder(0).done_path)["compacted"]
+    assert run.shard_folder(0).committed_files() == [compacted]
+    assert run.shard_folder(0).part_files() == [part]
+    assert run.shard_folder(0).remove_temporaries_and_leftovers() == 1 and run.shard_folder(0).part_files() == []

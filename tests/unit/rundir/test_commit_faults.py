@@ -20,7 +20,7 @@ from batchinfer.inputs.shards import Shard
 from batchinfer.rundir import durable
 from batchinfer.rundir.locks import ShardLock
 from batchinfer.rundir.schema import error_row, rows_to_table
-from batchinfer.rundir.store import RunDir
+from batchinfer.rundir.shard_folder import ShardFolder
 
 # ---------------------------------------------------------------- publishing a part (no engine)
 
@@ -28,12 +28,12 @@ from batchinfer.rundir.store import RunDir
 def test_a_part_name_taken_meanwhile_is_never_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run = prepared(tmp_path, 4)
     run.shard_dir(0).mkdir(parents=True)
-    first = run.write_part(0, rows_to_table([error_row(0, "doc-00000", "x", "first")], run.schema))
+    first = run.shard_folder(0).write_part(rows_to_table([error_row(0, "doc-00000", "x", "first")], run.schema))
     before = first.read_bytes()
     # A listing that misses part 0 (a second writer, or NFS's attribute cache) must not overwrite it:
     # write_part lists the folder with part_files, so that is the listing that misses it.
     listed, linked = [], []
-    monkeypatch.setattr(RunDir, "part_files", lambda self, index: listed.append(index) or [])
+    monkeypatch.setattr(ShardFolder, "part_files", lambda self: listed.append(self.index) or [])
     real_link = os.link
 
     def link(src: Any, dst: Any) -> None:
@@ -41,13 +41,13 @@ def test_a_part_name_taken_meanwhile_is_never_replaced(tmp_path: Path, monkeypat
         real_link(src, dst)
 
     monkeypatch.setattr(durable.os, "link", link)
-    second = run.write_part(0, rows_to_table([error_row(1, "doc-00001", "x", "second")], run.schema))
+    second = run.shard_folder(0).write_part(rows_to_table([error_row(1, "doc-00001", "x", "second")], run.schema))
     monkeypatch.undo()
     # The fault landed: the stale listing was used, the first name tried was taken, the next one won.
     assert listed == [0] and linked == ["part-000000.parquet", "part-000001.parquet"]
     assert (first.name, second.name) == ("part-000000.parquet", "part-000001.parquet")
     assert first.read_bytes() == before
-    assert run.read_shard(0).column("row").to_pylist() == [0, 1]
+    assert run.shard_folder(0).read_rows().column("row").to_pylist() == [0, 1]
     assert sorted(os.listdir(run.shard_dir(0))) == ["part-000000.parquet", "part-000001.parquet"]
 
 
@@ -63,7 +63,7 @@ def test_a_link_that_answers_eexist_after_succeeding_publishes_once(
         raise FileExistsError(errno.EEXIST, "File exists", str(dst))
 
     monkeypatch.setattr(durable.os, "link", retransmitted)
-    part = run.write_part(0, rows_to_table([error_row(0, "doc-00000", "x", "m")], run.schema))
+    part = run.shard_folder(0).write_part(rows_to_table([error_row(0, "doc-00000", "x", "m")], run.schema))
     monkeypatch.undo()
     assert part.name == "part-000000.parquet"
     assert sorted(os.listdir(run.shard_dir(0))) == ["part-000000.parquet"]  # no second copy, no temporary
@@ -96,13 +96,13 @@ def test_a_stale_link_count_does_not_publish_the_same_bytes_twice(
 
     monkeypatch.setattr(durable.os, "link", retransmitted)
     monkeypatch.setattr(durable.os, "stat", stat)
-    part = run.write_part(0, rows_to_table([error_row(0, "doc-00000", "x", "m")], run.schema))
+    part = run.shard_folder(0).write_part(rows_to_table([error_row(0, "doc-00000", "x", "m")], run.schema))
     monkeypatch.undo()
     assert stale and stale[0] == 2  # the fault landed: two names, a stat that says one
     assert links == ["part-000000.parquet"]  # no second name tried
     assert part.name == "part-000000.parquet"
     assert sorted(os.listdir(run.shard_dir(0))) == ["part-000000.parquet"]
-    assert run.read_shard(0).column("row").to_pylist() == [0]
+    assert run.shard_folder(0).read_rows().column("row").to_pylist() == [0]
 
 
 def test_an_unlink_that_answers_enoent_after_succeeding_still_publishes(
@@ -121,13 +121,13 @@ def test_an_unlink_that_answers_enoent_after_succeeding_still_publishes(
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
 
     monkeypatch.setattr(durable.os, "unlink", retransmitted)
-    part = run.write_part(0, rows_to_table([error_row(0, "doc-00000", "x", "m")], run.schema))
+    part = run.shard_folder(0).write_part(rows_to_table([error_row(0, "doc-00000", "x", "m")], run.schema))
     created = durable.create_once(run.shard_dir(0) / "marker.json", b"{}")
     monkeypatch.undo()
     assert len(removed) == 2 and all(n.startswith(".tmp-") for n in removed)  # the fault landed twice
     assert part.name == "part-000000.parquet" and created
     assert sorted(os.listdir(run.shard_dir(0))) == ["marker.json", "part-000000.parquet"]
-    assert run.read_shard(0).column("row").to_pylist() == [0]
+    assert run.shard_folder(0).read_rows().column("row").to_pylist() == [0]
 
 
 # ---------------------------------------------------------------- failure budget (fake engine)
@@ -163,7 +163,7 @@ def test_failures_are_counted_under_the_lock_per_submission(tmp_path: Path, monk
     with pytest.raises(RuntimeError):
         worker.run_shard(shard)
     assert worker.failures == 1
-    progress = json.loads(run.progress_path(0).read_text())
+    progress = json.loads(run.shard_folder(0).progress_path.read_text())
     assert progress["failures"] == 3 and progress["failures_by_job"] == {"100": 2, "200": 1}
     assert "illegal memory access" in progress["last_error"]
     assert held and all(held)

@@ -78,14 +78,14 @@ def merged_bytes(run: RunDir) -> bytes:
 
 def test_compaction_writes_one_sorted_file_named_by_done(tmp_path: Path, fmt: str) -> None:
     run = committed(tmp_path, "run", fmt)
-    commit_order = run.read_shard(0).column("row").to_pylist()
-    assert commit_order != sorted(commit_order) and len(run.committed_files(0)) == 3
+    commit_order = run.shard_folder(0).read_rows().column("row").to_pylist()
+    assert commit_order != sorted(commit_order) and len(run.shard_folder(0).committed_files()) == 3
     finish_all(run)
     name = f"rows.{fmt}"
-    assert read_json(run.done_path(0)) == dict(DONE, compacted=name)
+    assert read_json(run.shard_folder(0).done_path) == dict(DONE, compacted=name)
     assert listing(run, 0) == ["DONE.json", "lock", "progress.json", name]
-    assert run.committed_files(0) == [run.shard_dir(0) / name]
-    table = run.read_shard(0)
+    assert run.shard_folder(0).committed_files() == [run.shard_dir(0) / name]
+    table = run.shard_folder(0).read_rows()
     assert table.column("row").to_pylist() == list(range(12))  # sorted by row
     assert table.to_pylist() == rows_to_table([output_row(run, r) for r in range(12)], run.schema).to_pylist()
     if fmt == "parquet":
@@ -107,8 +107,8 @@ def test_a_kill_at_every_step_of_compaction(tmp_path: Path, fmt: str, reference:
     """The real worker seals shard 0 and is SIGKILLed at each step; the real worker resumed finishes
     the run without an engine, and the output is the uninterrupted run's."""
     run = committed(tmp_path, "killed", fmt)
-    parts = [p.name for p in run.committed_files(0)]
-    rows_before = run.read_shard(0).to_pylist()
+    parts = [p.name for p in run.shard_folder(0).committed_files()]
+    rows_before = run.shard_folder(0).read_rows().to_pylist()
     res = subprocess.run(
         [sys.executable, "-c", FINISH, str(run.path), "0"],
         env={**os.environ, "BATCHINFER_FAULT": fault},
@@ -120,7 +120,7 @@ def test_a_kill_at_every_step_of_compaction(tmp_path: Path, fmt: str, reference:
     # The kill landed where the point claims: what is on disk is that step's state, no other.
     name, files = f"rows.{fmt}", listing(run, 0)
     temporaries = [f for f in files if f.startswith(f".tmp-{name}.")]
-    done = run.done_record(0)
+    done = run.shard_folder(0).done_record()
     if fault == "before-done":
         assert not temporaries and name not in files and done is None
     elif fault in ("in-compact-write", "before-compact-rename"):
@@ -136,9 +136,9 @@ def test_a_kill_at_every_step_of_compaction(tmp_path: Path, fmt: str, reference:
     assert left == (parts[1:] if fault == "in-compact-cleanup" else parts)
 
     # Readers follow the rule before anything is cleaned: every row once, in the truth's file(s).
-    assert sorted(r["row"] for r in run.read_shard(0).to_pylist()) == list(range(12))
+    assert sorted(r["row"] for r in run.shard_folder(0).read_rows().to_pylist()) == list(range(12))
     if done is None:
-        assert run.read_shard(0).to_pylist() == rows_before  # the parts, the compacted leftover ignored
+        assert run.shard_folder(0).read_rows().to_pylist() == rows_before  # the parts, the compacted leftover ignored
     state = {r["shard"]: (r["state"], r["rows_done"]) for r in shard_status(run, {})}
     assert state[0] == (("partial", 12) if done is None else ("done", 12)) and state[1] == ("partial", 12)
     assert [s["done"] for s in shard_stats(run)] == [done is not None, False]
@@ -146,14 +146,14 @@ def test_a_kill_at_every_step_of_compaction(tmp_path: Path, fmt: str, reference:
     resume(run)
     if done is not None:  # finished: the resumed worker removed only the parts DONE.json replaced
         assert listing(run, 0) == ["DONE.json", "lock", "progress.json", name]
-        assert run.done_record(0) == done  # and kept the seal as it was
+        assert run.shard_folder(0).done_record() == done  # and kept the seal as it was
     assert merged_bytes(run) == reference["output"]
     stats, ref_stats = read_json(run.stats_json), read_json(reference["run"].stats_json)
     assert without_seconds(stats) == without_seconds(ref_stats)
     for shard in run.shards():
         assert listing(run, shard.index) == ["DONE.json", "lock", "progress.json", name]  # leftovers removed
-        assert sealed(run.done_record(shard.index), fmt)
-        assert run.compacted(shard.index).read_bytes() == reference["compacted"][shard.index]  # type: ignore[union-attr]
+        assert sealed(run.shard_folder(shard.index).done_record(), fmt)
+        assert run.shard_folder(shard.index).compacted().read_bytes() == reference["compacted"][shard.index]  # type: ignore[union-attr]
 
 
 def test_parts_of_a_compacted_shard_are_ignored_and_removed_by_merge(
@@ -165,7 +165,7 @@ def test_parts_of_a_compacted_shard_are_ignored_and_removed_by_merge(
     run.shard_dir(1).joinpath(f"part-000000.{fmt}").write_bytes(
         tables.table_bytes(rows_to_table([output_row(run, 12)], run.schema), fmt)
     )
-    assert run.read_shard(1).column("row").to_pylist() == list(range(12, 24))
+    assert run.shard_folder(1).read_rows().column("row").to_pylist() == list(range(12, 24))
     assert merged_bytes(run) == reference["output"]
     assert not list(run.shard_dir(1).glob("part-*"))
 
@@ -176,12 +176,12 @@ def test_a_run_dir_of_an_earlier_version_merges_from_its_parts(
     """DONE.json names no compacted file: the parts are the truth; a rows.* file is a leftover."""
     run = committed(tmp_path, "old", fmt)
     for shard in run.shards():
-        write_json(run.done_path(shard.index), DONE)
+        write_json(run.shard_folder(shard.index).done_path, DONE)
     stray = run.shard_dir(0) / f"rows.{fmt}"
     stray.write_bytes(reference["compacted"][1])  # wrong rows: read, it would break the merge
-    assert [p.name for p in run.committed_files(0)] == [f"part-00000{i}.{fmt}" for i in range(3)]
+    assert [p.name for p in run.shard_folder(0).committed_files()] == [f"part-00000{i}.{fmt}" for i in range(3)]
     assert merged_bytes(run) == reference["output"]
-    assert not stray.exists() and len(run.committed_files(0)) == 3
+    assert not stray.exists() and len(run.shard_folder(0).committed_files()) == 3
     assert read_json(run.stats_json)["rows"] == ROWS
 
 
@@ -190,15 +190,15 @@ def test_a_leftover_compacted_file_is_removed_under_the_shard_lock(tmp_path: Pat
     stray = run.shard_dir(0) / f"rows.{fmt}"
     stray.write_bytes(b"a killed compaction's file")
     (run.shard_dir(0) / f".tmp-rows.{fmt}.1-abc").write_bytes(b"half")
-    assert run.remove_temporaries_and_leftovers(0) == 2 and not stray.exists()
-    assert len(run.committed_files(0)) == 3
+    assert run.shard_folder(0).remove_temporaries_and_leftovers() == 2 and not stray.exists()
+    assert len(run.shard_folder(0).committed_files()) == 3
 
 
 def test_done_naming_a_path_outside_the_shard_is_refused(tmp_path: Path) -> None:
     run = committed(tmp_path, "run", "parquet")
-    write_json(run.done_path(0), dict(DONE, compacted="../../run.yaml"))
+    write_json(run.shard_folder(0).done_path, dict(DONE, compacted="../../run.yaml"))
     with pytest.raises(RunDirError, match=r"'compacted' is '\.\./\.\./run\.yaml'"):
-        run.committed_files(0)
+        run.shard_folder(0).committed_files()
 
 
 def test_merge_streams_a_compacted_shard_in_row_groups_and_blocks(
@@ -215,7 +215,7 @@ def test_merge_streams_a_compacted_shard_in_row_groups_and_blocks(
     assert len(pieces) >= 3
     assert [r for p in pieces for r in p.table.column("row").to_pylist()] == list(range(12, 24))
     if fmt == "parquet":
-        assert pq.ParquetFile(run.compacted(1)).num_row_groups == 3  # type: ignore[arg-type]
+        assert pq.ParquetFile(run.shard_folder(1).compacted()).num_row_groups == 3  # type: ignore[arg-type]
         merge(run)  # the output's row groups follow the pieces: the same rows, not the same bytes
         assert pq.read_table(run.output_path).equals(pq.read_table(reference["run"].output_path))
     else:
@@ -230,15 +230,15 @@ def test_a_row_committed_twice_is_sealed_once_keeping_the_first_copy(
     worker seals the shard with row 13 once, as first committed, logs it, and merge takes it."""
     run = committed(tmp_path, "run", fmt)
     second = dict(output_row(run, 13), text="a second writer's copy")
-    run.write_part(1, rows_to_table([second], run.schema))
-    assert run.read_shard(1).column("row").to_pylist().count(13) == 2  # the fault is in place
+    run.shard_folder(1).write_part(rows_to_table([second], run.schema))
+    assert run.shard_folder(1).read_rows().column("row").to_pylist().count(13) == 2  # the fault is in place
     resume(run)
-    done = run.done_record(1)
+    done = run.shard_folder(1).done_record()
     assert sealed(done, fmt) and done["duplicates_dropped"] == 1  # type: ignore[index]
-    table = run.read_shard(1)
+    table = run.shard_folder(1).read_rows()
     assert table.column("row").to_pylist() == list(range(12, 24))
     assert table.to_pylist()[1] == rows_to_table([output_row(run, 13)], run.schema).to_pylist()[0]
-    assert run.compacted(1).read_bytes() == reference["compacted"][1]  # type: ignore[union-attr]
+    assert run.shard_folder(1).compacted().read_bytes() == reference["compacted"][1]  # type: ignore[union-attr]
     assert "shard 1: 1 extra copies of rows 13" in caplog.text
     assert merged_bytes(run) == reference["output"]
 
@@ -248,12 +248,12 @@ def test_the_worker_removes_parts_a_finished_shard_left_without_an_engine(tmp_pa
     from batchinfer.engine.worker import ShardWorker
 
     run = committed(tmp_path, "run", fmt)
-    parts = {p.name: p.read_bytes() for p in run.committed_files(0)}
-    run.finish_shard(0, DONE)
-    compacted = run.compacted(0).read_bytes()  # type: ignore[union-attr]
+    parts = {p.name: p.read_bytes() for p in run.shard_folder(0).committed_files()}
+    run.shard_folder(0).finish(DONE)
+    compacted = run.shard_folder(0).compacted().read_bytes()  # type: ignore[union-attr]
     for name, data in parts.items():  # as a kill during the parts' removal leaves them
         (run.shard_dir(0) / name).write_bytes(data)
     worker = ShardWorker(run, no_engine, StopFlag())
     assert worker.run_shard(run.shards()[0]) == dict(DONE, compacted=f"rows.{fmt}")
     assert sorted(os.listdir(run.shard_dir(0))) == ["DONE.json", "lock", "progress.json", f"rows.{fmt}"]
-    assert run.compacted(0).read_bytes() == compacted  # type: ignore[union-attr]
+    assert run.shard_folder(0).compacted().read_bytes() == compacted  # type: ignore[union-attr]

@@ -28,9 +28,9 @@ from batchinfer.rundir.store import RunDir
 
 tables.GROUP_BYTES, tables.MIN_GROUP_ROWS = 256 << 10, 64  # groups of ~256 rows of ~1 KB
 run = RunDir(sys.argv[1])
-run.read_shard(0, columns=["row"])  # config, schema and readers loaded before measuring: not data
+run.shard_folder(0).read_rows(columns=["row"])  # config, schema and readers loaded before measuring: not data
 tracemalloc.start()
-run.finish_shard(0, {"rows_done": run.shards()[0].rows})
+run.shard_folder(0).finish({"rows_done": run.shards()[0].rows})
 print(json.dumps({"arrow": pa.default_memory_pool().max_memory(), "python": tracemalloc.get_traced_memory()[1]}))
 """
 
@@ -69,7 +69,7 @@ def build(tmp_path: Path, fmt: str) -> RunDir:
             },
             schema=run.schema,
         )
-        run.write_part(0, table)
+        run.shard_folder(0).write_part(table)
     return run
 
 
@@ -82,7 +82,7 @@ def test_sealing_a_shard_holds_a_row_group_not_the_shard(tmp_path: Path, fmt: st
     )
     assert res.returncode == 0, res.stderr[-2000:]
     peak = json.loads(res.stdout.splitlines()[-1])
-    table = run.read_shard(0)
+    table = run.shard_folder(0).read_rows()
     assert table.column("row").to_pylist() == list(range(ROWS))  # sealed, sorted, each row once
     assert table.column("text")[1234].as_py().startswith("00001234")
     held = peak["arrow"] if fmt == "parquet" else peak["python"]

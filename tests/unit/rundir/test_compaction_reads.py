@@ -22,14 +22,14 @@ ROWS, PART_ROWS = 120, 10
 def test_sealing_reads_each_parquet_part_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run = committed(tmp_path, "run", "parquet", 1, ROWS)
     folder = run.shard_dir(0)
-    for p in run.part_files(0):  # committed() writes unsorted parts; a worker sorts its parts
+    for p in run.shard_folder(0).part_files():  # committed() writes unsorted parts; a worker sorts its parts
         p.unlink()
     order = list(range(ROWS))
     random.Random(0).shuffle(order)  # work order: each part's rows spread over the whole shard
     for start in range(0, ROWS, PART_ROWS):
         rows = sorted(order[start : start + PART_ROWS])
-        run.write_part(0, rows_to_table([output_row(run, r) for r in rows], run.schema))
-    parts = [p.name for p in run.part_files(0)]
+        run.shard_folder(0).write_part(rows_to_table([output_row(run, r) for r in rows], run.schema))
+    parts = [p.name for p in run.shard_folder(0).part_files()]
     monkeypatch.setattr(tables, "GROUP_BYTES", 1)  # windows of MIN_GROUP_ROWS rows: 8 windows
     monkeypatch.setattr(tables, "MIN_GROUP_ROWS", 16)
 

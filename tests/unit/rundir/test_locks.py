@@ -335,14 +335,14 @@ def test_the_lock_takes_its_mode_from_the_caller_and_the_worker_reads_run_yaml_a
         assert held.fd is not None and held.excl is None
     (run.shard_dir(0) / "lock").unlink()
     run_shards(run, [0], engine=keyed(FakeEngine(), run))
-    assert run.is_done(0) and not (run.shard_dir(0) / "lock").exists()  # lock files, as configured
+    assert run.shard_folder(0).is_done() and not (run.shard_dir(0) / "lock").exists()  # lock files, as configured
     resumed = RunDir(run.path)
     record = resumed.run
     record["config"]["output"]["lock"] = "flock"
     resumed.write_run(record)  # as a resume does; `run` keeps its own cached config
     assert run.config.output.lock == "file"
     run_shards(run, [1], engine=keyed(FakeEngine(), run))
-    assert run.is_done(1) and json.loads((run.shard_dir(1) / "lock").read_text())["released"] is True
+    assert run.shard_folder(1).is_done() and json.loads((run.shard_dir(1) / "lock").read_text())["released"] is True
 
 
 def test_flock_still_refuses_a_live_holder_recorded_on_another_node(
@@ -726,7 +726,7 @@ def test_a_lock_file_is_never_empty_at_its_name(tmp_path: Path) -> None:
 def _finished(tmp_path: Path, *extra: str) -> RunDir:
     run = prepared(tmp_path, 12, "sharding.num_shards=2", *extra)
     run_shards(run, [0, 1], engine=keyed(FakeEngine(), run))
-    assert run.is_done(0) and run.is_done(1)
+    assert run.shard_folder(0).is_done() and run.shard_folder(1).is_done()
     return run
 
 

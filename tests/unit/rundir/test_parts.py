@@ -34,13 +34,13 @@ def test_part_commit_is_atomic_and_temporaries_are_cleaned(tmp_path: Path, fmt: 
     run = prepared(tmp_path, 4, f"output.format={fmt}")
     run.shard_dir(0).mkdir(parents=True)
     table = rows_to_table([error_row(i, f"doc-{i:05d}", "x", "m") for i in (1, 0)], run.schema)
-    p0 = run.write_part(0, table)
-    p1 = run.write_part(0, rows_to_table([error_row(2, "doc-00002", "x", "m")], run.schema))
+    p0 = run.shard_folder(0).write_part(table)
+    p1 = run.shard_folder(0).write_part(rows_to_table([error_row(2, "doc-00002", "x", "m")], run.schema))
     assert [p0.name, p1.name] == [f"part-000000.{fmt}", f"part-000001.{fmt}"]
     (run.shard_dir(0) / f".tmp-part-000002.{fmt}").write_bytes(b"torn")
-    assert [p.name for p in run.committed_files(0)] == [p0.name, p1.name]
-    assert run.read_shard(0).column("row").to_pylist() == [1, 0, 2]
-    assert run.remove_temporaries_and_leftovers(0) == 1
+    assert [p.name for p in run.shard_folder(0).committed_files()] == [p0.name, p1.name]
+    assert run.shard_folder(0).read_rows().column("row").to_pylist() == [1, 0, 2]
+    assert run.shard_folder(0).remove_temporaries_and_leftovers() == 1
     assert sorted(os.listdir(run.shard_dir(0))) == [p0.name, p1.name]
 
 
