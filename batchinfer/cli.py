@@ -165,7 +165,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     from batchinfer.launch.jobs import slurm_states
     from batchinfer.rundir.store import RunDir
     from batchinfer.security import exposure_warning
+    from batchinfer.tune.job import is_tune_folder, show_status
 
+    if is_tune_folder(args.dir):  # `tune ... cluster=slurm` made it: its job and its result
+        return show_status(args.dir, args.json)
     run = RunDir(args.dir)
     warning = exposure_warning(run.path, run.run["input"]["path"])  # also refuses a folder without run.yaml
     if warning:
@@ -208,8 +211,13 @@ def cmd_resume(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
     """`batchinfer cancel DIR`."""
     from batchinfer.launch.submit import cancel
+    from batchinfer.tune.job import cancel as cancel_tune
+    from batchinfer.tune.job import is_tune_folder
 
-    cancel(args.dir)
+    if is_tune_folder(args.dir):  # `tune ... cluster=slurm` made it: its one job
+        cancel_tune(args.dir)
+    else:
+        cancel(args.dir)
     return 0
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    """--rows, --minutes, --seed, --include, --try, --gpu-hour-price, --out, --json."""
+    """--rows, --minutes, --seed, --include, --try, --gpu-hour-price, --out, --json, --wait."""
     p.add_argument("--rows", type=int, default=256, help="pilot rows drawn from the input (default 256)")
     p.add_argument("--minutes", type=float, default=30.0, help="time budget of all trials (default 30)")
     p.add_argument("--seed", type=int, default=0, help="seed of the pilot draw and the bootstrap (default 0)")
@@ -27,10 +27,17 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-hour-price", type=float, metavar="USD", help="price of one GPU-hour, for the cost forecast")
     p.add_argument("--out", metavar="DIR", help="the tune folder (default runs/tune-<input stem>-<fingerprint[:8]>)")
     p.add_argument("--json", action="store_true", help="print the result as JSON (also in DIR/tune.json)")
+    p.add_argument(
+        "--wait",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with cluster=slurm: wait for the tune job and print its table (default); --no-wait returns at once",
+    )
 
 
 def run(args: argparse.Namespace, cfg: Any) -> int:
-    """Tune with the composed config; print the table (or JSON); 1 when no setting finished."""
+    """Tune with the composed config (here, or as one Slurm job with cluster=slurm); print the table
+    (or JSON); 1 when no setting finished."""
     from batchinfer.tune.command import Options, format_result, tune
 
     opts = Options(
@@ -44,6 +51,10 @@ def run(args: argparse.Namespace, cfg: Any) -> int:
         price=args.gpu_hour_price,
         out=args.out,
     )
+    if cfg.cluster.name == "slurm":  # the whole tune as one job on the target partition
+        from batchinfer.tune.remote import run as run_on_slurm
+
+        return run_on_slurm(cfg, opts, follow=args.wait, as_json=args.json)
     result = tune(cfg, opts)
     print(json.dumps(result, indent=2) if args.json else format_result(result))
     if not args.json:

@@ -141,22 +141,27 @@ def prompt_tokens(prompts: Prompts, winner: Outcome) -> dict[str, float]:
     return {"value": round(total), "low": round(total), "high": round(total)}
 
 
-def tune(cfg: DictConfig, opts: Options) -> dict[str, Any]:
-    """Run the whole tune and write its folder; the result as tune.json holds it."""
-    from batchinfer.insight.cost import hourly_price
-
+def tune_folder(cfg: DictConfig, opts: Options) -> tuple[Any, str, Path]:
+    """The options checked; the resolved config, its fingerprint and the tune folder (not made)."""
     if opts.rows < MIN_PILOT_ROWS:
         raise ConfigError(f"--rows {opts.rows}: a pilot needs at least {MIN_PILOT_ROWS} rows")
     if opts.minutes <= 0:
         raise ConfigError(f"--minutes {opts.minutes}: must be positive")
-    price, price_source = hourly_price(opts.price, None)
     plain, fp = config_fingerprint(cfg)
     c = to_config(plain)
     if c.input.format == "openai":
         raise ConfigError(
             "input.format=openai: tune does not take OpenAI Batch files yet; tune on a JSONL of the texts"
         )
-    folder = Path(opts.out or Path("runs") / f"tune-{Path(c.input.path).stem}-{fp[:8]}").resolve()
+    return c, fp, Path(opts.out or Path("runs") / f"tune-{Path(c.input.path).stem}-{fp[:8]}").resolve()
+
+
+def tune(cfg: DictConfig, opts: Options) -> dict[str, Any]:
+    """Run the whole tune and write its folder; the result as tune.json holds it."""
+    from batchinfer.insight.cost import hourly_price
+
+    price, price_source = hourly_price(opts.price, None)
+    c, fp, folder = tune_folder(cfg, opts)
     folder.mkdir(parents=True, exist_ok=True)
     settings = grid(c, opts)
     log.info("tune: drawing a %d-row pilot from %s", opts.rows, c.input.path)
