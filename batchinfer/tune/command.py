@@ -141,6 +141,12 @@ def prompt_tokens(prompts: Prompts, winner: Outcome) -> dict[str, float]:
     return {"value": round(total), "low": round(total), "high": round(total)}
 
 
+def default_folder(input_path: str, fp: str) -> Path:
+    """runs/tune-<input stem>-<fingerprint[:8]>: where tune writes without --out, and where submit
+    looks for a tune result of its config (tune/expected.py)."""
+    return Path("runs") / f"tune-{Path(input_path).stem}-{fp[:8]}"
+
+
 def tune_folder(cfg: DictConfig, opts: Options) -> tuple[Any, str, Path]:
     """The options checked; the resolved config, its fingerprint and the tune folder (not made)."""
     if opts.rows < MIN_PILOT_ROWS:
@@ -153,7 +159,7 @@ def tune_folder(cfg: DictConfig, opts: Options) -> tuple[Any, str, Path]:
         raise ConfigError(
             "input.format=openai: tune does not take OpenAI Batch files yet; tune on a JSONL of the texts"
         )
-    return c, fp, Path(opts.out or Path("runs") / f"tune-{Path(c.input.path).stem}-{fp[:8]}").resolve()
+    return c, fp, Path(opts.out or default_folder(c.input.path, fp)).resolve()
 
 
 def tune(cfg: DictConfig, opts: Options) -> dict[str, Any]:

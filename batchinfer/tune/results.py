@@ -10,6 +10,7 @@ from typing import Any, Optional
 from batchinfer.tune.halving import Outcome
 
 GROUP, OPTION = "tuned", "best"
+TUNE_RESULT_LINE = "# tune result: "
 
 
 def _num(x: Optional[float], digits: int = 1) -> str:
@@ -91,8 +92,12 @@ def write_group(folder: Path, overrides: list[str]) -> Path:
     path = folder / "conf" / GROUP / f"{OPTION}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     body = OmegaConf.to_yaml(OmegaConf.from_dotlist(overrides)) if overrides else "{}\n"
+    # submit and run find the tune result (its fingerprint and forecast) from this line
+    source = f"{TUNE_RESULT_LINE}{(folder / 'tune.json').resolve()}\n"
     path.write_text(
-        "# @package _global_\n# Written by `batchinfer tune`: the fastest settings; none changes outputs.\n" + body,
+        "# @package _global_\n# Written by `batchinfer tune`: the fastest settings; none changes outputs.\n"
+        + source
+        + body,
         encoding="utf-8",
     )
     return path
