@@ -35,11 +35,17 @@ def hourly_price(price: Optional[float], gpu: Optional[str]) -> tuple[Optional[f
     return GPU_HOUR_PRICES[names[0]], f"{names[0]} preset ({PRICES_NOTE})"
 
 
+def task_nodes(cfg: Config) -> int:
+    """Nodes each task held: cluster.nodes_per_task (1 in a run.yaml from before the key)."""
+    return int(getattr(cfg.cluster, "nodes_per_task", 1) or 1)
+
+
 def gpus_per_task(cfg: Config, devices: list[Optional[str]]) -> int:
-    """GPUs a task holds (0: CPU): cluster.gpus_per_task under Slurm; in a local run the engine's
-    tensor x pipeline parallel GPUs, or 0 when the recorded device is a CPU."""
+    """GPUs a task holds (0: CPU): cluster.gpus_per_task on each of its cluster.nodes_per_task nodes
+    under Slurm; in a local run the engine's tensor x pipeline parallel GPUs, or 0 when the recorded
+    device is a CPU."""
     if cfg.cluster.name != "local":
-        return int(cfg.cluster.gpus_per_task)
+        return int(cfg.cluster.gpus_per_task) * task_nodes(cfg)
     if any(d and not d.startswith("CPU") for d in devices):
         return cfg.model.tensor_parallel_size * cfg.model.pipeline_parallel_size
     return 0
@@ -72,15 +78,17 @@ def engine_gpu_seconds(cfg: Config, task_gpus: int, shards: list[dict[str, Any]]
 
     A task of N engines runs N shards at once, each on one engine: a shard's seconds count
     max(task GPUs // N, tensor x pipeline parallel size) GPUs (the task's GPUs shared by its engines),
-    N from the shard's engine record, else the config. A CPU task's engine counts as 1 GPU."""
+    N from the shard's engine record, else the config. A CPU task's engine counts as 1 GPU, an
+    engine over several nodes (cluster.nodes_per_task) as 1 a node."""
     each = cfg.model.tensor_parallel_size * cfg.model.pipeline_parallel_size
     default = configured_engines(cfg, task_gpus)
+    nodes = task_nodes(cfg)
     total, layouts = 0.0, {}
     for s in shards:
         seconds = sum(s["seconds"].values())
         eng = engine_record(s.get("engine"))
         n = eng["of"] if eng else default
-        gpus = max(task_gpus // n, each) if task_gpus else 1
+        gpus = max(task_gpus // n, each) if task_gpus else nodes
         total += seconds * gpus
         if seconds:
             layouts[n] = gpus
@@ -95,18 +103,21 @@ def cost(
     watts: Optional[float] = None,
     gpu_seconds: Optional[float] = None,
     layouts: Optional[dict[int, int]] = None,
+    nodes: int = 1,
 ) -> dict[str, Any]:
     """GPU-hours = (start-up + prepare + generate + commit seconds of all shards) x GPUs per task / 3600,
     or the given gpu_seconds / 3600 (engine_gpu_seconds: tasks of several engines, whose layouts say
     how many GPUs each engine counted); with a price, USD and USD per 1K output / total tokens; with
-    watts per GPU, kWh and J per token."""
-    gpus = gpus_per_task or 1
+    watts per GPU, kWh and J per token. nodes: cluster.nodes_per_task, whose GPUs gpus_per_task
+    counts already (a CPU task: 1 "GPU" a node)."""
+    gpus = gpus_per_task or nodes
     if gpu_seconds is None:
         gpu_seconds = sum(tot["seconds"].values()) * gpus
     out_tok, all_tok = tot["output_tokens"], tot["prompt_tokens"] + tot["output_tokens"]
     rec: dict[str, Any] = {
         "gpus_per_task": gpus,
         "cpu": not gpus_per_task,  # cluster.gpus_per_task=0: CPU tasks, counted as 1 "GPU" each
+        "nodes_per_task": nodes,
         "gpu_hours": gpu_seconds / 3600,
         # engines per task -> GPUs counted per engine (per task when 1), for the layouts the shards ran in
         "engine_layouts": [{"engines_per_task": n, "gpus_per_engine": g} for n, g in (layouts or {}).items()],
@@ -164,6 +175,14 @@ def cost_lines(c: dict[str, Any]) -> list[str]:
 def _gpus_what(c: dict[str, Any]) -> str:
     """The GPUs each shard's seconds count: per task, or per engine when tasks ran several."""
     multi = [lay for lay in c.get("engine_layouts", []) if lay["engines_per_task"] > 1]
+    nodes = c.get("nodes_per_task", 1)
+    if nodes > 1:  # one engine over the nodes (cluster.engines_per_task=1 is required with it)
+        if c["cpu"]:
+            return f"CPU tasks, no GPU: each of a task's {nodes} nodes (cluster.nodes_per_task) counted as 1 GPU"
+        return (
+            f"{c['gpus_per_task']} per task: cluster.nodes_per_task={nodes} nodes x "
+            f"{c['gpus_per_task'] // nodes} GPUs on each"
+        )
     if not multi:
         return "CPU tasks, no GPU: each counted as 1 GPU" if c["cpu"] else f"{c['gpus_per_task']} per task"
     if c["cpu"]:

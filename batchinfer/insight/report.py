@@ -13,7 +13,7 @@ def build_report(
     run: RunDir, price: Optional[float] = None, gpu: Optional[str] = None, watts: Optional[float] = None
 ) -> dict[str, Any]:
     """Per-shard stats, totals and cost of DIR as it is now (finished or partial); no Slurm calls."""
-    from batchinfer.insight.cost import cost, engine_gpu_seconds, engine_record, gpus_per_task
+    from batchinfer.insight.cost import cost, engine_gpu_seconds, engine_record, gpus_per_task, task_nodes
 
     shards = shard_stats(run)
     for s in shards:
@@ -26,7 +26,16 @@ def build_report(
         "partial": tot["shards_done"] < tot["shards"],
         "merged": run.output_path.exists(),
         "totals": tot,
-        "cost": cost(tot, gpus, price=price, gpu=gpu, watts=watts, gpu_seconds=gpu_seconds, layouts=layouts),
+        "cost": cost(
+            tot,
+            gpus,
+            price=price,
+            gpu=gpu,
+            watts=watts,
+            gpu_seconds=gpu_seconds,
+            layouts=layouts,
+            nodes=task_nodes(run.config),
+        ),
         "engines": engine_table(shards),
         "shards": shards,
     }
