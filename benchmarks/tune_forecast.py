@@ -134,16 +134,17 @@ def full_run(
 def tune(
     name: str, base: list[str], tries: list[str], pilot: int, minutes: float, a: argparse.Namespace
 ) -> dict[str, Any]:
-    """`batchinfer tune --json` into OUT/NAME: its result, wall seconds and peak RSS."""
+    """`batchinfer tune` into OUT/NAME: what it printed (a transcript), its result (tune.json), wall
+    seconds and peak RSS."""
     folder = Path(a.out) / name
     shutil.rmtree(folder, ignore_errors=True)
-    args = ["tune", *base, "--rows", str(pilot), "--minutes", str(minutes), "--out", str(folder), "--json"]
+    args = ["tune", *base, "--rows", str(pilot), "--minutes", str(minutes), "--out", str(folder)]
     for t in tries:
         args += ["--try", t]
     out, wall, mb = batchinfer(args, {}, Path(a.out) / "logs" / f"{name}.log")
-    result = json.loads(out)
     return {
-        "result": result,
+        "transcript": f"$ batchinfer {shlex.join(args)}\n{out}",
+        "result": json.loads((folder / "tune.json").read_text()),
         "wall_s": round(wall, 1),
         "peak_rss_mb": round(mb),
         "table": (folder / "tune.md").read_text(),
@@ -280,7 +281,9 @@ def page(report: dict[str, Any], cmd: str) -> str:
         f"{len(ex['tries'])} settings (--try {' | '.join(ex['tries'])}): {ex['tune']['wall_s']} s wall, "
         f"peak RSS {ex['tune']['peak_rss_mb']} MB.",
         "",
-        ex["tune"]["table"].rstrip(),
+        "```",
+        ex["tune"]["transcript"].rstrip(),
+        "```",
         "",
         "The full corpus, default settings first, then the winner's:",
         "",
