@@ -20,6 +20,8 @@ from batchinfer.rundir.locks import RunLock
 from batchinfer.rundir.ordered_rows import shard_rows_in_order
 from batchinfer.rundir.output_swap import MERGING, check_own_output, put_in_place, remove_merge_leftovers
 from batchinfer.rundir.output_writer import OutputWriter, to_datasets_folder
+from batchinfer.rundir.passes import is_pass, root_of
+from batchinfer.rundir.splice import Splicer, unchanged_output
 from batchinfer.rundir.store import RunDir
 from batchinfer.security import private_umask, remove_path
 
@@ -45,7 +47,10 @@ def merge(run: RunDir) -> dict[str, Any]:
         # is refused naming the first, instead of renaming the other's half-written file.
         with RunLock(run.path, log=log.warning, mode=output.lock):
             remove_merge_leftovers(run)
-            return _merge(run)
+            stats = unchanged_output(run) or _merge(run)
+    if is_pass(run):  # a finished pass (redo) goes into its run directory's output
+        merge(root_of(run))
+    return stats
 
 
 def _merge(run: RunDir) -> dict[str, Any]:
@@ -71,14 +76,15 @@ def _merge(run: RunDir) -> dict[str, Any]:
     }
     seconds: Counter[str] = Counter()
     shards = run.shards()
+    splice = Splicer(run)  # answers of finished passes (redo) in place of DIR's own
     try:
-        writer = OutputWriter(run, tmp)
+        writer = OutputWriter(run, tmp, splice.schema)
         for n, shard in enumerate(shards):
             folder = run.shard_folder(shard.index)
             done = read_json(folder.done_path)
             # under the run lock, DONE.json written: no writer is compacting this shard any more
             folder.remove_compaction_leftovers(done)
-            for rows in shard_rows_in_order(run, shard, done):
+            for rows in splice(shard_rows_in_order(run, shard, done)):
                 writer.write(rows)
                 _accumulate(stats, rows.table)
             seconds.update(done.get("seconds", {}))
@@ -110,6 +116,7 @@ def _merge(run: RunDir) -> dict[str, Any]:
         seconds=dict(seconds),
         merge_seconds=round(time.monotonic() - t0, 3),
         fingerprint=run.run["fingerprint"],
+        **splice.stats(),
     )
     write_json(run.stats_json, stats)
     (run.path / MERGING).unlink()

@@ -9,7 +9,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -25,8 +25,9 @@ from batchinfer.security import remove_path
 class OutputWriter:
     """Rows in input order into one file, or into files of at most output.max_rows_per_file rows."""
 
-    def __init__(self, run: RunDir, target: Path):
+    def __init__(self, run: RunDir, target: Path, schema: Optional[pa.Schema] = None):
         self.run = run
+        self.schema = schema or run.schema  # with a `pass` column when DIR has passes
         self.ext = OUTPUT_EXT[run.output_format]
         self.max_rows = run.output_split
         total = int(sum(s.rows for s in run.shards()))
@@ -45,7 +46,7 @@ class OutputWriter:
         if rows.lines is not None and self.ext == "jsonl" and self.encode is table_to_jsonl:
             self._write_lines(rows.lines, rows.table.num_rows)
             return
-        table = rows.table if rows.lines is None else jsonl_to_table(rows.lines, self.run.schema)
+        table = rows.table if rows.lines is None else jsonl_to_table(rows.lines, self.schema)
         offset = 0
         while offset < table.num_rows:
             if self._file is None or (self.max_rows and self._rows_in_file >= self.max_rows):
@@ -93,7 +94,7 @@ class OutputWriter:
             path = self.folder / f"output-{len(self.files):05d}-of-{self.n_files:05d}.{self.ext}"
         self.files.append(path)
         if self.ext == "parquet":
-            self._file = pq.ParquetWriter(path, self.run.schema, compression="zstd")
+            self._file = pq.ParquetWriter(path, self.schema, compression="zstd")
         else:
             self._file = open(path, "wb")
         self._rows_in_file = 0

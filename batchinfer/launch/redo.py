@@ -1,0 +1,166 @@
+"""`batchinfer redo DIR --where EXPR [overrides]`: a pass over the rows of DIR's merged output that
+match EXPR, with the overrides on top of DIR's config, in DIR/passes/N/ (a run directory of its
+own), run here or as a Slurm array; merge then puts its answers in place in DIR's output."""
+
+from __future__ import annotations
+
+import logging
+import shlex
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, structured
+from batchinfer.config.store import conf_dir
+from batchinfer.errors import ConfigError, RunDirError
+from batchinfer.rundir import passes
+from batchinfer.rundir.merge import format_indices, incomplete_shards, merge
+from batchinfer.rundir.prepare import PREPARING, prepare
+from batchinfer.rundir.splice import select_rows, view_schema, write_selection
+from batchinfer.rundir.store import RunDir
+from batchinfer.rundir.where import compile_where
+from batchinfer.security import remove_path
+
+log = logging.getLogger("batchinfer")
+
+# Keys a pass sets itself: its input is the selected rows, its folder DIR/passes/N, its parts Parquet.
+OWN_KEYS = ("input.", "output.dir", "output.format", "output.max_rows_per_file")
+
+
+def redo(
+    root_dir: str, where: str, overrides: list[str], config_dir: Optional[str] = None, engine: Any = None
+) -> RunDir:
+    """Make (or reopen) the pass of this where and these overrides, run it (on engine, when given:
+    tests share one), merge DIR."""
+    root = RunDir(root_dir)
+    root.run  # noqa: B018  (refuses a folder without run.yaml)
+    if passes.is_pass(root):
+        raise RunDirError(f"{root.path} is a pass of {passes.root_of(root).path}: redo selects from that one")
+    missing = incomplete_shards(root)
+    if missing:
+        raise RunDirError(
+            f"{root.path}: shards {format_indices(missing)} are not finished; redo selects from a finished "
+            f"run: `batchinfer resume {shlex.quote(str(root.path))}` (or the same `batchinfer run`) first"
+        )
+    compile_where(where, view_schema(root))  # a bad expression is refused before anything
+    for ov in overrides:
+        if ov.lstrip("+~").startswith(OWN_KEYS):
+            raise ConfigError(f"{ov}: a pass sets {ov.split('=')[0]} itself (its input is the selected rows)")
+    run = _open_pass(root, where, overrides, config_dir)
+    if run is None:
+        return root
+    cfg = pass_config(root, run.path, overrides, config_dir)
+    prepare(cfg)  # reopens: the same overrides give the same fingerprint
+    return run_pass(run, engine)
+
+
+def _open_pass(root: RunDir, where: str, overrides: list[str], config_dir: Optional[str]) -> Optional[RunDir]:
+    """The unfinished pass of this command (made by a redo that was stopped), or a new one."""
+    number = passes.unfinished_pass(root)
+    if number is None:
+        numbers = passes.pass_numbers(root)
+        if numbers and not passes.output_is_current(root):  # stopped between the pass's merge and DIR's
+            merge(root)
+            if passes.read_record(passes.pass_path(root, numbers[-1])).same_command(where, overrides, config_dir):
+                print(f"pass {numbers[-1]} of {root.path} was finished: merged into {root.output_path}")
+                return None
+        return new_pass(root, where, overrides, config_dir)
+    path = passes.pass_path(root, number)
+    rec = passes.read_record(path)
+    if not rec.same_command(where, overrides, config_dir):
+        raise RunDirError(
+            f"{path} ({rec.describe()}) is not finished; finish it first with the same command or "
+            f"`batchinfer resume {shlex.quote(str(root.path))}` (or remove {path} to drop it)"
+        )
+    if not RunDir(path).exists():  # stopped before its run.yaml: nothing of it ran, select again
+        remove_path(path)
+        return new_pass(root, where, overrides, config_dir)
+    print(f"resuming pass {number} of {root.path}: {rec.describe()}")
+    return RunDir(path)
+
+
+def new_pass(root: RunDir, where: str, overrides: list[str], config_dir: Optional[str] = None) -> Optional[RunDir]:
+    """Select the rows, write pass.json and selection.parquet, prepare DIR/passes/N; None if no row matches."""
+    rows = select_rows(root, compile_where(where, view_schema(root)))
+    if not len(rows):
+        print(f"no row of {root.path} matches {where!r}: nothing to redo")
+        return None
+    number = max(passes.pass_numbers(root), default=0) + 1
+    path = passes.pass_path(root, number)
+    path.mkdir(parents=True)
+    (path / PREPARING).touch()  # prepare may fill this folder: it is a run directory being made
+    passes.write_record(path, number, where, overrides, config_dir)
+    try:
+        write_selection(root, rows, path)
+        passes.set_rows(path, len(rows))
+        run = prepare(pass_config(root, path, overrides, config_dir))
+        passes.check_schema(root, run)
+    except BaseException:
+        remove_path(path, ignore_errors=True)  # ours, and nothing of it ran
+        raise
+    print(f"pass {number} of {root.path}: {len(rows)} rows match {where!r}; in {path}")
+    return run
+
+
+def pass_config(root: RunDir, path: Path, overrides: list[str], config_dir: Optional[str]) -> DictConfig:
+    """DIR's config with the overrides on top, reading the selected rows into DIR/passes/N."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from batchinfer.config.checks import validate
+    from batchinfer.config.compose import compose, quote_literals
+
+    c = root.run["config"]
+    cfg = structured(c)
+    groups = {d.name for d in conf_dir().iterdir() if d.is_dir() and not d.name.startswith("_")}
+    chosen = [ov for ov in overrides if ov.partition("=")[0] in groups]
+    if chosen:  # a preset replaces its whole group, as on the run command line
+        fresh = compose(chosen, config_dir=config_dir)
+        for ov in chosen:
+            group = ov.partition("=")[0]
+            OmegaConf.update(cfg, group, fresh[group], merge=False)
+    cfg.input.path = str(path / passes.SELECTION)
+    cfg.input.format = "parquet"
+    cfg.input.id_column = c["input"]["id_column"] or passes.SOURCE_ROW  # ids (and per-row seeds) kept
+    cfg.output.dir = str(path)
+    cfg.output.format = "parquet"
+    cfg.output.max_rows_per_file = None
+    cfg.sharding.num_shards = None
+    cfg.sharding.rows_per_shard = c["sharding"]["rows_per_shard"] or _rows_per_shard(root)
+    keys = [ov for ov in overrides if ov not in chosen]
+    try:
+        for ov in OverridesParser.create().parse_overrides(quote_literals(keys)):
+            OmegaConf.update(cfg, ov.key_or_group, ov.value(), merge=True, force_add=ov.is_add())
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    if any(ov.startswith("sharding.num_shards=") for ov in keys):
+        cfg.sharding.rows_per_shard = None
+    validate(cfg)
+    return cfg
+
+
+def _rows_per_shard(root: RunDir) -> int:
+    """DIR's shard size (its first shard's rows): a pass's shards are as long."""
+    shards = root.shards()
+    return max(shards[0].rows, 1) if shards else DEFAULT_ROWS_PER_SHARD
+
+
+def run_pass(run: RunDir, engine: Any = None) -> RunDir:
+    """Run a pass here, or submit it as a Slurm array (cluster=slurm); its merge merges DIR."""
+    todo = incomplete_shards(run)
+    if run.config.cluster.name == "slurm":
+        from batchinfer.launch.submit import submit_shards
+
+        if todo:
+            submit_shards(run, todo)
+            return run
+    elif todo:
+        from batchinfer.launch.local import run_shards
+
+        run_shards(run, todo, engine)
+    merge(run)
+    root = passes.root_of(run)
+    print(f"done: {root.output_path} (pass {run.path.name} merged)")
+    return run
