@@ -12,6 +12,7 @@ from typing import Any, Optional
 from batchinfer import slurm_states
 from batchinfer.config.schema import POOLING_TASKS
 from batchinfer.insight.cost import engine_record
+from batchinfer.insight.task_nodes import nodes_note, shard_nodes
 from batchinfer.launch.jobs import shard_tasks
 from batchinfer.rundir.progress import Progress, budget_key
 from batchinfer.rundir.store import RunDir
@@ -91,8 +92,9 @@ def _progress(run: RunDir, index: int, names: tuple[str, str]) -> tuple[bool, di
     return False, {}
 
 
-def shard_status(run: RunDir, states: dict[str, str]) -> list[dict[str, Any]]:
-    """One record per shard: state, rows done of total, tokens, attempts, last error."""
+def shard_status(run: RunDir, states: dict[str, str], nodes: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
+    """One record per shard: state, rows done of total, tokens, attempts, last error; the nodes of
+    a running or failed shard's task (nodes: task -> sacct's NodeList)."""
     tasks = shard_tasks(run)
     log_lines: dict[str, Optional[str]] = {}  # a task's shards share its log: read it once
     names = (run.shard_folder(0).done_path.name, run.shard_folder(0).progress_path.name)
@@ -105,6 +107,7 @@ def shard_status(run: RunDir, states: dict[str, str]) -> list[dict[str, Any]]:
         rates = progress.rates()
         rec.update(
             rows_done=progress.rows_done,
+            reused_rows=progress.reused_rows,  # answered from output.reuse
             output_tokens=progress.output_tokens,
             generate_seconds=gen,
             output_tokens_per_s=rates.output_tokens_per_s,
@@ -136,6 +139,7 @@ def shard_status(run: RunDir, states: dict[str, str]) -> list[dict[str, Any]]:
         else:
             state = "pending"
         rec["state"] = state
+        rec["nodes"] = shard_nodes(state, task, nodes)
         if state == "failed":
             log_line = None
             if task and task["folder"]:
@@ -203,6 +207,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "states": counts,
         "rows": rows,
         "rows_done": done,
+        "reused_rows": sum(r.get("reused_rows", 0) for r in records),
         "output_tokens": tokens,
         "output_tokens_per_s": round(tokens / gen, 1) if gen else None,
         "rows_per_s": round(done / gen, 1) if gen else None,
@@ -241,7 +246,7 @@ def format_status(
         value = r["rows_per_s"] if pooled else r["output_tokens_per_s"]
         tps = f"{value:.1f}" if value else "-"
         which = engine_note(r) if r["state"] in ("failed", "partial") else ""
-        note_text = "; ".join(x for x in (which, failures_note(r), r.get("error")) if x)
+        note_text = "; ".join(x for x in (which, nodes_note(r), failures_note(r), r.get("error")) if x)
         lines.append(
             f"{r['shard']:>5}  {r['state']:<8} {rows:>15}  {tps:>8}  {r['job'] or '-':<14} {r['attempts']:>8}  {note_text[:100]}"
         )
@@ -253,6 +258,7 @@ def format_status(
         tps, now = totals["rows_per_s"], totals["running_rows_per_s"]
     lines.append(
         f"total: {totals['rows_done']} of {totals['rows']} rows; shards: {states}"
+        + (f"; {totals['reused_rows']} rows reused (output.reuse)" if totals.get("reused_rows") else "")
         + ("" if pooled else f"; output tokens: {totals['output_tokens']}")
         + (f" ({tps} {rate} per {unit} while {'computing' if pooled else 'generating'})" if tps else "")
         + (f"; now {now} {rate} over {tasks} running task{'s' * (tasks != 1)}" if now else "")

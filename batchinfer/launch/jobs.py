@@ -99,15 +99,18 @@ def unrecorded_names(run: RunDir, subs: Optional[list[dict[str, Any]]] = None) -
     return [s["name"] for s in (submissions(run) if subs is None else subs) if not s["complete"] and s.get("name")]
 
 
-def slurm_states(run: RunDir) -> tuple[dict[str, str], dict[str, str], Optional[str]]:
+def slurm_states(
+    run: RunDir, nodes: Optional[dict[str, str]] = None
+) -> tuple[dict[str, str], dict[str, str], Optional[str]]:
     """(states of DIR's jobs, jobs found only by their submission's name, a note when Slurm did not
-    answer). Never raises for Slurm: status shows what the run directory knows without it."""
+    answer); a `nodes` dict gets each task's nodes (slurm.job_states). Never raises for Slurm:
+    status shows what the run directory knows without it."""
     subs = submissions(run)
     # array ids, not their tasks': job_states answers for every task of an array asked about
     ids = sorted(set(all_job_ids(run, subs)))
     names = unrecorded_names(run, subs)
     problems: list[str] = []
-    states = slurm.job_states(ids, names=names, problems=problems) if ids or names else {}
+    states = slurm.job_states(ids, names=names, problems=problems, nodes=nodes) if ids or names else {}
     known = set(ids)
     unrecorded = {j: s for j, s in states.items() if j not in known and j.split("_")[0] not in known}
     note = None

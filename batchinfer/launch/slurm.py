@@ -187,6 +187,8 @@ def array_indices(spec: str) -> list[int]:
 
 
 USR2_NUMBER = "12"  # SIGUSR2 on Linux, as sacct prints it in ExitCode
+# The columns read_sacct reads, in its order (a shorter prefix of them is read too).
+SACCT_FIELDS = "JobID,State,ExitCode,NodeList"
 
 
 @dataclass
@@ -201,14 +203,17 @@ class SacctTask:
     # Killed by USR2: a line of it with signal 12 in its ExitCode (`0:12`: its batch shell or
     # step), or its own line FAILED with exit code 12 (srun passing on its task's death).
     usr2: bool = False
+    # Its own line's NodeList ("node[1-2]": where it runs or ran); None before it has nodes.
+    nodes: Optional[str] = None
 
 
 def read_sacct(text: str) -> dict[str, SacctTask]:
-    """`sacct -n -P -o JobID,State[,ExitCode]` output (-X or with steps) by task; a pending range
-    (`A_[3-9%2]`: tasks not started yet) is expanded. Tasks are A_T, or a plain job id."""
+    """`sacct -n -P -o JobID,State[,ExitCode[,NodeList]]` output (SACCT_FIELDS; -X or with steps)
+    by task; a pending range (`A_[3-9%2]`: tasks not started yet) is expanded. Tasks are A_T, or a
+    plain job id."""
     tasks: dict[str, SacctTask] = {}
     for line in text.splitlines():
-        jid, state, code = (line.strip().split("|") + ["", ""])[:3]
+        jid, state, code, nodelist = (line.strip().split("|") + ["", "", ""])[:4]
         state = state.split()[0] if state.strip() else ""  # "CANCELLED by 1000"
         task, _, step = jid.partition(".")
         array, _, index = task.partition("_")
@@ -227,6 +232,7 @@ def read_sacct(text: str) -> dict[str, SacctTask]:
             t.steps = True
         else:
             t.state, t.own = state, True
+            t.nodes = nodelist if nodelist and not nodelist.startswith("None") else None  # "None assigned"
     return tasks
 
 
@@ -267,14 +273,20 @@ def tasks_killed_by_usr2(arrays: list[str], tasks: list[str], wait_s: float = 60
         time.sleep(5)
 
 
-def job_states(job_ids: list[str], names: Iterable[str] = (), problems: Optional[list[str]] = None) -> dict[str, str]:
+def job_states(
+    job_ids: list[str],
+    names: Iterable[str] = (),
+    problems: Optional[list[str]] = None,
+    nodes: Optional[dict[str, str]] = None,
+) -> dict[str, str]:
     """State of each array task / job: squeue for live ones, sacct for finished ones.
 
     Ids may be array job ids, plain job ids or array task ids (A_T): sacct is asked about the
     array ids (A) and answers with every task's line, so 10,000 tasks cost one short argument,
     not one id each. Jobs of this user named in `names` are included too (a submission whose ids
     were never recorded). With a `problems` list, a Slurm command that fails or does not answer
-    is noted there and the states known without it are returned; without one, a timeout raises."""
+    is noted there and the states known without it are returned; without one, a timeout raises.
+    A `nodes` dict gets each task's nodes as sacct lists them (`node[1-2]`), for tasks that have some."""
     names = set(names)
     if not job_ids and not names:
         return {}
@@ -301,8 +313,11 @@ def job_states(job_ids: list[str], names: Iterable[str] = (), problems: Optional
             return None
         return res.stdout
 
-    out = call(["sacct", "-n", "-P", "-X", "-o", "JobID,State", "-j", ",".join(arrays)]) if arrays else None
-    states.update({task: t.state for task, t in read_sacct(out or "").items() if t.state is not None})
+    out = call(["sacct", "-n", "-P", "-X", "-o", SACCT_FIELDS, "-j", ",".join(arrays)]) if arrays else None
+    tasks = read_sacct(out or "")
+    states.update({task: t.state for task, t in tasks.items() if t.state is not None})
+    if nodes is not None:
+        nodes.update({task: t.nodes for task, t in tasks.items() if t.nodes})
     # squeue -j fails outright if one id has left slurmctld's memory: list this user's jobs instead.
     out = call(["squeue", "-h", "-r", "--me", "-o", "%i|%A|%T|%j"])
     wanted = set(arrays)

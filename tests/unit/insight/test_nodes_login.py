@@ -4,6 +4,9 @@ the weights need more than one node. No engine, no Slurm (fake sacct)."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -69,3 +72,82 @@ def test_one_node_runs_are_counted_as_before(tmp_path: Path) -> None:
     rep = build_report(run)
     assert rep["cost"]["gpu_hours"] == pytest.approx(8.0) and rep["cost"]["nodes_per_task"] == 1
     assert "(start-up + prepare + generate + commit seconds x GPUs: 4 per task)" in format_report(rep, [])
+
+
+# ---------------------------------------------------------------- status
+
+# Array 200 (shards 0-2), a one-task array submitted as the plain job 201 (shard 3), as sacct -X
+# lists them with SACCT_FIELDS (JobID,State,ExitCode,NodeList).
+SACCT_NODES = """200_0|COMPLETED|0:0|node1
+200_1|FAILED|1:0|gpu[07-08]
+200_2|RUNNING|0:0|gpu[03-04]
+201|FAILED|1:0|gpu12
+202_[0-1]|PENDING|0:0|None assigned
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """sacct and squeue first on PATH: sacct prints SACCT_NODES, squeue nothing; calls in *.calls."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for name, out in (("sacct", SACCT_NODES), ("squeue", "")):
+        (folder / f"{name}.out").write_text(out)
+        (folder / name).write_text('#!/bin/sh\nprintf "%s\\n" "$*" >> "$0.calls"\ncat "$0.out"\n')
+        (folder / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    return folder
+
+
+def test_read_sacct_keeps_each_tasks_nodes() -> None:
+    from batchinfer.launch.slurm import read_sacct
+
+    tasks = read_sacct(SACCT_NODES + "200_1.batch|FAILED|1:0|gpu07\n")
+    assert {k: t.nodes for k, t in tasks.items()} == {
+        "200_0": "node1",
+        "200_1": "gpu[07-08]",  # its own line, not its batch step's (the first node alone)
+        "200_2": "gpu[03-04]",
+        "201": "gpu12",
+        "202_0": None,  # pending: "None assigned"
+        "202_1": None,
+    }
+    assert tasks["200_1"].state == "FAILED" and tasks["200_2"].state == "RUNNING"
+    assert read_sacct("7_1|RUNNING\n")["7_1"].nodes is None  # fewer columns: read as before
+
+
+def test_status_names_the_nodes_of_running_and_failed_tasks(
+    tmp_path: Path, fake_slurm: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from batchinfer.cli import main
+
+    run = node_run(tmp_path, "sharding.num_shards=4", "model.tensor_parallel_size=2")
+    folder = run.logs_dir / "submission-000"
+    folder.mkdir(parents=True)
+    jobs = [
+        {"submission": 0, "time": 1.0, "folder": str(folder), "name": "bi-x-0"},
+        {"submission": 0, "array": 0, "job_id": "200", "tasks": {"0": [0], "1": [1], "2": [2]}},
+        {"submission": 0, "array": 1, "job_id": "201", "tasks": {"0": [3]}},
+        {"submission": 0, "merge": "203"},
+    ]
+    (run.path / "jobs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in jobs))
+    done_shard(run, 0, HOUR)
+    (folder / "200_1_0_log.err").write_text("RuntimeError: the engine ranks on gpu08 exited\n")
+    try:
+        assert main(["status", str(run.path), "--json"]) == 0
+        got = {s["shard"]: (s["state"], s["nodes"]) for s in json.loads(capsys.readouterr().out)["shards"]}
+        assert main(["status", str(run.path)]) == 0
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})  # main blocks it for workers
+    assert got == {
+        0: ("done", None),  # done: no nodes to look at
+        1: ("failed", "gpu[07-08]"),
+        2: ("running", "gpu[03-04]"),
+        3: ("failed", "gpu12"),  # a one-task array: the plain job 201 to Slurm
+    }
+    lines = {int(ln.split()[0]): ln for ln in capsys.readouterr().out.splitlines()[2:6]}
+    assert lines[1].endswith("on gpu[07-08]; RuntimeError: the engine ranks on gpu08 exited")
+    assert lines[2].endswith("on gpu[03-04]") and lines[3].endswith("on gpu12")
+    assert " on " not in lines[0]
+    calls = (fake_slurm / "sacct.calls").read_text().splitlines()
+    # one sacct call per status, as before: the nodes come with the states
+    assert calls == ["-n -P -X -o JobID,State,ExitCode,NodeList -j 200,201,203"] * 2

@@ -163,7 +163,7 @@ def test_sacct_is_asked_per_array_job_never_per_task(
     ids = sacct_ids(calls)
     # the two arrays, the one-task array (a plain job) and the merge job, each once; no A_T
     assert sorted(ids) == ["100", "101", "102", "103"], calls
-    assert all(call.startswith("-n -P -X -o JobID,State -j ") for call in calls)
+    assert all(call.startswith("-n -P -X -o JobID,State,ExitCode,NodeList -j ") for call in calls)
     assert len(fake_bin.calls("squeue")) == 1
     assert len(reads) <= 2  # once for Slurm's ids, once for the shards' tasks: not per shard
 
