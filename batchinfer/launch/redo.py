@@ -164,3 +164,39 @@ def run_pass(run: RunDir, engine: Any = None) -> RunDir:
     root = passes.root_of(run)
     print(f"done: {root.output_path} (pass {run.path.name} merged)")
     return run
+
+
+def resume_pass(root_dir: str, overrides: list[str], force: bool = False, dry_run: bool = False) -> bool:
+    """`resume DIR` when DIR's own shards are done and a pass is not: finish that pass (submitted
+    again under cluster=slurm, else here) and merge; False when DIR has no such pass."""
+    from batchinfer.launch.submit import resume
+
+    root = RunDir(root_dir)
+    number = passes.unfinished_pass(root) if root.exists() and not passes.is_pass(root) else None
+    if number is None or incomplete_shards(root):
+        return False
+    path = passes.pass_path(root, number)
+    rec = passes.read_record(path)
+    run = RunDir(path)
+    if not run.exists():  # stopped while its rows were being selected: only the redo command knows them
+        raise RunDirError(
+            f"pass {number} of {root.path} was stopped while it was being made; run the same command again: "
+            f"`batchinfer redo {shlex.quote(str(root.path))} {' '.join(shlex.quote(a) for a in rec.describe_args())}`"
+        )
+    print(f"pass {number} of {root.path} ({rec.describe()}) is not finished: resuming it")
+    if run.config.cluster.name == "slurm":
+        resume(str(path), overrides, force=force, dry_run=dry_run)
+    else:
+        run_pass(run)
+    return True
+
+
+def cancel_passes(root_dir: str) -> None:
+    """`cancel DIR`: the jobs of DIR's passes too."""
+    from batchinfer.launch.submit import cancel
+
+    root = RunDir(root_dir)
+    for number in passes.pass_numbers(root):
+        path = passes.pass_path(root, number)
+        if (path / "jobs.jsonl").is_file():
+            cancel(str(path))

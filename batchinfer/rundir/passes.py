@@ -45,6 +45,11 @@ class PassRecord:
         """`--where '...' overrides` as typed."""
         return " ".join([f"--where {self.where!r}", *self.overrides])
 
+    def describe_args(self) -> list[str]:
+        """The redo command's arguments after DIR."""
+        config_dir = ["--config-dir", self.config_dir] if self.config_dir else []
+        return ["--where", self.where, *config_dir, *self.overrides]
+
 
 def pass_path(root: RunDir, number: int) -> Path:
     """DIR/passes/N."""

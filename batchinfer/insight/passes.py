@@ -1,0 +1,94 @@
+"""What `status` and `report` say about a run directory's passes (`batchinfer redo`): per pass its
+command, rows and state, the unfinished pass's shards, and rows of the output per pass."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from batchinfer.rundir import passes
+from batchinfer.rundir.durable import read_json
+from batchinfer.rundir.store import RunDir
+
+
+def pass_records(root: RunDir) -> list[dict[str, Any]]:
+    """One record per pass: number, where, overrides, rows, shards done, state."""
+    merged = passes.merged_passes(root) or []
+    out = []
+    for number in passes.pass_numbers(root):
+        path = passes.pass_path(root, number)
+        rec = passes.read_record(path)
+        run = RunDir(path)
+        shards = run.shards() if run.exists() else []
+        done = sum(run.shard_folder(s.index).is_done() for s in shards)
+        if not run.exists():
+            state = "preparing"
+        elif done < len(shards):
+            state = "unfinished"
+        else:
+            state = "merged" if number in merged else "finished"
+        out.append(
+            {
+                "pass": number,
+                "dir": str(path),
+                "where": rec.where,
+                "overrides": rec.overrides,
+                "rows": rec.rows,
+                "shards": len(shards),
+                "shards_done": done,
+                "state": state,
+            }
+        )
+    return out
+
+
+def pass_lines(root: RunDir, records: list[dict[str, Any]]) -> list[str]:
+    """status's lines about passes; the unfinished pass's own table follows them (status_of)."""
+    lines = []
+    for r in records:
+        what = " ".join([f"--where {r['where']!r}", *r["overrides"]])
+        lines.append(
+            f"pass {r['pass']}: {r['state']}, {r['rows']} rows, {r['shards_done']} of {r['shards']} shards done ({what})"
+        )
+    return lines
+
+
+def unfinished_run(root: RunDir) -> Optional[RunDir]:
+    """The unfinished pass's run directory, when it has one (its shards are what status shows)."""
+    number = passes.unfinished_pass(root)
+    if number is None or not RunDir(passes.pass_path(root, number)).exists():
+        return None
+    return RunDir(passes.pass_path(root, number))
+
+
+def rows_per_pass(root: RunDir) -> Optional[dict[str, int]]:
+    """Rows of DIR's merged output per pass (stats.json; None before any pass was merged)."""
+    if not root.stats_json.is_file():
+        return None
+    return read_json(root.stats_json).get("passes")
+
+
+def report_lines(counts: Optional[dict[str, int]]) -> list[str]:
+    """report.md's line on passes."""
+    if not counts:
+        return []
+    shown = ", ".join(f"pass {k}: {v:,}" for k, v in counts.items())
+    return [f"rows of the output per pass (0: the run itself; `batchinfer redo`): {shown}", ""]
+
+
+def status_section(root: RunDir) -> tuple[list[dict[str, Any]], str]:
+    """status's records and text about DIR's passes, with the unfinished pass's shard table."""
+    from batchinfer.insight.status import format_status, shard_status, summarize
+    from batchinfer.launch.jobs import slurm_states
+
+    records = pass_records(root)
+    if not records:
+        return [], ""
+    lines = pass_lines(root, records)
+    run = unfinished_run(root)
+    if run is not None:
+        states, unrecorded, note = slurm_states(run)
+        shards = shard_status(run, states)
+        totals = summarize(shards)
+        next(r for r in records if r["pass"] == int(run.path.name)).update(shard_states=shards, totals=totals)
+        lines.append(format_status(run, shards, totals, note=note, unrecorded=unrecorded))
+    return records, "\n".join(lines)
