@@ -23,10 +23,15 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="batchinfer", description="Batch LLM inference with exactly-once output.")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_overrides(sub.add_parser("run", help="run every shard here with one engine, then merge"))
+    from batchinfer.tune.budget import add_budget_options, add_tune_option
+
+    p = sub.add_parser("run", help="run every shard here with one engine, then merge")
+    _add_overrides(p)
+    add_tune_option(p)
     p = sub.add_parser("submit", help="prepare DIR, submit a Slurm array and a merge job, return")
     _add_overrides(p)
     p.add_argument("--dry-run", action="store_true", help="print sbatch parameters and the shard map, submit nothing")
+    add_budget_options(p)
     p = sub.add_parser("plan", help="rows, shards, prompt tokens, weights and KV cache per GPU; no engine, no DIR")
     _add_overrides(p)
     p.add_argument("--gpu", default="H100-80GB", help="GPU preset (H100-80GB, H200-141GB, A100-40GB, ...) or `all`")
@@ -77,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p)
     p = sub.add_parser("merge", help="verify every shard is complete and write the output")
     p.add_argument("dir")
+    p = sub.add_parser("redo", help="a pass over the rows of DIR's output matching --where, with overrides")
+    p.add_argument("dir")
+    p.add_argument("--where", required=True, help="which rows, e.g. 'finish_reason == \"length\"'")
+    _add_overrides(p)
     return parser
 
 
@@ -106,8 +115,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.cfg:
         return _print_cfg(cfg)
     from batchinfer.launch.local import run_local
+    from batchinfer.tune.budget import hook
 
-    run_local(cfg)
+    run_local(cfg, prepared=hook(args))
     return 0
 
 
@@ -117,8 +127,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.cfg:
         return _print_cfg(cfg)
     from batchinfer.launch.submit import submit
+    from batchinfer.tune.budget import hook
 
-    submit(cfg, dry_run=args.dry_run)
+    submit(cfg, dry_run=args.dry_run, check=hook(args))
     return 0
 
 
@@ -173,14 +184,21 @@ def cmd_status(args: argparse.Namespace) -> int:
     warning = exposure_warning(run.path, run.run["input"]["path"])  # also refuses a folder without run.yaml
     if warning:
         print(warning, file=sys.stderr)
-    states, unrecorded, note = slurm_states(run)
-    records = shard_status(run, states)
+    nodes: dict[str, str] = {}  # task -> its nodes, from sacct
+    states, unrecorded, note = slurm_states(run, nodes)
+    records = shard_status(run, states, nodes)
     totals = summarize(records)
+    from batchinfer.insight.passes import status_section
+
+    pass_records, pass_text = status_section(run)  # `batchinfer redo`'s passes, if any
     if args.json:
         slurm_info = {"note": note, "unrecorded_jobs": unrecorded}
-        print(json.dumps({"dir": str(run.path), "totals": totals, "shards": records, "slurm": slurm_info}, indent=2))
+        shown = {"dir": str(run.path), "totals": totals, "shards": records, "slurm": slurm_info}
+        print(json.dumps(dict(shown, **({"passes": pass_records} if pass_records else {})), indent=2))
     else:
         print(format_status(run, records, totals, note=note, unrecorded=unrecorded))
+        if pass_text:
+            print(pass_text)
     return 0
 
 
@@ -202,9 +220,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     """`batchinfer resume DIR`."""
+    from batchinfer.launch.redo import resume_pass
     from batchinfer.launch.submit import resume
 
-    resume(args.dir, args.overrides, force=args.force, dry_run=args.dry_run)
+    if not resume_pass(args.dir, args.overrides, force=args.force, dry_run=args.dry_run):  # a redo's pass
+        resume(args.dir, args.overrides, force=args.force, dry_run=args.dry_run)
     return 0
 
 
@@ -218,6 +238,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         cancel_tune(args.dir)
     else:
         cancel(args.dir)
+        from batchinfer.launch.redo import cancel_passes
+
+        cancel_passes(args.dir)  # the jobs of `batchinfer redo`'s passes
     return 0
 
 
@@ -236,6 +259,14 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
     stats = merge(RunDir(args.dir))
     print(f"merged {stats['rows']} rows into {RunDir(args.dir).output_path}")
+    return 0
+
+
+def cmd_redo(args: argparse.Namespace) -> int:
+    """`batchinfer redo DIR --where EXPR [overrides]`."""
+    from batchinfer.launch.redo import redo
+
+    redo(args.dir, args.where, args.overrides, config_dir=args.config_dir)
     return 0
 
 
@@ -270,6 +301,7 @@ COMMANDS = {
     "merge": cmd_merge,
     "prepare-model": cmd_prepare_model,
     "tune": cmd_tune,
+    "redo": cmd_redo,
 }
 
 

@@ -5,6 +5,7 @@ them in this process (launch/shardloop.py), or cluster.engines_per_task engine p
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Optional
 
 from omegaconf import DictConfig
@@ -85,8 +86,9 @@ def run_alone(run: RunDir, shards: list[Shard], engine: Any, output: EngineOutpu
             ) from None
 
 
-def run_local(cfg: DictConfig, engine: Any = None) -> RunDir:
-    """`batchinfer run`: every shard here with one engine, then merge."""
+def run_local(cfg: DictConfig, engine: Any = None, prepared: Optional[Callable[[RunDir], None]] = None) -> RunDir:
+    """`batchinfer run`: every shard here with one engine, then merge; prepared (the forecast record,
+    tune/budget.py) sees DIR before the engine starts."""
     run = prepare(cfg)
     todo = [s.index for s in run.shards() if not run.shard_folder(s.index).is_done()]
     if not todo and run.output_path.exists() and run.stats_json.is_file():
@@ -94,6 +96,8 @@ def run_local(cfg: DictConfig, engine: Any = None) -> RunDir:
         print(f"{run.path} is already complete: {rows} rows in {run.output_path}; nothing to do")
         return run
     if todo:
+        if prepared is not None:
+            prepared(run)
         run_shards(run, todo, engine)
     merge(run)
     print(f"done: {run.output_path}")

@@ -9,7 +9,7 @@ import os
 import pkgutil
 import shlex
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -259,8 +259,9 @@ def _outside_this_job() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def submit(cfg: DictConfig, dry_run: bool = False) -> RunDir:
-    """`batchinfer submit`: prepare DIR, submit every incomplete shard, return at once."""
+def submit(cfg: DictConfig, dry_run: bool = False, check: Optional[Callable[[RunDir], None]] = None) -> RunDir:
+    """`batchinfer submit`: prepare DIR, submit every incomplete shard, return at once; check (the
+    forecast and budget, tune/budget.py) sees DIR before any sbatch and may refuse."""
     # What sbatch cannot take is refused before DIR is made.
     slurm.check_directives(to_config(cfg).cluster)
     if cfg.output.dir:
@@ -270,6 +271,8 @@ def submit(cfg: DictConfig, dry_run: bool = False) -> RunDir:
     if not todo:
         print(f"{run.path}: every shard is done; `batchinfer merge {run.path}` writes the output if it is missing")
         return run
+    if check is not None:
+        check(run)
     submit_shards(run, todo, dry_run=dry_run)
     return run
 
