@@ -27,14 +27,23 @@ from batchinfer.rundir.where import compile_where
 LENGTH = 'finish_reason == "length"'
 
 
-@pytest.fixture
-def first(tmp_path: Path, tiny_model_path: Path) -> dict[str, Any]:
-    """A finished run of 80 rows at max_tokens=4: some rows stop at `length`."""
+def output_bytes(run: RunDir) -> dict[str, bytes]:
+    """The merged output's files and their bytes."""
+    out = run.output_path
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())} if out.is_dir() else {out.name: out.read_bytes()}
+
+
+@pytest.fixture(params=["parquet", "jsonl", "split"])
+def first(tmp_path: Path, tiny_model_path: Path, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """A finished run of 80 rows at max_tokens=4 (some rows stop at `length`): Parquet output, JSON
+    lines (parts too), or output files of at most 30 rows."""
     corpus = tmp_path / "c.jsonl"
     rows = write_corpus(corpus, 80, seed=11)
-    cfg = compose(
-        run_overrides(tiny_model_path, corpus, tmp_path / "run", "sampling.max_tokens=4", "sharding.num_shards=3")
+    fmt = {"parquet": [], "jsonl": ["output.format=jsonl"], "split": ["output.max_rows_per_file=30"]}[request.param]
+    ov = run_overrides(
+        tiny_model_path, corpus, tmp_path / "run", "sampling.max_tokens=4", "sharding.num_shards=3", *fmt
     )
+    cfg = compose(ov)
     run = run_local(cfg, engine=StandinEngine(cfg))
     out = read_output(run.path)
     return {"run": run, "rows": rows, "out": out, "cfg": cfg}
@@ -86,14 +95,14 @@ def test_the_same_command_after_the_pass_finished_makes_a_pass_of_the_rest(first
 
 def test_an_unfinished_pass_leaves_the_output_as_it_was(first: dict[str, Any], tmp_path: Path) -> None:
     run = first["run"]
-    output = run.output_path.read_bytes()
+    output = output_bytes(run)
     stats = run.stats_json.read_bytes()
     # a pass prepared but not run (a redo killed before its first commit)
     new_pass(run, LENGTH, ["sampling.max_tokens=9"])
     rows = select_rows(run, compile_where(LENGTH, view_schema(run)))
     assert finished_passes(run) == []
     merge(run)
-    assert run.output_path.read_bytes() == output and run.stats_json.read_bytes() == stats
+    assert output_bytes(run) == output and run.stats_json.read_bytes() == stats
     # another command while it is unfinished is refused, naming it
     with pytest.raises(
         RunDirError, match=r"passes/1 \(--where 'finish_reason == \"length\"' sampling.max_tokens=9\) is not finished"
