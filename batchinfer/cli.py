@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("redo", help="a pass over the rows of DIR's output matching --where, with overrides")
     p.add_argument("dir")
     p.add_argument("--where", required=True, help="which rows, e.g. 'finish_reason == \"length\"'")
-    _add_overrides(p)
+    p.add_argument("overrides", nargs="*", help="on top of DIR's config, e.g. sampling.max_tokens=1024 cluster=slurm")
+    p.add_argument("--config-dir", help="a folder of extra config groups / presets (Hydra searchpath)")
     return parser
 
 
