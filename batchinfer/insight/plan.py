@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, POOLING_TASKS, Config, to_config
 from batchinfer.errors import ConfigError
-from batchinfer.models import sizing
+from batchinfer.models import node_sizing, sizing
 from batchinfer.models.maxlen import max_model_len
 
 if TYPE_CHECKING:
@@ -160,12 +160,22 @@ def model_section(c: Config, folder: Path) -> tuple[sizing.ModelSize, dict[str, 
 def gpu_rows(
     c: Config, model: sizing.ModelSize, ms: dict[str, Any], gpus: list[str], seq_len: Optional[int]
 ) -> list[dict[str, Any]]:
-    """One row per GPU preset: memory per GPU, KV tokens, concurrency, layout advice and warnings."""
+    """One row per GPU preset: memory per GPU at TP x PP, KV tokens, concurrency, layout advice
+    (over several nodes when one does not hold the model) and warnings."""
     m = c.model
-    util, tp = m.gpu_memory_utilization, m.tensor_parallel_size
+    util, tp, pp = m.gpu_memory_utilization, m.tensor_parallel_size, m.pipeline_parallel_size
     out = []
     for gpu in gpus:
-        adv = sizing.advice(model, ms["weight_bytes"], ms["kv_bytes_per_element"], gpu, util, tp, ms["max_model_len"])
+        adv = node_sizing.node_advice(
+            model,
+            ms["weight_bytes"],
+            ms["kv_bytes_per_element"],
+            gpu,
+            util,
+            (tp, pp),
+            ms["max_model_len"],
+            _per_node(c),
+        )
         f = adv["fit"]
         kv = ms["kv_cache"]
         batch = ms["max_num_batched_tokens"] or sizing.default_batch_tokens(gpu)
@@ -175,6 +185,8 @@ def gpu_rows(
                 "gpu_gb": f.gpu_gb,
                 "gpu_memory_utilization": util,
                 "tensor_parallel_size": tp,
+                "pipeline_parallel_size": pp,
+                "nodes_per_task": c.cluster.nodes_per_task,
                 "usable_bytes": f.usable,
                 "weight_bytes_per_gpu": f.weights,
                 "kv_cache_bytes_per_gpu": f.kv_free if kv else 0,
@@ -186,11 +198,35 @@ def gpu_rows(
                 "max_seqs_at_max_model_len": round(f.max_seqs, 2),
                 "seqs_at_corpus_length": round(f.kv_tokens / seq_len, 1) if seq_len else None,
                 "recommended_tp": adv["recommended_tp"],
+                "recommended_nodes": _nodes_record(adv["nodes"]),
                 "layout": _one_copy_per_gpu(c, adv["layout"]) if adv["recommended_tp"] == 1 else adv["layout"],
                 "warnings": adv["warnings"],
             }
         )
     return out
+
+
+def _per_node(c: Config) -> int:
+    """GPUs of one node for the layout over nodes: cluster.gpus_per_task of a task over several
+    nodes (GPUs on each), else a node of 8."""
+    if c.cluster.nodes_per_task > 1 and c.cluster.gpus_per_task:
+        return int(c.cluster.gpus_per_task)
+    return sizing.TP_SIZES[-1]
+
+
+def _nodes_record(f: Optional[node_sizing.NodeFit]) -> Optional[dict[str, Any]]:
+    """The layout over nodes proposed when one node does not hold the model, for --json and the text."""
+    if f is None:
+        return None
+    return {
+        "nodes_per_task": f.nodes,
+        "gpus_per_node": f.gpus_per_node,
+        "tensor_parallel_size": f.tp,
+        "pipeline_parallel_size": f.pp,
+        "weight_bytes_per_gpu": f.weights,
+        "max_seqs_at_max_model_len": round(f.max_seqs, 2),
+        "settings": node_sizing.nodes_settings(f),
+    }
 
 
 def engines_section(c: Config, inp: Optional[dict[str, Any]]) -> dict[str, Any]:

@@ -120,7 +120,7 @@ def _one_gpu_lines(g: dict[str, Any], ms: dict[str, Any]) -> list[str]:
         length = "prompt + max_tokens" if ms.get("task", "generate") == "generate" else "input tokens"
         corpus = f", {sizing.seqs(g['seqs_at_corpus_length'])} of this corpus's mean length ({length})"
     lines = [
-        f"gpu      {g['gpu']}, tensor_parallel_size={g['tensor_parallel_size']}, "
+        f"gpu      {g['gpu']}, tensor_parallel_size={g['tensor_parallel_size']}{_pp(g)}, "
         f"gpu_memory_utilization={g['gpu_memory_utilization']}"
     ]
     if ms.get("kv_cache", True):
@@ -146,13 +146,13 @@ def _gpu_table_lines(rows: list[dict[str, Any]], kv: bool, engines: Any) -> list
     tp = rows[0]["tensor_parallel_size"]
     util = rows[0]["gpu_memory_utilization"]
     lines = [
-        f"gpus     tensor_parallel_size={tp}, gpu_memory_utilization={util}:",
+        f"gpus     tensor_parallel_size={tp}{_pp(rows[0])}, gpu_memory_utilization={util}:",
         f"  {'gpu':<11} {'usable/GPU':>10} {'weights/GPU':>11} {'KV/GPU' if kv else 'act/GPU':>9} "
         f"{'KV tokens' if kv else 'batch tok':>11} "
         f"{'seqs@max_len':>12} {'fit TP':>6}",
     ]
     for g in rows:
-        fit_tp = str(g["recommended_tp"]) if g["recommended_tp"] else "-"
+        fit_tp = str(g["recommended_tp"]) if g["recommended_tp"] else _over_nodes(g.get("recommended_nodes"))
         lines.append(
             f"  {g['gpu']:<11} {g['usable_bytes'] / GB:>7,.1f} GB {g['weight_bytes_per_gpu'] / GB:>8,.1f} GB "
             f"{(g['kv_cache_bytes_per_gpu'] if kv else g['activation_bytes_per_gpu']) / GB:>6,.1f} GB "
@@ -164,9 +164,27 @@ def _gpu_table_lines(rows: list[dict[str, Any]], kv: bool, engines: Any) -> list
         f"  fit TP: smallest of {', '.join(map(str, sizing.TP_SIZES))} whose {holds} "
         f"{sizing.MIN_SEQS}+ sequences of max_model_len; 1 means one model copy per GPU"
     )
+    for g in rows:  # TPxPP: no one node holds the model; TP inside a node, PP across nodes
+        if g.get("recommended_nodes"):
+            n = g["recommended_nodes"]
+            lines.append(f"  {g['gpu']}: more than one node of {n['gpus_per_node']} GPUs: {n['settings']}")
     if (engines or {}).get("setting", 1) == 1 and any(g["recommended_tp"] == 1 for g in rows):
         lines.append("  (on whole nodes, cluster.engines_per_task=auto runs one copy per GPU in each task)")
     return lines
+
+
+def _pp(g: dict[str, Any]) -> str:
+    """`, pipeline_parallel_size=2 over cluster.nodes_per_task=2 nodes` when the layout has stages."""
+    pp, nodes = g.get("pipeline_parallel_size", 1), g.get("nodes_per_task", 1)
+    if pp == 1 and nodes == 1:
+        return ""
+    over = f" over cluster.nodes_per_task={nodes} nodes" if nodes > 1 else ""
+    return f" x pipeline_parallel_size={pp}{over}"
+
+
+def _over_nodes(n: Any) -> str:
+    """The fit column of a model no one node holds: `8x2` (TP x PP over nodes), or `-`."""
+    return f"{n['tensor_parallel_size']}x{n['pipeline_parallel_size']}" if n else "-"
 
 
 def _warning_lines(rows: list[dict[str, Any]], kv: bool) -> list[str]:

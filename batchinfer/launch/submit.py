@@ -16,12 +16,12 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from batchinfer import security, slurm_env, slurm_states
-from batchinfer.config.nodes import describe_nodes
 from batchinfer.config.schema import to_config
 from batchinfer.errors import ConfigError, RunDirError, SlurmUnavailable, SubmissionRefused
 from batchinfer.launch import slurm
 from batchinfer.launch.executor import make_executor
 from batchinfer.launch.jobs import all_job_ids, heal_streak, submissions, unrecorded_names
+from batchinfer.launch.node_layout import layout_lines
 from batchinfer.rundir.merge import incomplete_shards
 from batchinfer.rundir.prepare import freeze_paths, prepare
 from batchinfer.rundir.store import RunDir
@@ -72,7 +72,7 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False, heal: 
     if dry_run:
         print(f"job name: {name}")
         if cluster.nodes_per_task > 1:
-            print(f"nodes per task: {describe_nodes(c)}")
+            print("\n".join(layout_lines(c, len(chunks[0]), folder, name)))
         else:
             print(f"engines per task: {_engines_line(c, engines)}")
         for n, chunk in enumerate(chunks):
@@ -82,6 +82,8 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False, heal: 
         print(f"merge job: {slurm.merge_parameters(cluster, ['<array ids>'])}")
         return {"submission": number, "dry_run": True, "arrays": [{"tasks": dict(enumerate(ch))} for ch in chunks]}
     security.make_private(run.path, c.output.private)  # set by `resume output.private=true`
+    if cluster.nodes_per_task > 1:  # what the tasks ask Slurm for, said before sbatch is asked
+        print("\n".join(layout_lines(c, len(chunks[0]), folder, name)))
     record: dict[str, Any] = {"submission": number, "time": time.time(), "folder": str(folder), "name": name}
     _record(run, {**record, "arrays_planned": len(chunks), **({"heal": True} if heal else {})})
     arrays: list[dict[str, Any]] = []

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.fake_engine import prepared
@@ -151,3 +152,86 @@ def test_status_names_the_nodes_of_running_and_failed_tasks(
     calls = (fake_slurm / "sacct.calls").read_text().splitlines()
     # one sacct call per status, as before: the nodes come with the states
     assert calls == ["-n -P -X -o JobID,State,ExitCode,NodeList -j 200,201,203"] * 2
+
+
+# ---------------------------------------------------------------- plan
+
+# Llama-3.1-405B's shape: about 812 GB of weights in BF16, more than a node of 8 x 80 GB holds.
+LLAMA_405B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 16384,
+    "intermediate_size": 53248,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 126,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "torch_dtype": "bfloat16",
+}
+
+
+def plan_of(tmp_path: Path, *overrides: str) -> tuple[dict[str, Any], str]:
+    from batchinfer.config.compose import compose
+    from batchinfer.insight.plan import estimate
+    from batchinfer.insight.plan_text import format_plan
+
+    folder = tmp_path / "405b"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(LLAMA_405B))
+    report = estimate(compose([f"model.path={folder}", *overrides]), gpu="H100")
+    return report, " ".join(format_plan(report).split())  # long lines wrap
+
+
+def test_plan_says_when_the_weights_need_more_than_one_node(tmp_path: Path) -> None:
+    report, text = plan_of(tmp_path, "model.max_model_len=32768")
+    g = report["gpus"][0]
+    assert g["recommended_tp"] is None  # no TP up to 8 holds it
+    assert g["recommended_nodes"] == {
+        "nodes_per_task": 2,
+        "gpus_per_node": 8,
+        "tensor_parallel_size": 8,
+        "pipeline_parallel_size": 2,
+        "weight_bytes_per_gpu": -(-report["model"]["weight_bytes"] // 16),
+        "max_seqs_at_max_model_len": g["recommended_nodes"]["max_seqs_at_max_model_len"],
+        "settings": "cluster.nodes_per_task=2 cluster.gpus_per_task=8 model.tensor_parallel_size=8 "
+        "model.pipeline_parallel_size=2",
+    }
+    assert g["recommended_nodes"]["max_seqs_at_max_model_len"] >= 4
+    assert "layout needs more than one node: no tensor parallel size up to 8 (one node of 8 H100-80GB)" in text
+    assert "over 2 nodes (tensor parallel inside a node, pipeline parallel across nodes): " in text
+    assert "cluster.nodes_per_task=2 cluster.gpus_per_task=8 model.tensor_parallel_size=8 " in text
+    assert "quantize (quantization=fp8)" not in text
+    # FP8 halves the weights: one node of 8 holds them, no nodes proposed
+    report, text = plan_of(tmp_path, "model.max_model_len=32768", "quantization.method=fp8")
+    assert report["gpus"][0]["recommended_tp"] == 8 and report["gpus"][0]["recommended_nodes"] is None
+    assert "more than one node" not in text
+
+
+def test_plan_sizes_per_gpu_at_tp_x_pp_over_nodes(tmp_path: Path) -> None:
+    from batchinfer.models.sizing import GB
+
+    layout = ["cluster=slurm", "cluster.nodes_per_task=2", "cluster.gpus_per_task=8"]
+    layout += ["model.tensor_parallel_size=8", "model.pipeline_parallel_size=2", "model.max_model_len=32768"]
+    report, text = plan_of(tmp_path, *layout)
+    g, weights = report["gpus"][0], report["model"]["weight_bytes"]
+    usable = int(80 * GB * 0.9)
+    assert g["weight_bytes_per_gpu"] == -(-weights // 16)  # 1/16 of the weights, not 1/8
+    # a GPU holds 63 of the 126 layers' KV, 1 of the 8 KV heads: 2 x 63 x 1 x 128 x 2 bytes a token
+    assert g["kv_tokens"] == (usable - g["weight_bytes_per_gpu"]) // (2 * 63 * 128 * 2)
+    assert g["warnings"] == [] and (g["pipeline_parallel_size"], g["nodes_per_task"]) == (2, 2)
+    assert (
+        "gpu H100-80GB, tensor_parallel_size=8 x pipeline_parallel_size=2 over cluster.nodes_per_task=2 nodes" in text
+    )
+    assert "nodes 2 (cluster.nodes_per_task=2), 8 GPUs on each: one engine of TP 8 x PP 2 = 16 ranks" in text
+    # at 4 nodes' worth of stages the KV cache per GPU grows: the stage holds a quarter of the layers
+    report, _ = plan_of(
+        tmp_path,
+        *layout[:1],
+        "cluster.nodes_per_task=4",
+        *layout[2:3],
+        "model.pipeline_parallel_size=4",
+        "model.tensor_parallel_size=8",
+        "model.max_model_len=32768",
+    )
+    assert report["gpus"][0]["kv_tokens"] == (usable - -(-weights // 32)) // (2 * 32 * 128 * 2)
