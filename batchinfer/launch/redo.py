@@ -20,7 +20,7 @@ from batchinfer.rundir.prepare import PREPARING, prepare
 from batchinfer.rundir.splice import select_rows, view_schema, write_selection
 from batchinfer.rundir.store import RunDir
 from batchinfer.rundir.where import compile_where
-from batchinfer.security import remove_path
+from batchinfer.security import private_umask, remove_path
 
 log = logging.getLogger("batchinfer")
 
@@ -88,11 +88,13 @@ def new_pass(root: RunDir, where: str, overrides: list[str], config_dir: Optiona
         return None
     number = max(passes.pass_numbers(root), default=0) + 1
     path = passes.pass_path(root, number)
-    path.mkdir(parents=True)
-    (path / PREPARING).touch()  # prepare may fill this folder: it is a run directory being made
-    passes.write_record(path, number, where, overrides, config_dir)
+    with private_umask(root.config.output.private):
+        path.mkdir(parents=True)
+        (path / PREPARING).touch()  # prepare may fill this folder: it is a run directory being made
+        passes.write_record(path, number, where, overrides, config_dir)
     try:
-        write_selection(root, rows, path)
+        with private_umask(root.config.output.private):
+            write_selection(root, rows, path)
         passes.set_rows(path, len(rows))
         run = prepare(pass_config(root, path, overrides, config_dir))
         passes.check_schema(root, run)

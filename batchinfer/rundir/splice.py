@@ -187,8 +187,9 @@ def write_selection(root: RunDir, rows: np.ndarray, folder: Path, batch: int = 5
 
 
 def _input_rows(ds: Any, rows: np.ndarray) -> pa.Table:
-    """Input rows at these indices as a table (a referenced corpus or a memory-mapped dataset)."""
-    selected = ds.select(rows.tolist())
-    if hasattr(selected, "table") and isinstance(selected.table, pa.Table):
-        return selected.table
+    """Input rows at these indices as a table: a referenced corpus reads only their row groups; a
+    converted one is taken from its memory-mapped table (Dataset.select would write an indices
+    cache into DIR/input)."""
+    if hasattr(ds, "manifest"):
+        return ds.select(rows.tolist()).table
     return ds.data.table.take(pa.array(rows))

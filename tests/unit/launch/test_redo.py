@@ -33,13 +33,14 @@ def output_bytes(run: RunDir) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.iterdir())} if out.is_dir() else {out.name: out.read_bytes()}
 
 
-@pytest.fixture(params=["parquet", "jsonl", "split"])
+@pytest.fixture
 def first(tmp_path: Path, tiny_model_path: Path, request: pytest.FixtureRequest) -> dict[str, Any]:
     """A finished run of 80 rows at max_tokens=4 (some rows stop at `length`): Parquet output, JSON
-    lines (parts too), or output files of at most 30 rows."""
-    corpus = tmp_path / "c.jsonl"
-    rows = write_corpus(corpus, 80, seed=11)
-    fmt = {"parquet": [], "jsonl": ["output.format=jsonl"], "split": ["output.max_rows_per_file=30"]}[request.param]
+    lines (parts too), output files of at most 30 rows, or a Parquet input (read in place)."""
+    kind = getattr(request, "param", "parquet")
+    corpus = tmp_path / ("c.parquet" if kind == "parquet-input" else "c.jsonl")
+    rows = write_corpus(corpus, 80, seed=11, fmt="parquet" if kind == "parquet-input" else "jsonl")
+    fmt = {"jsonl": ["output.format=jsonl"], "split": ["output.max_rows_per_file=30"]}.get(kind, [])
     ov = run_overrides(
         tiny_model_path, corpus, tmp_path / "run", "sampling.max_tokens=4", "sharding.num_shards=3", *fmt
     )
@@ -49,6 +50,7 @@ def first(tmp_path: Path, tiny_model_path: Path, request: pytest.FixtureRequest)
     return {"run": run, "rows": rows, "out": out, "cfg": cfg}
 
 
+@pytest.mark.parametrize("first", ["parquet", "jsonl", "split", "parquet-input"], indirect=True)
 def test_redo_changes_exactly_the_selected_rows_and_merges_them_in_place(first: dict[str, Any]) -> None:
     run, before = first["run"], first["out"]
     length = [r["row"] for r in before if r["finish_reason"] == "length"]
@@ -93,6 +95,7 @@ def test_the_same_command_after_the_pass_finished_makes_a_pass_of_the_rest(first
     assert json.loads(run.stats_json.read_text())["passes"]["2"] == len(redone)
 
 
+@pytest.mark.parametrize("first", ["parquet", "split"], indirect=True)
 def test_an_unfinished_pass_leaves_the_output_as_it_was(first: dict[str, Any], tmp_path: Path) -> None:
     run = first["run"]
     output = output_bytes(run)
