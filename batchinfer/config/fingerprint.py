@@ -141,6 +141,29 @@ def fingerprint_keys(
     return keys
 
 
+# Fingerprint keys that reach an answer only through its request's prompt token ids and the row's
+# own sampling (the corpus, template, system prompt, overlong policy, chat template kwargs), or that
+# say only where rows go (ids, carried columns, sharding, output format). A request digest
+# (requests/digest.py) holds those ids and that sampling instead; every other fingerprint key enters
+# it. prompt.labels stays: it decides the `label` and `label_confidence` columns of an answer.
+STOOD_FOR_BY_REQUEST = ("input.", "prompt.", "sharding.", "output.")
+ANSWER_PROMPT_KEYS = frozenset({"prompt.labels"})
+
+
+def answer_keys(keys: dict[str, Any]) -> dict[str, Any]:
+    """The fingerprint keys that change an answer beyond its request's token ids and own sampling;
+    a file enters by its contents alone (two runs may name one schema by different paths)."""
+
+    def contents(value: Any) -> Any:
+        if _is_file_record(value):
+            return {"sha256": value["sha256"]}
+        return {k: contents(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+    return {
+        k: contents(v) for k, v in keys.items() if k in ANSWER_PROMPT_KEYS or not k.startswith(STOOD_FOR_BY_REQUEST)
+    }
+
+
 def fingerprint(keys: dict[str, Any]) -> str:
     """Stable hash of the fingerprint keys."""
     blob = json.dumps(keys, sort_keys=True, default=str).encode()

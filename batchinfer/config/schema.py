@@ -154,6 +154,9 @@ class OutputConfig:
     # How locks are taken: auto (flock, or lock files where flock fails or is node-local) | flock |
     # file (lock files, for a filesystem whose flock is node-local and not detected). Not in the fingerprint.
     lock: str = "auto"
+    # Earlier run directories whose answers to identical requests are taken instead of computed
+    # (a path or a list of them; rundir/reuse.py). Not in the fingerprint: the same run either way.
+    reuse: Any = None
 
 
 @dataclass

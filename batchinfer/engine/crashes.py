@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchinfer.requests.request import ErrorRow, Made, RequestKey
+from batchinfer.requests.request import ErrorRow, Made, Request, RequestKey
 from batchinfer.rundir.progress import Progress
 from batchinfer.rundir.schema import error_row
 
@@ -28,7 +28,7 @@ class Crashes:
     def unless_crashed(self, made: Made) -> Made:
         """A request identical to one the engine died on alone is an error row at once: fed again,
         it would cost CRASHES_TO_ISOLATE more engine deaths."""
-        if not self.requests or isinstance(made, ErrorRow):
+        if not self.requests or not isinstance(made, Request):
             return made
         crashed = self.requests.get(made.key.digest())
         if crashed is None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from batchinfer.engine.stream import ResultCache, result_bytes
 from batchinfer.engine.vllm_engine import Completion
-from batchinfer.requests.request import ErrorRow, Made, RequestKey
+from batchinfer.requests.request import Answered, ErrorRow, Made, RequestKey
 
 PREFIX_TOKENS = 32  # a system prompt or template head (longer shared runs stay in the prefix cache)
 
@@ -55,7 +55,7 @@ class Feed:
         for index, row in self.rows:
             check_stop()
             made = self.request(index, row)
-            if isinstance(made, ErrorRow):
+            if isinstance(made, (ErrorRow, Answered)):  # a bad row, or output.reuse's answer
                 out.append(made.row)
             elif made.key in self.groups:
                 self.groups[made.key].append(made.base)

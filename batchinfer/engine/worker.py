@@ -18,6 +18,7 @@ from batchinfer import faults
 from batchinfer.engine.crashes import crash_row
 from batchinfer.engine.generation import GenerationRows
 from batchinfer.engine.pooled import pooling_rows
+from batchinfer.engine.reuse import RowReuse
 from batchinfer.engine.scheduler import EngineLike, ShardScheduler, TaskRows
 from batchinfer.engine.stopflag import StopFlag
 from batchinfer.engine.stream import done_rows
@@ -27,10 +28,10 @@ from batchinfer.inputs.convert import open_input
 from batchinfer.inputs.shards import Shard
 from batchinfer.requests.build import row_id
 from batchinfer.requests.prompts import PromptBuilder
-from batchinfer.requests.request import Made, Request, RequestKey
+from batchinfer.requests.request import Made, RequestKey
 from batchinfer.rundir.locks import ShardLock, configured_mode
 from batchinfer.rundir.progress import PrefixCache, Progress, count_failure, read_progress, write_progress
-from batchinfer.rundir.schema import rows_to_table
+from batchinfer.rundir.schema import REUSED_COLUMN, rows_to_table
 from batchinfer.rundir.store import RunDir
 from batchinfer.versions import installed_versions
 
@@ -52,6 +53,7 @@ class ShardWorker:
         self.prompts = PromptBuilder(self.cfg.prompt)
         self.task_rows: TaskRows = pooling_rows(self.cfg, self.prompts) or GenerationRows(self.cfg, self.prompts)
         self._turns_checked = False
+        self.reuse = RowReuse(run)  # request digests into the rows; output.reuse's answers
         self.record: Optional[Progress] = None  # the current shard's progress record
         self.failures: Optional[int] = None  # this shard's failures in this submission, once counted
         # {"index", "of", "devices"}: which of its task's engines this is (cluster.engines_per_task)
@@ -116,7 +118,9 @@ class ShardWorker:
     def _record_from_parts(self, shard: Shard) -> tuple[Progress, np.ndarray]:
         """The shard's record with counts rebuilt from its committed parts (the truth), attempts,
         failures and seconds carried over; and its committed rows (sorted)."""
-        counted = [c for c in ("row", "prompt_tokens", "output_tokens", "error") if c in self.run.schema.names]
+        counted = [
+            c for c in ("row", "prompt_tokens", "output_tokens", "error", REUSED_COLUMN) if c in self.run.schema.names
+        ]
         folder = self.run.shard_folder(shard.index)
         table = folder.read_rows(columns=counted)  # pooling outputs have no output_tokens
         rows = done_rows(table.column("row"))  # sorted, so resume needs no set of a shard's rows
@@ -130,6 +134,7 @@ class ShardWorker:
             prompt_tokens=int(pc.sum(table.column("prompt_tokens")).as_py() or 0),
             output_tokens=int(pc.sum(table.column("output_tokens")).as_py() or 0) if "output_tokens" in counted else 0,
             errors={k["values"]: k["counts"] for k in kinds},
+            reused_rows=int(pc.sum(table.column(REUSED_COLUMN)).as_py() or 0) if REUSED_COLUMN in counted else 0,
             attempts=old.attempts + 1,
             failures=old.failures,
             failures_by_job=old.failures_by_job or {},
@@ -188,7 +193,7 @@ class ShardWorker:
         """A row's request (its output base and key), or its error row (a bad row)."""
         base: dict[str, Any] = {"row": index, "id": row_id(self.cfg, row, index), **self._carried(row)}
         made = self.task_rows.request(index, base, row, engine)
-        return Request(base, made) if isinstance(made, RequestKey) else made
+        return self.reuse.made(base, made, self.dtype) if isinstance(made, RequestKey) else made
 
     def _carried(self, row: dict[str, Any]) -> dict[str, Any]:
         """The input columns carried into the output (input.columns), if any."""
@@ -221,6 +226,7 @@ class ShardWorker:
         record.rows_done += len(rows)
         record.prompt_tokens += sum(r["prompt_tokens"] or 0 for r in rows)
         record.output_tokens += sum(r.get("output_tokens") or 0 for r in rows)
+        record.reused_rows += sum(1 for r in rows if r.get(REUSED_COLUMN))
         for r in rows:
             if r["error"]:
                 record.errors[r["error"]["kind"]] = record.errors.get(r["error"]["kind"], 0) + 1

@@ -50,4 +50,11 @@ class ErrorRow:
     row: dict[str, Any]
 
 
-Made = Union[Request, ErrorRow]  # what a row makes
+@dataclass
+class Answered:
+    """A row answered without the engine: an earlier run's answer to the same request (output.reuse)."""
+
+    row: dict[str, Any]
+
+
+Made = Union[Request, ErrorRow, Answered]  # what a row makes

@@ -43,6 +43,7 @@ from batchinfer.requests.prompts import apply_labels
 from batchinfer.requests.row_templates import check_row_templates
 from batchinfer.rundir.durable import atomic_write, write_json
 from batchinfer.rundir.locks import flock_works
+from batchinfer.rundir.reuse import checked_reuse
 from batchinfer.rundir.schema import output_schema, pooling_schema, schema_summary, schema_to_text
 from batchinfer.rundir.store import RunDir
 from batchinfer.security import make_private, private_umask, remove_path
@@ -127,6 +128,7 @@ def _prepare(cfg: DictConfig) -> RunDir:
         legacy = run_dir_for(c, legacy_fingerprint(keys))  # a default DIR named by an older version
         if legacy.exists():
             run = legacy
+    c["output"]["reuse"] = checked_reuse(c["output"]["reuse"], run)  # not in the fingerprint
     if run.exists():
         old = run.run
         changes = key_changes(old["fingerprint_keys"], keys)

@@ -72,6 +72,9 @@ class Progress:
     prompt_tokens: int = 0
     output_tokens: int = 0
     errors: dict[str, int] = field(default_factory=dict)  # error rows by kind
+    # rows answered from output.reuse (rebuilt from the parts' `reused` column); a record without it
+    # is from a version that reused nothing: 0
+    reused_rows: int = 0
     attempts: int = 0
     failures: int = 0
     # cluster.max_attempts counts per submission (budget_key); None: a record from before that

@@ -12,6 +12,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 ERROR_TYPE = pa.struct([("kind", pa.string()), ("message", pa.string())])
+# Every row the engine answered carries its request's digest (requests/digest.py, hex); `reused`
+# says the answer was an output.reuse directory's. Run directories made before have neither.
+DIGEST_COLUMN = "request_digest"
+REUSED_COLUMN = "reused"
+REUSE_FIELDS = (pa.field(DIGEST_COLUMN, pa.string()), pa.field(REUSED_COLUMN, pa.bool_()))
 
 
 def output_schema(
@@ -23,7 +28,7 @@ def output_schema(
     confidence: bool = False,
 ) -> pa.Schema:
     """Output columns: row, id, text, [samples], [reasoning], [label, [label_confidence]],
-    finish_reason, tokens, error, [input]."""
+    finish_reason, tokens, error, [input], request_digest, reused."""
     fields = [
         pa.field("row", pa.int64(), nullable=False),
         pa.field("id", id_type),
@@ -45,14 +50,15 @@ def output_schema(
     ]
     if input_type is not None:
         fields.append(pa.field("input", input_type))
-    return pa.schema(fields)
+    return pa.schema(fields + list(REUSE_FIELDS))
 
 
 def pooling_schema(
     task: str, id_type: pa.DataType, input_type: Optional[pa.StructType], dim: Optional[int] = None
 ) -> pa.Schema:
     """Output columns of a pooling task: row, id, then embedding (fixed-size float32) | label and
-    probs | score, prompt_tokens, error, [input]; nothing is generated, so no text or finish reason."""
+    probs | score, prompt_tokens, error, [input], request_digest, reused; nothing is generated, so
+    no text or finish reason."""
     fields = [pa.field("row", pa.int64(), nullable=False), pa.field("id", id_type)]
     if task == "embed":
         fields.append(pa.field("embedding", pa.list_(pa.float32(), dim)))
@@ -65,7 +71,7 @@ def pooling_schema(
     fields += [pa.field("prompt_tokens", pa.int32()), pa.field("error", ERROR_TYPE)]
     if input_type is not None:
         fields.append(pa.field("input", input_type))
-    return pa.schema(fields)
+    return pa.schema(fields + list(REUSE_FIELDS))
 
 
 def schema_to_text(schema: pa.Schema) -> str:

@@ -42,6 +42,7 @@ def shard_stats(run: RunDir) -> list[dict[str, Any]]:
                 "done": done,
                 "rows": shard.rows,
                 "rows_done": rec.rows_done,
+                "reused_rows": rec.reused_rows,  # answered from output.reuse, not by the engine
                 "prompt_tokens": rec.prompt_tokens,
                 "output_tokens": rec.output_tokens,
                 "seconds": {p: getattr(rec.seconds, p) for p in PHASES},
@@ -61,7 +62,7 @@ def shard_stats(run: RunDir) -> list[dict[str, Any]]:
 
 def totals(shards: list[dict[str, Any]]) -> dict[str, Any]:
     """Sums over shards; tok/s is all tokens over all generate seconds (one task's rate while generating)."""
-    keys = ("rows", "rows_done", "prompt_tokens", "output_tokens")
+    keys = ("rows", "rows_done", "reused_rows", "prompt_tokens", "output_tokens")
     tot: dict[str, Any] = {k: sum(s[k] for s in shards) for k in keys}
     tot["seconds"] = {p: sum(s["seconds"][p] for s in shards) for p in PHASES}
     caches = [s["prefix_cache"] for s in shards if s["prefix_cache"]]
@@ -134,3 +135,14 @@ def markdown_table(shards: list[dict[str, Any]], tot: dict[str, Any]) -> list[st
     rows = f"{tot['rows_done']:,}" + ("" if tot["rows_done"] == tot["rows"] else f" of {tot['rows']:,}")
     lines.append("| " + " | ".join(f"**{c}**" for c in table_row("total", tot, rows)) + " |")
     return lines
+
+
+def reused_line(tot: dict[str, Any]) -> list[str]:
+    """The report's line on rows answered from output.reuse (none without such rows)."""
+    n = tot.get("reused_rows") or 0
+    if not n:
+        return []
+    return [
+        f"Reused: {n:,} of {tot['rows_done']:,} rows took an earlier run's answer (output.reuse), not the engine.",
+        "",
+    ]

@@ -70,7 +70,7 @@ def test_embed_run_each_row_its_vector_and_loads_with_datasets(
     per_shard = [len({r["text"] for r in rows[i : i + 60]}) for i in (0, 60)]
     assert len(sent) == sum(per_shard) < 120
     ds = datasets.Dataset.from_parquet(str(run.output_path))
-    assert ds.column_names == ["row", "id", "embedding", "prompt_tokens", "error"]
+    assert ds.column_names == ["row", "id", "embedding", "prompt_tokens", "error", "request_digest", "reused"]
     vectors = ds.with_format("numpy")["embedding"][:]  # datasets 5: a Column, its slice an array
     assert vectors.dtype == np.float32 and vectors.shape == (120, 384)
     assert list(ds["id"]) == [r["id"] for r in rows] and list(ds["row"]) == list(range(120))
@@ -193,7 +193,7 @@ def test_classify_gives_id2label_names_probs_and_min_prob(tmp_path: Path, minilm
         f"output.dir={tmp_path / 'run'}",
     ]
     out = pq.read_table(run_local(compose(ov)).output_path)
-    assert out.column_names == ["row", "id", "label", "probs", "prompt_tokens", "error"]
+    assert out.column_names == ["row", "id", "label", "probs", "prompt_tokens", "error", "request_digest", "reused"]
     probs = np.array(out.column("probs").to_pylist(), dtype=np.float32)
     np.testing.assert_allclose(probs, expected, atol=1e-4)
     names = ["negative", "neutral", "positive"]

@@ -20,9 +20,11 @@ DONE = {"rows_done": ROWS // SHARDS, "seconds": {"generate": 1.5, "commit": 0.25
 
 
 def output_row(run: RunDir, r: int) -> dict[str, Any]:
-    """A row as a worker commits it: text, finish reason and tokens, every fifth an error row."""
+    """A row as a worker commits it: text, finish reason and tokens, every fifth an error row (no
+    request: no digest), a request digest otherwise."""
     if r % 5 == 3:
-        return error_row(r, f"doc-{r:05d}", "prompt", f"row {r}: too long", prompt_tokens=300)
+        row = error_row(r, f"doc-{r:05d}", "prompt", f"row {r}: too long", prompt_tokens=300)
+        return dict(row, request_digest=None, reused=None)
     return {
         "row": r,
         "id": f"doc-{r:05d}",
@@ -31,6 +33,8 @@ def output_row(run: RunDir, r: int) -> dict[str, Any]:
         "prompt_tokens": 10 + r,
         "output_tokens": r % 6,
         "error": None,
+        "request_digest": f"{r:032x}",
+        "reused": r % 2 == 0,
     }
 
 

@@ -66,6 +66,8 @@ def build(tmp_path: Path, fmt: str) -> RunDir:
                 "prompt_tokens": pa.array(r % 50, pa.int32()),
                 "output_tokens": pa.array(r % 30, pa.int32()),
                 "error": pa.nulls(len(r), run.schema.field("error").type),
+                "request_digest": pa.array([f"{x:032x}" for x in r.tolist()]),
+                "reused": pa.array([False] * len(r)),
             },
             schema=run.schema,
         )
