@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from batchinfer.rundir.stats import markdown_table, shard_stats, totals
+from batchinfer.insight import forecast_check
+from batchinfer.insight.passes import report_lines, rows_per_pass
+from batchinfer.rundir.stats import markdown_table, reused_line, shard_stats, totals
 from batchinfer.rundir.store import RunDir
 
 
@@ -21,10 +23,11 @@ def build_report(
     tot = totals(shards)
     gpus = gpus_per_task(run.config, [s["device"] for s in shards])
     gpu_seconds, layouts = engine_gpu_seconds(run.config, gpus, shards)
-    return {
+    rep = {
         "dir": str(run.path),
         "partial": tot["shards_done"] < tot["shards"],
         "merged": run.output_path.exists(),
+        "passes": rows_per_pass(run),  # rows of the output per `batchinfer redo` pass (None: no pass)
         "totals": tot,
         "cost": cost(
             tot,
@@ -39,6 +42,8 @@ def build_report(
         "engines": engine_table(shards),
         "shards": shards,
     }
+    rep["forecast"] = forecast_check.compare(run, tot, rep["cost"])  # None: the run recorded no forecast
+    return rep
 
 
 def engine_table(shards: list[dict[str, Any]]) -> Optional[list[dict[str, Any]]]:
@@ -108,6 +113,8 @@ def format_report(rep: dict[str, Any], charts: list[Path]) -> str:
             "" if rep["merged"] else " (not merged yet)"
         )
     lines = [f"# batchinfer report: {rep['dir']}", "", state, "", *markdown_table(rep["shards"], tot), ""]
+    lines += reused_line(tot)
+    lines += report_lines(rep.get("passes"))
     lines += [
         f"tok/s: tokens over generate seconds (one {'engine' if rep.get('engines') else 'task'} while generating); "
         "total = prompt + output tokens. "
@@ -117,6 +124,7 @@ def format_report(rep: dict[str, Any], charts: list[Path]) -> str:
         "## Cost",
         "",
         *cost_lines(rep["cost"]),
+        *(["", *forecast_check.forecast_lines(rep["forecast"])] if rep.get("forecast") else []),
     ]
     if charts:
         lines += ["", "## Charts", "", *(f"![{c.stem}]({c.name})" for c in charts)]
