@@ -68,6 +68,14 @@ def free_port(addr: str, job_id: int) -> int:
     raise ConfigError(f"ports {first}-{first + PORT_TRIES - 1} at {addr} are all taken; no port for the engine")
 
 
+def meeting_point(head: str, nnodes: int) -> NodeGroup:
+    """Where this job's nodes meet: the head node's address and a port from this job's id (each
+    array task has its own) that nothing on the head listens on now."""
+    addr = socket.gethostbyname(head)
+    job = slurm_env.current().job_id or "0"
+    return NodeGroup(nnodes=nnodes, master_addr=addr, master_port=free_port(addr, int(job)))
+
+
 class RankStep:
     """The `srun` step of the other nodes' engine ranks, watched by a thread: if it ends before
     stop(), this node's engine processes are killed, so the engine fails here (a failure counted,
@@ -75,9 +83,8 @@ class RankStep:
 
     def __init__(self, run: RunDir, nodes: list[str], head: str):
         self.others = [n for n in nodes if n != head]
-        addr = socket.gethostbyname(head)
-        job = slurm_env.current().job_id or "0"
-        self.group = NodeGroup(nnodes=len(nodes), master_addr=addr, master_port=free_port(addr, int(job)))
+        self.group = meeting_point(head, len(nodes))
+        addr = self.group.master_addr
         dtype = settle(run.path, run.config.model.dtype)
         n = len(self.others)
         self.cmd = [
