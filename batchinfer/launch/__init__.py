@@ -2,7 +2,8 @@
 several engine processes: `engines` for the task, `member` for each engine, `protocol` between
 them), when a task asks to run again (`requeue`), Slurm's commands (`slurm`), submitit's executor
 (`executor`), submitting a run as Slurm arrays (`submit`), and the submissions recorded in
-DIR/jobs.jsonl (`jobs`).
+DIR/jobs.jsonl (`jobs`); for an engine over several nodes, the other nodes' engine ranks (`ranks`)
+and what such a task asks Slurm for (`node_layout`).
 
 Imports everything below it (config .. engine), never insight. `slurm_task` and `slurm_merge`
 are what submitit pickles by name for a queued job, so they are defined here, at the names
