@@ -4,6 +4,7 @@ answered it, a `pass` column saying which), streamed in input order: what merge 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -31,6 +32,8 @@ from batchinfer.rundir.passes import (
 )
 from batchinfer.rundir.schema import jsonl_to_table
 from batchinfer.rundir.store import RunDir
+
+log = logging.getLogger("batchinfer")
 
 
 class _PassCursor:
@@ -124,9 +127,17 @@ class Splicer:
 def unchanged_output(root: RunDir) -> Optional[dict[str, Any]]:
     """stats.json when a pass is not finished and DIR's output holds every pass before it: merge
     leaves that output as it is."""
-    if unfinished_pass(root) is None or not output_is_current(root):
+    number = unfinished_pass(root)
+    if number is None or not output_is_current(root):
         return None
-    return dict(read_json(root.stats_json), unchanged=f"pass {unfinished_pass(root)} is not finished")
+    log.warning(
+        "pass %d of %s is not finished: %s stays as merged before it (`batchinfer resume %s` finishes it)",
+        number,
+        root.path,
+        root.output_path,
+        root.path,
+    )
+    return dict(read_json(root.stats_json), unchanged=f"pass {number} is not finished")
 
 
 def merged_view(root: RunDir) -> Iterator[pa.Table]:
