@@ -156,15 +156,23 @@ def tune(
 
 
 def winner(result: dict[str, Any]) -> tuple[list[str], dict[str, str], str]:
-    """The winner as `run` overrides, the environment its cluster.env keys give a job, and a --try."""
-    overrides = result["best"]["overrides"]
-    env = {
-        o.split("=", 1)[0].removeprefix("cluster.env."): o.split("=", 1)[1]
-        for o in overrides
-        if o.startswith("cluster.env.")
-    }
-    as_try = " ".join("env." + o.removeprefix("cluster.env.") if o.startswith("cluster.env.") else o for o in overrides)
-    return overrides, env, as_try or "defaults"
+    """The winner as `run` overrides, the environment its cluster.env keys give a job, and a --try.
+
+    tune.json writes an environment key as `cluster.env.K=V`, which Hydra refuses on a command line
+    for a key the config does not have yet (`++` adds or overrides it); `run` passes cluster.env to
+    no engine, so the key is also given as the process's environment, as a Slurm job gets it."""
+    overrides, env, tries = [], {}, []
+    for o in result["best"]["overrides"]:
+        key, _, value = o.partition("=")
+        if key.startswith("cluster.env."):
+            name = key.removeprefix("cluster.env.")
+            overrides.append(f"++{o}")
+            env[name] = value
+            tries.append(f"env.{name}={value}")
+        else:
+            overrides.append(o)
+            tries.append(o)
+    return overrides, env, " ".join(tries) or "defaults"
 
 
 def against(forecast: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
