@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from support.corpus import read_output, write_rows
@@ -219,8 +220,13 @@ def test_index_first_directory_wins_and_error_rows_are_not_answers(tmp_path: Pat
     assert index.answer("0" * 32) is None
     a_out = read_output(a.path)
     assert a_out[2][DIGEST_COLUMN] is None and a_out[2]["error"]["kind"] == "prompt"
-    # a's rows with the same requests as b's: b listed first gives them; both give equal answers here
+    # a's rows with the same requests as b's: b, listed first, gives them
     assert len(index.digests) == 4 + 3 and index.answer(a_out[3][DIGEST_COLUMN])["text"] == a_out[3]["text"]
+    found = int(np.searchsorted(index.digests, np.bytes_(a_out[3][DIGEST_COLUMN].encode())))
+    assert index.files[index.file_of[found]][0].path == b.path
+    behind = ReuseIndex([str(a.path), str(b.path)], a.schema.names)
+    found = int(np.searchsorted(behind.digests, np.bytes_(a_out[3][DIGEST_COLUMN].encode())))
+    assert behind.files[behind.file_of[found]][0].path == a.path
     only_a = ReuseIndex([str(a.path)], a.schema.names)
     assert len(only_a.digests) == 3  # the error row is not indexed
 
