@@ -134,3 +134,24 @@ def test_stopping_the_rank_step_is_no_failure(tmp_path: Path, monkeypatch) -> No
     finally:
         engine.kill()
         engine.wait()
+
+
+def test_two_tasks_on_one_head_take_different_ports_when_one_was_pushed_up(monkeypatch) -> None:
+    # Job A finds its first port taken and moves to the next one: job B's first port. B, choosing
+    # while A holds it, moves on. Each port is bound at once by its holder (as the engine's head binds it).
+    a = 7300
+    first_a, first_b = ranks.PORT_BASE + a % 1000, ranks.PORT_BASE + (a + 1) % 1000
+    held = []
+    try:
+        held.append(socket.create_server(("127.0.0.1", first_a)))  # another job's port on the head
+        ports = []
+        for job in (a, a + 1):
+            monkeypatch.setenv("SLURM_JOB_ID", str(job))
+            group = ranks.meeting_point("localhost", 2)
+            assert (group.master_addr, group.nnodes) == ("127.0.0.1", 2)
+            held.append(socket.create_server((group.master_addr, group.master_port)))  # holds it
+            ports.append(group.master_port)
+        assert ports == [first_a + 1, first_b + 1] and first_b == first_a + 1
+    finally:
+        for s in held:
+            s.close()
