@@ -170,7 +170,11 @@ if [ "$NODES" = 1 ]; then
   MEM=$(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p')
   MEM=$(( MEM * 95 / 100 ))
   NODE_LINES="NodeName=$NODE CPUs=$CPUS RealMemory=$MEM State=UNKNOWN"
+  SHARING=""
 else
+  # Jobs that ask for it (sbatch --oversubscribe) may share a node's one core: how two tasks come
+  # to run on the same nodes at once, as tasks sharing a GPU node's cards do on a real cluster.
+  SHARING=" OverSubscribe=YES"
   NODE_LINES=""
   for i in $(seq 1 "$NODES"); do
     NODE_LINES+="NodeName=$(node_name "$i") NodeAddr=$(node_addr "$i") NodeHostname=$(node_name "$i") CPUs=$CPUS RealMemory=$NODE_MEM State=UNKNOWN"$'\n'
@@ -228,7 +232,7 @@ MinJobAge=300
 KillWait=10
 InactiveLimit=0
 $NODE_LINES
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP$SHARING
 EOF
 mv "$C/etc/slurm.conf.new" "$C/etc/slurm.conf"
 
