@@ -14,11 +14,11 @@ Part 2, a synthetic chat corpus 20x a smaller pilot (texts of random words, 10% 
 with the example's winner only, the full corpus with it, forecast / measured the same way.
 
 Every command is a fresh `batchinfer` process (stderr in OUT/logs/), with model.enforce_eager=true
-(start-up ~20 s instead of ~70 s on this CPU). Writes
-results/tune_forecast.md, .png and .json. Not in CI; one run: ~15-20 minutes on 2 cores.
+(start-up ~30 s instead of ~70 s on this CPU). Writes
+results/tune_forecast.md, .png and .json. Not in CI; one run: ~12 minutes on 2 cores.
 
-usage: python benchmarks/tune_forecast.py [--pilot 96] [--minutes 6] [--synthetic-pilot 48]
-       [--synthetic-max-tokens 32] [--out /tmp/tune-forecast] [--results benchmarks/results]
+usage: python benchmarks/tune_forecast.py [--pilot 64] [--minutes 4] [--synthetic-pilot 32]
+       [--synthetic-max-tokens 24] [--out /tmp/tune-forecast] [--results benchmarks/results]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from gen_corpus import lines as synthetic_lines  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "stdlib-topics"
 EXAMPLE_OVERRIDES = ["prompt=stdlib-topics", "sampling=stdlib-topics", "input.id_column=id"]
-# In every command (a throughput knob outside the fingerprint): an engine starts in ~20 s instead of
+# In every command (a throughput knob outside the fingerprint): an engine starts in ~30 s instead of
 # ~70 s here, which keeps the seven engine starts of one run inside ~15 minutes.
 EAGER = "model.enforce_eager=true"
 AIM = 0.25  # forecast within +-25% of the measured figure
@@ -282,7 +282,7 @@ def page(report: dict[str, Any], cmd: str) -> str:
         "",
         f"{m['cpu']}, {m['cores']} cores, {m['mem_gb']} GB; CPU flags: {_flags(m)}; {versions}; {m['date']}.",
         f"Runs in {ex['default']['dtype']} (`model.dtype: auto` on this CPU), `{EAGER}` in every command (engine "
-        "start ~20 s instead of ~70 s, to keep the run short). One run of each; no repeats.",
+        "start ~30 s instead of ~70 s, to keep the run short). One run of each; no repeats.",
         "",
         "```bash",
         cmd,
@@ -361,10 +361,10 @@ def chart(report: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pilot", type=int, default=96, help="pilot rows of the example's tune")
-    p.add_argument("--minutes", type=float, default=6.0, help="each tune's --minutes")
-    p.add_argument("--synthetic-pilot", type=int, default=48, help="pilot rows of the synthetic tune (corpus: 20x)")
-    p.add_argument("--synthetic-max-tokens", type=int, default=32)
+    p.add_argument("--pilot", type=int, default=64, help="pilot rows of the example's tune")
+    p.add_argument("--minutes", type=float, default=4.0, help="each tune's --minutes")
+    p.add_argument("--synthetic-pilot", type=int, default=32, help="pilot rows of the synthetic tune (corpus: 20x)")
+    p.add_argument("--synthetic-max-tokens", type=int, default=24)
     p.add_argument("--out", default="/tmp/tune-forecast")
     p.add_argument("--results", default=str(HERE / "results"))
     a = p.parse_args()
