@@ -1,13 +1,16 @@
 """`batchinfer tune` on the real engine, two settings and at most two engine starts: one that vLLM
 refuses (a row with vLLM's reason, not a crash) and the config as composed, which runs the pilot
-in its trial process rung after rung on one engine and wins; the tune folder and --json say so."""
+in its trial process rung after rung on one engine and wins; the tune folder and --json say so;
+then `submit` with its group and a budget under its forecast is refused before any sbatch."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 from omegaconf import OmegaConf
 from support.corpus import write_corpus
 from support.procs import run_cli
@@ -56,3 +59,17 @@ def test_tune_reports_a_refused_setting_runs_the_other_and_forecasts(tmp_path: P
     assert (out / "tune.png").read_bytes()[:4] == b"\x89PNG"
     assert OmegaConf.load(out / "conf" / "tuned" / "best.yaml") == {}
     assert json.loads((out / "tune.json").read_text()) == result
+    # submit with the tuned group finds this tune.json (the group names it), its fingerprint is the
+    # run's, and a budget under the forecast is refused before any sbatch, naming figure and source
+    run_dir = tmp_path / "run"
+    gpu_hours = fc["gpu_hours"]["value"]
+    res = run_cli(
+        ["submit", *args, f"output.dir={run_dir}", "--config-dir", str(out / "conf"), "+tuned=best"]
+        + ["--max-gpu-hours", f"{gpu_hours / 2}"],
+        timeout=300,
+    )
+    assert res.returncode == 2, res.stderr[-3000:]
+    shown = re.search(r"forecast for this run is ([\d.,]+) GPU-hours \(95% interval", res.stderr)
+    assert shown and float(shown[1]) == pytest.approx(gpu_hours, rel=1e-3, abs=2e-4), res.stderr
+    assert f"Forecast from {out / 'tune.json'}" in res.stderr and "nothing was submitted" in res.stderr
+    assert not (run_dir / "jobs.jsonl").exists() and not (run_dir / "forecast.json").exists()
