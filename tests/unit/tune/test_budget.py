@@ -97,7 +97,9 @@ def test_within_budget_submits_and_records_the_forecast_at_the_runs_layout(
         assert fig["generate_seconds"][key] == pytest.approx(fc["generate_seconds"][key], abs=1e-3)
         assert fig["gpu_hours"][key] == pytest.approx(fc["gpu_hours"][key] - 2 * STARTUP / 3600, abs=1e-3)
     assert fig["output_tokens_per_s"]["value"] == pytest.approx(0.5)
-    assert f"forecast from {tmp_path / 'tune' / 'tune.json'} (+tuned=best)" in out and "recorded in forecast.json" in out
+    assert (
+        f"forecast from {tmp_path / 'tune' / 'tune.json'} (+tuned=best)" in out and "recorded in forecast.json" in out
+    )
 
 
 def test_without_a_tune_result_it_says_how_to_make_one_then_finds_the_default_folder(
