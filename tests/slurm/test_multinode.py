@@ -22,28 +22,17 @@ from support.procs import run_cli
 from support.runs import committed_rows, model_overrides
 from support.slurm import HOLD, first_submission
 from support.standin import standin_env
-from support.two_nodes import NODES, TwoNodeCluster, two_node_cluster, wait_until
+from support.two_nodes import NODES, TwoNodeCluster, wait_until
 
 from batchinfer.config.compose import compose, hydra_literal
 from batchinfer.launch.local import run_local
 
-pytestmark = [pytest.mark.slurm]
+pytestmark = [pytest.mark.slurm, pytest.mark.two_nodes]
 
 SHARDS = ["sharding.num_shards=3", "sampling.max_tokens=6"]
 # The first run of a task waits this long after its first committed part (none after a requeue):
 # a rank killed meanwhile surely dies mid-run. A stop signal ends the wait.
 RANK_HOLD = "+cluster.env.BATCHINFER_HOLD=60"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def slurm_env() -> dict[str, str]:
-    """Overrides the conftest's one-node cluster: this module runs on the two-node one only."""
-    return {}
-
-
-@pytest.fixture(scope="module")
-def cluster() -> TwoNodeCluster:
-    return two_node_cluster()
 
 
 def two_node_overrides(tmp: Path, corpus: Path, model: Path, *extra: str) -> list[str]:

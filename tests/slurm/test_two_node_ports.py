@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 from support import REPO
-from support.two_nodes import TwoNodeCluster, two_node_cluster, wait_until
+from support.two_nodes import TwoNodeCluster, wait_until
 
 from batchinfer.launch.ranks import PORT_BASE
 
-pytestmark = [pytest.mark.slurm]
+pytestmark = [pytest.mark.slurm, pytest.mark.two_nodes]
 
 # A task's stand-in: the head node's address and a port as the worker chooses them
 # (ranks.meeting_point) or, given a port, that port; held (listening) until OUT/release appears.
@@ -43,17 +43,6 @@ deadline = time.monotonic() + 180
 while not (out / "release").exists() and time.monotonic() < deadline:
     time.sleep(0.2)
 """
-
-
-@pytest.fixture(scope="module", autouse=True)
-def slurm_env() -> dict[str, str]:
-    """Overrides the conftest's one-node cluster: this module runs on the two-node one only."""
-    return {}
-
-
-@pytest.fixture(scope="module")
-def cluster() -> TwoNodeCluster:
-    return two_node_cluster()
 
 
 def submit_holder(cluster: TwoNodeCluster, tmp: Path, name: str, *args: str, held: bool = False) -> str:

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.two_nodes import NODES, TwoNodeCluster, two_node_cluster, wait_until
+from support.two_nodes import NODES, TwoNodeCluster, wait_until
 
-pytestmark = [pytest.mark.slurm]
+pytestmark = [pytest.mark.slurm, pytest.mark.two_nodes]
 
 # Rank 0 listens on the head node's address (resolved from the allocation's node list, as an
 # engine's head would), rank 1 connects to it and both report what they saw.
@@ -41,17 +41,6 @@ else:
     got = conn.recv(100).decode()
     print(f"MEET rank=1 node={me} connected={conn.getsockname()[0]} got={got}", flush=True)
 """
-
-
-@pytest.fixture(scope="module", autouse=True)
-def slurm_env() -> dict[str, str]:
-    """Overrides the conftest's one-node cluster: this module runs on the two-node one only."""
-    return {}
-
-
-@pytest.fixture(scope="module")
-def cluster() -> TwoNodeCluster:
-    return two_node_cluster()
 
 
 def write_script(path: Path, body: str) -> Path:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import os
 import signal
 import stat
@@ -16,6 +15,7 @@ from typing import Any, Optional
 
 import pytest
 from support.corpus import write_corpus
+from support.log_handlers import restored_log_handlers
 from support.runs import fake_model_dir
 
 from batchinfer.cli import main
@@ -47,11 +47,7 @@ SACCT = """100_0|COMPLETED
 @pytest.fixture(autouse=True)
 def own_log_handlers() -> Any:
     """setup_logging (run by main) binds a handler to this test's captured stderr: undo it after."""
-    logger = logging.getLogger("batchinfer")
-    saved = (logger.handlers[:], logger.level, logger.propagate)
-    logger.handlers.clear()
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved
+    yield from restored_log_handlers()
 
 
 @pytest.fixture

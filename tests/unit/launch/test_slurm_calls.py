@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from support.fake_engine import FakeEngine
 from support.fake_slurm import SUBMITTED, cli, overrides
+from support.log_handlers import restored_log_handlers
 
 from batchinfer.config.compose import compose
 from batchinfer.engine.stopflag import StopFlag
@@ -30,12 +31,7 @@ from batchinfer.rundir.store import RunDir
 @pytest.fixture(autouse=True)
 def own_log_handlers() -> Any:
     """setup_logging (run by main and slurm_task) binds a handler to this test's captured stderr."""
-    logger = logging.getLogger("batchinfer")
-    saved = (logger.handlers[:], logger.level, logger.propagate)
-    logger.handlers.clear()
-    logger.propagate = True  # an earlier module's setup_logging turned it off; caplog listens at the root
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved
+    yield from restored_log_handlers(propagate=True)
 
 
 class SteppingEngine(FakeEngine):

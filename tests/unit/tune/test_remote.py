@@ -7,13 +7,13 @@ The real job on the dev cluster: tests/slurm/test_slurm_tune.py."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support.fake_slurm import SUBMITTED, cli, fake_slurm_bin, overrides
+from support.log_handlers import restored_log_handlers
 
 from batchinfer.config.compose import compose
 from batchinfer.config.schema import to_config
@@ -31,11 +31,7 @@ TRIES = ["--try", "model.max_num_seqs=8", "--try", "defaults"]
 @pytest.fixture(autouse=True)
 def own_log_handlers() -> Any:
     """setup_logging (run by main and the job) binds a handler to this test's captured stderr."""
-    logger = logging.getLogger("batchinfer")
-    saved = (logger.handlers[:], logger.level, logger.propagate)
-    logger.handlers.clear()
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved
+    yield from restored_log_handlers()
 
 
 @pytest.fixture
