@@ -91,7 +91,8 @@ def write_group(folder: Path, overrides: list[str]) -> Path:
 
     path = folder / "conf" / GROUP / f"{OPTION}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = OmegaConf.to_yaml(OmegaConf.from_dotlist(overrides)) if overrides else "{}\n"
+    dotlist = [o.lstrip("+") for o in overrides]  # a command line's `++key=value` is `key: value` here
+    body = OmegaConf.to_yaml(OmegaConf.from_dotlist(dotlist)) if overrides else "{}\n"
     # submit and run find the tune result (its fingerprint and forecast) from this line
     source = f"{TUNE_RESULT_LINE}{(folder / 'tune.json').resolve()}\n"
     path.write_text(

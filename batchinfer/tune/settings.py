@@ -36,8 +36,9 @@ class Setting:
         return " ".join(parts) or "defaults"
 
     def override_strings(self) -> list[str]:
-        """What `run`/`submit` take to reproduce it; the environment as cluster.env keys."""
-        return [*self.overrides, *(f"cluster.env.{k}={v}" for k, v in sorted(self.env.items()))]
+        """What `run`/`submit` take on their command line to reproduce it; the environment as
+        cluster.env keys (`++`: cluster.env is an open dict, where Hydra refuses a plain new key)."""
+        return [*self.overrides, *(f"++cluster.env.{k}={v}" for k, v in sorted(self.env.items()))]
 
 
 def parse_include(text: Optional[str]) -> list[str]:

@@ -70,8 +70,11 @@ def test_table_and_plot(tmp_path: Path) -> None:
     assert records[1]["overrides"] == [
         "model.max_num_seqs=8",
         "model.max_num_batched_tokens=1024",
-        "cluster.env.VLLM_CPU_OMP_THREADS_BIND=0-1",
+        "++cluster.env.VLLM_CPU_OMP_THREADS_BIND=0-1",
     ]
+    # the winner's overrides as printed are what `run`/`submit` take on their command line
+    cfg = compose(["input.path=x.jsonl", *records[1]["overrides"]])
+    assert cfg.cluster.env.VLLM_CPU_OMP_THREADS_BIND == "0-1" and cfg.model.max_num_seqs == 8
     assert records[1]["output_tokens_per_s"] == 140.0 and records[1]["prefix_cache_hit_rate"] == 0.25
     text = results.table(records, WINNER.name).splitlines()
     assert text[3].startswith(f"| {WINNER.name} * | 12.5 | 140.0 | 10.00 | 1 (10) | 25% | 900 |")
