@@ -119,20 +119,36 @@ def secret_env(env: dict[str, Any]) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def submission_env(env: dict[str, Any]) -> Iterator[None]:
-    """Put secret cluster.env values into this process's environment while sbatch runs: Slurm's
-    --export=ALL hands them to the jobs, and no file (sbatch script, log, pickle) holds them."""
-    values = secret_env(env)
+def applied_env(values: dict[str, Optional[str]]) -> Iterator[None]:
+    """Set (None: unset) these variables in this process's environment meanwhile, then restore them."""
     saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
+        for k, old in saved.items():
+            if old is None:
                 os.environ.pop(k, None)
             else:
-                os.environ[k] = v
+                os.environ[k] = old
+
+
+def submission_env(env: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """Put secret cluster.env values into this process's environment while sbatch runs: Slurm's
+    --export=ALL hands them to the jobs, and no file (sbatch script, log, pickle) holds them."""
+    return applied_env(dict(secret_env(env)))
+
+
+def task_env(env: dict[str, Any]) -> dict[str, Optional[str]]:
+    """What cluster.env makes of a task's environment, as a Slurm task gets it: values as strings,
+    None unset, secrets given or taken from this shell (see secret_env)."""
+    out: dict[str, Optional[str]] = {k: None if v is None else str(v) for k, v in env.items()}
+    out.update(secret_env(env))
+    return out
 
 
 def export_option(extra: dict[str, Any], env: dict[str, Any]) -> dict[str, Any]:

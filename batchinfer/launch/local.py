@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from batchinfer import security
 from batchinfer.config.engines import engine_devices, engines_per_task, task_gpus
@@ -98,7 +98,11 @@ def run_local(cfg: DictConfig, engine: Any = None, prepared: Optional[Callable[[
     if todo:
         if prepared is not None:
             prepared(run)
-        run_shards(run, todo, engine)
+        # cluster.env is the engine's environment here as in a Slurm task (a tuned thread binding,
+        # VLLM_* settings); an engine passed in has started already
+        env = security.task_env(OmegaConf.to_container(cfg.cluster.env)) if engine is None else {}
+        with security.applied_env(env):
+            run_shards(run, todo, engine)
     merge(run)
     print(f"done: {run.output_path}")
     return run

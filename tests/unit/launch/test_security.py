@@ -361,3 +361,31 @@ def test_resolved_config_keeps_plain_env_values() -> None:
     c = to_dict(compose(["+cluster.env.A=1", "+cluster.env.API_KEY=s"]))
     assert security.redact_config(c)["cluster"]["env"] == {"A": "1", "API_KEY": "<redacted>"}
     assert c["cluster"]["env"]["API_KEY"] == "s"
+
+
+def test_a_local_run_gives_its_engine_cluster_env_as_a_slurm_task_gets_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`batchinfer run` applies cluster.env while its own engine runs (a tuned thread binding works
+    locally too), secrets included; the process's environment is restored after."""
+    from batchinfer.launch import local
+
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 4)
+    monkeypatch.setenv("BATCHINFER_TEST_KEPT", "before")
+    monkeypatch.delenv("BATCHINFER_TEST_BIND", raising=False)
+    seen: dict[str, object] = {}
+
+    def fake_run_shards(run: RunDir, todo: list[int], engine: object) -> None:
+        names = ("BATCHINFER_TEST_BIND", "WANDB_API_KEY", "BATCHINFER_TEST_KEPT")
+        seen.update({k: os.environ.get(k) for k in names})
+        raise RuntimeError("stop before merge")
+
+    monkeypatch.setattr(local, "run_shards", fake_run_shards)
+    env = ["++cluster.env.BATCHINFER_TEST_BIND=0-1", f"+cluster.env.WANDB_API_KEY={PLANTED}"]
+    env.append("+cluster.env.BATCHINFER_TEST_KEPT=during")
+    with pytest.raises(RuntimeError, match="stop before merge"):
+        local.run_local(compose(fake_overrides(tmp_path, corpus, *env)))
+    assert seen == {"BATCHINFER_TEST_BIND": "0-1", "WANDB_API_KEY": PLANTED, "BATCHINFER_TEST_KEPT": "during"}
+    assert "BATCHINFER_TEST_BIND" not in os.environ and os.environ["BATCHINFER_TEST_KEPT"] == "before"
+    assert os.environ.get("WANDB_API_KEY") != PLANTED
