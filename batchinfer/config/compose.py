@@ -95,6 +95,20 @@ def compose(overrides: list[str], config_dir: Optional[str] = None) -> DictConfi
     return cfg
 
 
+def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
+    """Hydra's key=value overrides (its grammar, as on the command line) applied onto a config in place."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        for ov in OverridesParser.create().parse_overrides(quote_literals(overrides)):
+            OmegaConf.update(cfg, ov.key_or_group, ov.value(), merge=True, force_add=ov.is_add())
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+
+
 def _first_lines(msg: str) -> str:
     # Hydra appends a long "Set the environment variable HYDRA_FULL_ERROR" tail.
     lines = [ln for ln in msg.splitlines() if ln.strip() and "HYDRA_FULL_ERROR" not in ln]

@@ -107,12 +107,8 @@ def new_pass(root: RunDir, where: str, overrides: list[str], config_dir: Optiona
 
 def pass_config(root: RunDir, path: Path, overrides: list[str], config_dir: Optional[str]) -> DictConfig:
     """DIR's config with the overrides on top, reading the selected rows into DIR/passes/N."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     from batchinfer.config.checks import validate
-    from batchinfer.config.compose import compose, quote_literals
+    from batchinfer.config.compose import apply_overrides, compose
 
     c = root.run["config"]
     cfg = structured(c)
@@ -132,11 +128,7 @@ def pass_config(root: RunDir, path: Path, overrides: list[str], config_dir: Opti
     cfg.sharding.num_shards = None
     cfg.sharding.rows_per_shard = c["sharding"]["rows_per_shard"] or _rows_per_shard(root)
     keys = [ov for ov in overrides if ov not in chosen]
-    try:
-        for ov in OverridesParser.create().parse_overrides(quote_literals(keys)):
-            OmegaConf.update(cfg, ov.key_or_group, ov.value(), merge=True, force_add=ov.is_add())
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
+    apply_overrides(cfg, keys)
     if any(ov.startswith("sharding.num_shards=") for ov in keys):
         cfg.sharding.rows_per_shard = None
     validate(cfg)

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from batchinfer import security, slurm_env, slurm_states
 from batchinfer.config.schema import to_config
-from batchinfer.errors import ConfigError, RunDirError, SlurmUnavailable, SubmissionRefused
+from batchinfer.errors import RunDirError, SlurmUnavailable, SubmissionRefused
 from batchinfer.launch import slurm
 from batchinfer.launch.executor import make_executor
 from batchinfer.launch.jobs import all_job_ids, heal_streak, submissions, unrecorded_names
@@ -313,23 +313,14 @@ def resume(run_dir: str, overrides: list[str], force: bool = False, dry_run: boo
 
 def apply_resource_overrides(run: RunDir, overrides: list[str]) -> None:
     """Apply key=value overrides to the frozen config; keys that change outputs are refused."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     from batchinfer.config.checks import validate
-    from batchinfer.config.compose import quote_literals
+    from batchinfer.config.compose import apply_overrides
     from batchinfer.config.fingerprint import changed_keys, fingerprint_keys
     from batchinfer.config.schema import structured, to_dict
 
     record = run.run
     new = structured(record["config"])
-    try:  # Hydra's grammar, as on the submit command line
-        for ov in OverridesParser.create().parse_overrides(quote_literals(overrides)):
-            OmegaConf.update(new, ov.key_or_group, ov.value(), merge=True, force_add=ov.is_add())
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
+    apply_overrides(new, overrides)  # Hydra's grammar, as on the submit command line
     validate(new)
     c = to_dict(new)
     fp_input = record["fingerprint_keys"]["input.fingerprint"]
