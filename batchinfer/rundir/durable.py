@@ -137,7 +137,10 @@ def _unlink_temporary(tmp: Path) -> None:
 
 
 def publish_stream(
-    path: Path, fill: Callable[[BinaryIO], None], points: faults.WritePoints, replace: Optional[Path] = None
+    path: Path,
+    fill: Callable[[BinaryIO], None],
+    points: Optional[faults.WritePoints] = None,
+    replace: Optional[Path] = None,
 ) -> bool:
     """Write a file by fill(file) under a temporary name, fsync, then give it the name path: as a
     new name (False if path exists: first writer wins), or over `replace` (== path) when the new
@@ -145,10 +148,11 @@ def publish_stream(
     tmp = temporary_name(path)
     try:
         with open(tmp, "wb") as f:
-            fill(_FaultingFile(f, points.in_write))
+            fill(_FaultingFile(f, points.in_write) if points else f)
             f.flush()
             os.fsync(f.fileno())
-        faults.point(points.before_rename)
+        if points:
+            faults.point(points.before_rename)
         if replace is not None:
             os.replace(tmp, path)
             created = True
@@ -158,7 +162,8 @@ def publish_stream(
         fsync_dir(path.parent)
     except OSError as e:
         raise _write_failed(tmp, path, e) from None
-    faults.point(points.after_rename)
+    if points:
+        faults.point(points.after_rename)
     return created
 
 

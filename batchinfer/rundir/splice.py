@@ -5,11 +5,10 @@ answered it, a `pass` column saying which), streamed in input order: what merge 
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -17,7 +16,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchinfer.errors import RunDirError
-from batchinfer.rundir.durable import fsync_dir, read_json
+from batchinfer.rundir.durable import publish_stream, read_json
 from batchinfer.rundir.ordered_rows import Rows, shard_rows_in_order
 from batchinfer.rundir.passes import (
     PASS_COLUMN,
@@ -176,25 +175,27 @@ def write_selection(root: RunDir, rows: np.ndarray, folder: Path, batch: int = 5
     from batchinfer.inputs.convert import open_input
 
     ds = open_input(root.input_dir)
-    tmp = folder / f".tmp-{SELECTION}"
-    writer: Any = None
-    try:
-        for start in range(0, len(rows), batch):
-            chunk = rows[start : start + batch]
-            table = _input_rows(ds, chunk)
-            if SOURCE_ROW in table.column_names:
-                raise RunDirError(f"{root.path}: the input has a column {SOURCE_ROW!r}, which redo needs for itself")
-            table = table.append_column(SOURCE_ROW, pa.array(chunk, pa.int64()))
-            if writer is None:
-                writer = pq.ParquetWriter(tmp, table.schema, compression="zstd")
-            writer.write_table(table)
-    finally:
-        if writer is not None:
-            writer.close()
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    tmp.replace(folder / SELECTION)
-    fsync_dir(folder)
+
+    def fill(f: BinaryIO) -> None:
+        writer: Any = None
+        try:
+            for start in range(0, len(rows), batch):
+                chunk = rows[start : start + batch]
+                table = _input_rows(ds, chunk)
+                if SOURCE_ROW in table.column_names:
+                    raise RunDirError(
+                        f"{root.path}: the input has a column {SOURCE_ROW!r}, which redo needs for itself"
+                    )
+                table = table.append_column(SOURCE_ROW, pa.array(chunk, pa.int64()))
+                if writer is None:
+                    writer = pq.ParquetWriter(f, table.schema, compression="zstd")
+                writer.write_table(table)
+        finally:
+            if writer is not None:
+                writer.close()
+
+    target = folder / SELECTION
+    publish_stream(target, fill, replace=target)  # a temporary, fsynced, renamed, the folder fsynced
 
 
 def _input_rows(ds: Any, rows: np.ndarray) -> pa.Table:
