@@ -90,8 +90,9 @@ def point(name: str) -> None:
 
 
 def hold(stopped: Callable[[], bool]) -> None:
-    """Wait (once per process) while BATCHINFER_HOLD asks and no stop signal has come; a requeued
-    Slurm job's later runs (SLURM_RESTART_COUNT > 0) do not wait, so they finish the shard."""
+    """Wait (once per process) while BATCHINFER_HOLD asks and stopped() is false (a stop signal, a
+    dead engine); a requeued Slurm job's later runs (SLURM_RESTART_COUNT > 0) do not wait, so they
+    finish the shard."""
     global _held
     seconds = float(os.environ.get(HOLD_ENV) or 0)
     if _held or seconds <= 0 or slurm_env.current().restart_count > 0:

@@ -300,6 +300,11 @@ class Engine:
         """Make a step that hangs while stop_pending() raise StepInterrupted (see Watchdog)."""
         self._watchdog.wake_on(stop_pending)
 
+    @property
+    def dead(self) -> bool:
+        """Whether the engine core has died (vLLM's monitor saw it)."""
+        return self._watchdog.dead
+
     def step(self) -> list[Completion]:
         """Run one engine step; return the requests it finished."""
         done = []

@@ -71,6 +71,11 @@ class Watchdog:
         finally:
             self._stepping = False
 
+    @property
+    def dead(self) -> bool:
+        """Whether vLLM's monitor has seen the engine core die."""
+        return bool(getattr(self._resources, "engine_dead", False))
+
     def close(self) -> None:
         """End the watching thread (at its next look)."""
         self.closed = True
@@ -78,7 +83,7 @@ class Watchdog:
     def _watch(self) -> None:
         seen = woken = 0  # the step a pending stop was first seen in; the step last woken
         while not self.closed:
-            if getattr(self._resources, "engine_dead", False):
+            if self.dead:
                 log.error("vLLM engine core died")
                 self._outputs.put_nowait(RuntimeError("vLLM engine core died"))
                 return

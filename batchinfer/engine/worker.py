@@ -58,6 +58,7 @@ class ShardWorker:
         self.failures: Optional[int] = None  # this shard's failures in this submission, once counted
         # {"index", "of", "devices"}: which of its task's engines this is (cluster.engines_per_task)
         self.engine_record: Optional[dict[str, Any]] = None
+        self._engine_dead: Callable[[], bool] = lambda: False  # the engine's, once it has one
 
     @property
     def dataset(self) -> Any:
@@ -154,6 +155,7 @@ class ShardWorker:
         self.stop.check()
         engine = self.get_engine()
         self.stop.check()  # a USR2 held pending while the engine started is delivered as it ends
+        self._engine_dead = lambda: bool(getattr(engine, "dead", False))
         wake = getattr(engine, "wake_on", None)
         if wake is not None:  # vLLM's engine: a step that hangs returns when a stop is pending
             wake(lambda: self.stop.signum is not None)
@@ -234,7 +236,8 @@ class ShardWorker:
         record.add_point()
         self.write_progress(shard, record, error=error)
         faults.point(faults.AFTER_PROGRESS)
-        faults.hold(lambda: self.stop.signum is not None)
+        # a dead engine ends the hold too: the next step raises, the failure is counted at once
+        faults.hold(lambda: self.stop.signum is not None or self._engine_dead())
 
     def write_progress(self, shard: Shard, record: Progress, error: Optional[str] = None) -> None:
         """The shard's progress.json from its record (and which engine of the task writes it)."""

@@ -16,7 +16,7 @@ from support.fake_engine import FakeEngine, fake_overrides, keyed, prepared
 from batchinfer.config.compose import compose
 from batchinfer.engine.stopflag import StopFlag
 from batchinfer.engine.vllm_engine import Completion
-from batchinfer.errors import Stopped
+from batchinfer.errors import EngineFailure, Stopped
 from batchinfer.inputs.shards import Shard
 from batchinfer.launch.local import run_shards
 from batchinfer.rundir.merge import merge
@@ -135,3 +135,36 @@ def test_hold_waits_after_the_first_commit_until_a_stop_signal(tmp_path: Path, m
     t0 = time.monotonic()
     faults.hold(lambda: False)
     assert time.monotonic() - t0 < 1
+
+
+class DyingEngine(FakeEngine):
+    """Its core dies (a killed rank, the OOM killer) while the worker holds after its first part:
+    `dead` turns true as vLLM's monitor would set it, and the next step raises."""
+
+    dead = False
+
+    def step(self) -> list[Completion]:
+        if self.dead:
+            raise RuntimeError("vLLM engine core died")
+        return super().step()
+
+
+def test_hold_ends_when_the_engine_dies(tmp_path: Path, monkeypatch) -> None:
+    """A dead engine ends the hold as a stop signal does: the failure is counted at once, not after
+    the hold's 60 s (the multi-node test kills a rank during it)."""
+    from batchinfer import faults
+
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 20)
+    run = prepare(compose(fake_overrides(tmp_path, corpus, "output.commit_every_rows=4")))
+    monkeypatch.setenv("BATCHINFER_HOLD", "60")
+    monkeypatch.setattr(faults, "_held", False)
+    eng = keyed(DyingEngine(), run)
+    threading.Timer(0.5, lambda: setattr(eng, "dead", True)).start()
+    t0 = time.monotonic()
+    with pytest.raises(EngineFailure, match="engine core died"):
+        run_shards(run, [0], engine=eng)
+    assert time.monotonic() - t0 < 30  # not the hold's 60 s
+    assert 0 < run.shard_folder(0).read_rows().num_rows < 20 and not run.shard_folder(0).is_done()
+    progress = json.loads(run.shard_folder(0).progress_path.read_text())
+    assert progress["failures"] == 1, progress
