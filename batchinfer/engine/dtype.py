@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import socket
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+from batchinfer.config.schema import Config
 from batchinfer.rundir.durable import create_once, read_json
 from batchinfer.versions import installed_versions
 
@@ -110,3 +112,19 @@ def settle(run_path: Path, configured: str) -> str:
             mine["why"],
         )
     return str(record["dtype"])
+
+
+def device_name() -> str:
+    """The GPU model (and count), or the CPU model when running on CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return f"CPU: {cpu_info()[0]} ({os.cpu_count()} cores)"
+
+
+def engine_dtype(cfg: Config, dtype: Optional[str]) -> str:
+    """The dtype the engine runs: the run's settled one, else model.dtype (`auto` for this machine)."""
+    if dtype is not None:
+        return dtype
+    return own_choice()["dtype"] if cfg.model.dtype == "auto" else cfg.model.dtype

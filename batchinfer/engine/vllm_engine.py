@@ -14,6 +14,7 @@ from typing import Any, Optional
 from batchinfer import faults
 from batchinfer.config.nodes import NodeGroup, node_kwargs
 from batchinfer.config.schema import POOLING_TASKS, Config, to_config
+from batchinfer.engine.dtype import device_name, engine_dtype
 from batchinfer.engine.watchdog import Watchdog
 from batchinfer.requests.prompts import Prompt, RowError
 from batchinfer.versions import installed_versions
@@ -98,26 +99,6 @@ def sampling_kwargs(sampling: dict[str, Any]) -> dict[str, Any]:
         if kw.get(key) is None:
             kw.pop(key, None)
     return kw
-
-
-def device_name() -> str:
-    """The GPU model (and count), or the CPU model when running on CPU."""
-    import torch
-
-    from batchinfer.engine.dtype import cpu_info
-
-    if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    return f"CPU: {cpu_info()[0]} ({os.cpu_count()} cores)"
-
-
-def engine_dtype(cfg: Config, dtype: Optional[str]) -> str:
-    """The dtype the engine runs: the run's settled one, else model.dtype (`auto` for this machine)."""
-    from batchinfer.engine.dtype import own_choice
-
-    if dtype is not None:
-        return dtype
-    return own_choice()["dtype"] if cfg.model.dtype == "auto" else cfg.model.dtype
 
 
 def engine_environment() -> None:
