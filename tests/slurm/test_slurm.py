@@ -1,7 +1,8 @@
 """A real single-node Slurm cluster (slurm/dev/up.sh): submit, status, preemption, requeue, failure, resume, cancel.
 
-Preemption and requeue (USR2, external requeue) and an engine's death run vLLM in the tasks; the
-rest run the stand-in engine (tests/support/standin.py): Slurm's side is what they prove."""
+Preemption (USR2, then TERM) and an engine's death run vLLM in the tasks; the rest, an external
+requeue among them, run the stand-in engine (tests/support/standin.py): Slurm's side is what they
+prove."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 from support.corpus import assert_exactly_once, project, read_output, write_corpus
 from support.procs import run_cli
-from support.runs import assert_engine_output_kept_apart
+from support.runs import assert_engine_output_kept_apart, committed_rows
 from support.slurm import (
     HOLD,
     REPO,
@@ -25,6 +26,7 @@ from support.slurm import (
     first_submission,
     job_engine_pids,
     queued,
+    sacct_runs,
     signal_usr2_then_term,
     status_json,
     submit_corpus,
@@ -40,44 +42,64 @@ from batchinfer.launch.local import run_local
 pytestmark = [pytest.mark.slurm, pytest.mark.engine]
 
 
-@pytest.mark.timeout(1800)  # its tasks run one after another (array parallelism 1)
-def test_usr2_preemption_and_external_requeue(
+@pytest.mark.timeout(1200)
+def test_usr2_then_term_requeues_once_and_the_next_run_resumes(
     slurm_env: dict, tmp_path: Path, tiny_model_path: Path, engine: Any
 ) -> None:
-    extra = ["sharding.num_shards=2", "sampling.max_tokens=16", "output.commit_every_rows=16"]
-    # shards of 200 rows: the hold after a shard's first part is what makes each signal land on a
+    """The real engine in the task: Slurm's preemption notice (USR2), then the time limit's TERM
+    before the worker has acted on the first; the first signal's intent (requeue) must win, the
+    engine's processes must not die of USR2, and no vLLM line reaches the task's logs."""
+    extra = ["sharding.num_shards=1", "sampling.max_tokens=16", "output.commit_every_rows=16"]
+    # a shard of 200 rows: the hold after its first part is what makes the signal land on a
     # partial shard, not the shard's size
-    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 400, 12, *extra, HOLD)
+    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 200, 12, *extra, HOLD)
     ov = cluster_overrides(tmp_path, tmp_path / "c.jsonl", tiny_model_path, *extra)
-    array = first_submission(run_dir)["arrays"][0]["job_id"]
-    # Task 0, once it has committed: Slurm's preemption notice (USR2), then the time limit's TERM
-    # before the worker has acted on the first. The first signal's intent (requeue) must win.
+    job = first_submission(run_dir)["arrays"][0]["job_id"]  # an array of one task: its job id
     wait_for(lambda: list(run_dir.glob("shards/00000/part-*")), what="a committed part of shard 0")
-    signal_usr2_then_term(f"{array}_0")
-    # An external `scontrol requeue` of task 1 once it has committed (no signal reaches the worker first).
-    wait_for(
-        lambda: list(run_dir.glob("shards/00001/part-*")) and task_running(f"{array}_1"), timeout=600, what="shard 1"
-    )
-    subprocess.run(["scontrol", "requeue", f"{array}_1"], check=True, timeout=30)
+    before = committed_rows(run_dir)
+    signal_usr2_then_term(job)
     wait_until_idle(run_dir)
     out = read_output(run_dir)
     assert_exactly_once(out, rows)
+    after = committed_rows(run_dir)
+    assert 0 < len(before) < len(rows) and {r: after[r] for r in before} == before
     clean = read_output(run_local(compose([*ov, f"output.dir={tmp_path}/clean", "cluster=local"]), engine=engine).path)
     assert project(out) == project(clean)
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.err"))
     assert "received SIGUSR2: committing and stopping" in logs and "received SIGTERM after SIGUSR2" in logs
-    assert f"requeued {array}_0" in logs and "resuming" in logs
+    assert logs.count(f"requeued {job}") == 1 and "resuming" in logs, logs[-3000:]
     # vLLM's lines must reach neither of a task's logs: stdout (`*_log.out`) as well as stderr
     task_output = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.*"))
     assert_engine_output_kept_apart(run_dir, task_output)
-    for shard in (0, 1):
-        done = json.loads((run_dir / f"shards/0000{shard}/DONE.json").read_text())
-        assert done["attempts"] >= 2, done
-    # sacct -D keeps the requeued run of task 0: REQUEUED, then the run that finished
-    sacct = subprocess.run(
-        ["sacct", "-n", "-X", "-D", "-P", "-o", "State", "-j", f"{array}_0"], capture_output=True, text=True
-    )
-    assert "REQUEUED" in sacct.stdout.split() and "COMPLETED" in sacct.stdout.split(), sacct.stdout + sacct.stderr
+    done = json.loads((run_dir / "shards/00000/DONE.json").read_text())
+    assert done["attempts"] == 2, done
+    # sacct -D keeps the requeued run: REQUEUED, then the run that finished
+    assert sacct_runs(job) == ["REQUEUED", "COMPLETED"], sacct_runs(job)
+
+
+@pytest.mark.timeout(900)
+def test_an_external_requeue_commits_and_the_next_run_resumes(
+    slurm_env: dict, tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """`scontrol requeue` of a running task (an admin, a node drained with requeue): Slurm ends it
+    (TERM: commit, no requeue of its own) and runs it again, which resumes. The stand-in engine:
+    Slurm's side is what this proves."""
+    extra = ["sharding.num_shards=1", "sampling.max_tokens=16", "output.commit_every_rows=16"]
+    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 200, 16, *extra, HOLD, env=standin_env())
+    job = first_submission(run_dir)["arrays"][0]["job_id"]  # an array of one task: its job id
+    wait_for(lambda: list(run_dir.glob("shards/00000/part-*")) and task_running(job), what="a committed part")
+    before = committed_rows(run_dir)
+    subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
+    wait_until_idle(run_dir)
+    assert_exactly_once(read_output(run_dir), rows)
+    after = committed_rows(run_dir)
+    assert 0 < len(before) < len(rows) and {r: after[r] for r in before} == before
+    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.err"))
+    assert "received SIGTERM: committing and stopping" in logs and "resuming" in logs, logs[-3000:]
+    assert f"requeued {job}" not in logs, logs[-3000:]  # Slurm requeued it, not the worker
+    done = json.loads((run_dir / "shards/00000/DONE.json").read_text())
+    assert done["attempts"] == 2, done
+    assert sacct_runs(job) == ["REQUEUED", "COMPLETED"], sacct_runs(job)
 
 
 @pytest.mark.timeout(900)  # its tasks run one after another (array parallelism 1)

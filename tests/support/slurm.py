@@ -117,6 +117,12 @@ def status_json(run_dir: Path) -> dict[str, Any]:
     return json.loads(res.stdout)
 
 
+def sacct_runs(job: str) -> list[str]:
+    """The states of every run of job, requeued ones included (sacct -D)."""
+    res = subprocess.run(["sacct", "-n", "-X", "-D", "-P", "-o", "State", "-j", job], capture_output=True, text=True)
+    return res.stdout.split()
+
+
 def task_running(job: str) -> bool:
     res = subprocess.run(["squeue", "-h", "-o", "%T", "-j", job], capture_output=True, text=True)
     return res.stdout.strip() == "RUNNING"
