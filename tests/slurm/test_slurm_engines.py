@@ -1,6 +1,7 @@
 """Two engines in one array task (cluster.engines_per_task=2, one core each) on the dev cluster:
 shards handed out one at a time, USR2 requeues the task once with both engines' rows kept, and a
-killed engine leaves its sibling's shards finished and its own resumed on requeue."""
+killed engine leaves its sibling's shards finished and its own resumed on requeue. The stand-in
+engine throughout: the task's supervisor, its members and Slurm are what these prove."""
 
 from __future__ import annotations
 
@@ -19,17 +20,18 @@ from support.slurm import (
     REPO,
     cluster_overrides,
     first_submission,
+    sacct_runs,
     status_json,
     submit_corpus,
     wait_for,
     wait_until_idle,
 )
-from support.standin import standin_env
+from support.standin import StandinEngine, standin_env
 
 from batchinfer.config.compose import compose
 from batchinfer.launch.local import run_local
 
-pytestmark = [pytest.mark.slurm, pytest.mark.engine]
+pytestmark = [pytest.mark.slurm]
 # 4 shards of 100 rows in one task, 2 engines on its 2 cores; each engine holds after its first part
 # (not after a requeue) so the test's signal or kill lands on partial shards of both engines.
 EXTRA = [
@@ -55,16 +57,14 @@ def task_logs(run_dir: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.err"))
 
 
-def sacct_runs(job: str) -> list[str]:
-    res = subprocess.run(["sacct", "-n", "-X", "-D", "-P", "-o", "State", "-j", job], capture_output=True, text=True)
-    return res.stdout.split()
-
-
 @pytest.mark.timeout(1800)  # its tasks run one after another (array parallelism 1)
-def test_two_engines_usr2_requeues_once_and_keeps_both_engines_rows(
-    tmp_path: Path, tiny_model_path: Path, engine: Any
-) -> None:
-    rows, run_dir, _ = submit_corpus(tmp_path, tiny_model_path, 400, 21, *EXTRA, "+cluster.env.BATCHINFER_HOLD=240")
+def test_two_engines_usr2_requeues_once_and_keeps_both_engines_rows(tmp_path: Path, tiny_model_path: Path) -> None:
+    """Through submitit, USR2 to every process of the task. The stand-in engine: the supervisor's
+    one decision for the task is what this proves (that vLLM's engine-core processes outlive a
+    group-wide USR2 is test_slurm.py's single-engine case; members block USR2 before they start)."""
+    rows, run_dir, _ = submit_corpus(
+        tmp_path, tiny_model_path, 400, 21, *EXTRA, "+cluster.env.BATCHINFER_HOLD=240", env=standin_env()
+    )
     task = first_submission(run_dir)["arrays"][0]["job_id"]  # an array of one task: its job id
     wait_for(lambda: set(progress_by_engine(run_dir)) == {0, 1}, timeout=600, what="both engines' first parts")
     partial = progress_by_engine(run_dir)
@@ -91,8 +91,8 @@ def test_two_engines_usr2_requeues_once_and_keeps_both_engines_rows(
     cores = {rec["engine"]["devices"] for rec in partial.values()}
     assert cores == {"cpu:0", "cpu:1"}, cores
     ov = cluster_overrides(tmp_path, tmp_path / "c.jsonl", tiny_model_path, *EXTRA[:1], *EXTRA[3:])
-    clean = read_output(run_local(compose([*ov, f"output.dir={tmp_path}/clean", "cluster=local"]), engine=engine).path)
-    assert project(out) == project(clean)
+    local = compose([*ov, f"output.dir={tmp_path}/clean", "cluster=local"])
+    assert project(out) == project(read_output(run_local(local, engine=StandinEngine(local)).path))
 
 
 @pytest.mark.timeout(1200)  # its tasks run one after another (array parallelism 1)
