@@ -108,9 +108,12 @@ def test_an_engine_over_two_nodes_runs_each_row_once_through_a_dead_rank_and_usr
     after = committed_rows(run_dir)
     assert {r: after[r] for r in before} == before  # committed before the faults: unchanged
     logs = task_logs(run_dir)
-    # the dead rank failed the engine on the head, which counted it and requeued the task
-    assert logs.count("the engine ranks on node2 exited (srun exit status") == 1, logs[-3000:]
-    assert re.search(r"shard \d+ failed \(.*?\), attempt 1 of 3: requeueing", logs, re.S), logs[-3000:]
+    # the dead rank failed the engine on the head, which counted it and requeued the task: the
+    # head's engine core lost its link to node2's rank, or the head saw the ranks' step end first
+    first_run = logs.split("starting vLLM engine")[1]  # to the second run's start
+    failed = re.search(r"shard \d+ failed \((.*?)\), attempt 1 of 3: requeueing", first_run, re.S)
+    assert failed and "EngineCore" in failed[1], first_run[-3000:]
+    assert "Connection reset by peer" in first_run or "the engine ranks on node2 exited" in first_run
     # then USR2: committed, requeued once more (two requeues in all, by the head each time)
     assert "received SIGUSR2: committing and stopping" in logs
     assert len(re.findall(rf"requeued {job}(_0)?\b", logs)) == 2, logs[-3000:]
