@@ -20,11 +20,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # else the CPU backend res
 from support import tiny_model  # noqa: E402
 from support.corpus import assert_exactly_once, read_output, write_corpus  # noqa: E402
 from support.pooling import minilm_overrides  # noqa: E402
-from support.procs import shm_entries  # noqa: E402
+from support.procs import mapped_shm, shm_entries  # noqa: E402
 from support.runs import ROWS, Workload, model_overrides  # noqa: E402
 from support.standin import StandinEngine, standin_env  # noqa: E402
 
 ENGINE_LOG = pytest.StashKey[Path]()
+PYTEST_PIDS = "pytest-pids.txt"  # beside the log: the pytest-xdist workers, whose engines are in-process
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -32,7 +33,11 @@ def pytest_configure(config: pytest.Config) -> None:
     environment) appends a line to one log, counted at the end."""
     from batchinfer.faults import ENGINE_LOG_ENV
 
-    if ENGINE_LOG_ENV not in os.environ and not hasattr(config, "workerinput"):
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its engines start in this process
+        if ENGINE_LOG_ENV in os.environ:
+            with open(Path(os.environ[ENGINE_LOG_ENV]).with_name(PYTEST_PIDS), "a") as f:
+                f.write(f"{os.getpid()}\n")
+    elif ENGINE_LOG_ENV not in os.environ:
         log = Path(tempfile.mkdtemp(prefix="batchinfer-engine-starts-")) / "starts.jsonl"
         os.environ[ENGINE_LOG_ENV] = str(log)
         config.stash[ENGINE_LOG] = log
@@ -55,12 +60,17 @@ FOLDERS = ("unit", "engine", "cli", "slurm", "contract")  # what a test needs to
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each test is marked with its folder (`-m unit`, `-m "not slurm"`)."""
+    """Each test is marked with its folder (`-m unit`, `-m "not slurm"`). Under pytest-xdist
+    (`-n 2 --dist loadgroup`, .ci/run) the Slurm tests run one after another in one worker, the
+    rest beside them in the other: they share one dev cluster, and some act on every job's
+    engine (job_engine_pids)."""
     root = Path(__file__).parent
     for item in items:
         folder = item.path.relative_to(root).parts[0]
         if folder in FOLDERS:
             item.add_marker(folder)
+        if folder == "slurm":
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
@@ -69,9 +79,11 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if log is None:
         return
     starts = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    workers = log.with_name(PYTEST_PIDS)
+    pytest_pids = {os.getpid(), *(int(p) for p in (workers.read_text().split() if workers.exists() else []))}
     kinds = {"in-process": [], "subprocess": [], "in Slurm tasks": []}
     for s in starts:
-        kind = "in-process" if s["pid"] == os.getpid() else "in Slurm tasks" if s["slurm_job"] else "subprocess"
+        kind = "in-process" if s["pid"] in pytest_pids else "in Slurm tasks" if s["slurm_job"] else "subprocess"
         kinds[kind].append(s["seconds"])
     counts = ", ".join(f"{len(v)} {k}" for k, v in kinds.items())
     seconds = ", ".join(f"{sum(v):.0f} s {k}" for k, v in kinds.items())
@@ -103,7 +115,7 @@ def clean_shm():
     """Remove /dev/shm entries that killed vLLM processes of this test left."""
     before = shm_entries()
     yield
-    for name in shm_entries() - before:
+    for name in shm_entries() - before - mapped_shm():
         try:
             os.unlink(f"/dev/shm/{name}")
         except OSError:

@@ -41,6 +41,19 @@ def shm_entries() -> set[str]:
         return set()
 
 
+def mapped_shm() -> set[str]:
+    """The /dev/shm entries some live process has mapped (an engine's, of this test or of a test
+    running beside it in another pytest-xdist worker): not leftovers, whoever made them."""
+    names: set[str] = set()
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/maps") as f:
+                names.update(line.rsplit("/dev/shm/", 1)[1].split()[0] for line in f if "/dev/shm/" in line)
+        except (OSError, IndexError):
+            continue
+    return names
+
+
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL a process group started with start_new_session."""
     try:
