@@ -63,7 +63,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Each test is marked with its folder (`-m unit`, `-m "not slurm"`). Under pytest-xdist
     (`-n 2 --dist loadgroup`, .ci/run) the Slurm tests run one after another in one worker, the
     rest beside them in the other: they share one dev cluster, and some act on every job's
-    engine (job_engine_pids)."""
+    engine (job_engine_pids). They come first, so that their worker starts on them at once."""
     root = Path(__file__).parent
     for item in items:
         folder = item.path.relative_to(root).parts[0]
@@ -71,6 +71,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(folder)
         if folder == "slurm":
             item.add_marker(pytest.mark.xdist_group("slurm"))
+    items.sort(key=lambda item: item.get_closest_marker("slurm") is None)  # stable: files keep their order
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

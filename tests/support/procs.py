@@ -43,13 +43,21 @@ def shm_entries() -> set[str]:
 
 def mapped_shm() -> set[str]:
     """The /dev/shm entries some live process has mapped (an engine's, of this test or of a test
-    running beside it in another pytest-xdist worker): not leftovers, whoever made them."""
-    names: set[str] = set()
+    running beside it in another pytest-xdist worker): not leftovers, whoever made them. Matched
+    by inode: glibc maps a named semaphore under a temporary name it then renames."""
+    inodes: set[int] = set()
     for d in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{d}/maps") as f:
-                names.update(line.rsplit("/dev/shm/", 1)[1].split()[0] for line in f if "/dev/shm/" in line)
-        except (OSError, IndexError):
+                inodes.update(int(line.split()[4]) for line in f if " /dev/shm/" in line)
+        except (OSError, IndexError, ValueError):
+            continue
+    names = set()
+    for name in os.listdir("/dev/shm"):
+        try:
+            if os.stat(f"/dev/shm/{name}").st_ino in inodes:
+                names.add(name)
+        except OSError:
             continue
     return names
 
