@@ -59,6 +59,7 @@ def _batchinfer_logger_as_it_was() -> Iterator[None]:
 FOLDERS = ("unit", "engine", "cli", "slurm", "contract")  # what a test needs to run: README, "Tests"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook reads the xdist_group marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Each test is marked with its folder (`-m unit`, `-m "not slurm"`). Under pytest-xdist
     (`-n 2 --dist loadgroup`, .ci/run) the Slurm tests run one after another in one worker, the
