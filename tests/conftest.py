@@ -19,6 +19,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # else the CPU backend res
 
 from support import tiny_model  # noqa: E402
 from support.corpus import assert_exactly_once, read_output, write_corpus  # noqa: E402
+from support.log_handlers import restored_log_handlers  # noqa: E402
 from support.pooling import minilm_overrides  # noqa: E402
 from support.procs import mapped_shm, shm_entries  # noqa: E402
 from support.runs import ROWS, Workload, model_overrides  # noqa: E402
@@ -48,12 +49,7 @@ def _batchinfer_logger_as_it_was() -> Iterator[None]:
     """A test that calls `setup_logging` (the CLI, the worker) leaves batchinfer's logger as it
     found it: otherwise later tests' caplog sees nothing (propagation off) and its handler writes
     to a stream pytest has closed."""
-    import logging
-
-    logger = logging.getLogger("batchinfer")
-    saved = (logger.handlers[:], logger.level, logger.propagate)
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved
+    yield from restored_log_handlers(clear=False)
 
 
 FOLDERS = ("unit", "engine", "cli", "slurm", "contract")  # what a test needs to run: README, "Tests"

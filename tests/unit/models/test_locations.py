@@ -40,10 +40,9 @@ def test_a_model_prepared_meanwhile_by_another_process_is_kept(tmp_path: Path) -
         staged.mkdir()
         (staged / "config.json").write_text(staged.name)
     _publish(first, out, ("config.json",))
-    loading = (out / "config.json").open()  # a job reading it
+    inode = (out / "config.json").stat().st_ino
     _publish(second, out, ("config.json",))
-    assert loading.read() == "a" and (out / "config.json").read_text() == "a"
-    loading.close()
+    assert (out / "config.json").read_text() == "a" and (out / "config.json").stat().st_ino == inode
     # a folder that is not a prepared model (a torn copy) is replaced
     (out / "config.json").unlink()
     _publish(second, out, ("config.json",))
