@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Optional, TypedDict
+from typing import Any, NotRequired, Optional, TypedDict
 
 from batchinfer.config.schema import Config
 from batchinfer.engine.dtype import settle
@@ -38,6 +38,9 @@ class EngineSlot(TypedDict):
     index: int
     of: int
     devices: str
+    # the engine's start-up seconds: it starts before it takes a shard, so its shards' own start-up
+    # phase (seconds.startup) is about 0 (tune/trial.py reads it)
+    startup_seconds: NotRequired[float]
 
 
 def progress_bar(total: int, initial: int, desc: str, file: Any = None) -> Any:
@@ -176,9 +179,14 @@ class ShardLoop:
         return self.worker.failures
 
     def start_engine(self) -> None:
-        """Start the engine now, before any shard is taken (no shard lock is held meanwhile)."""
+        """Start the engine now, before any shard is taken (no shard lock is held meanwhile); the
+        engine record of the shards it runs says how long that took."""
         with self._judged():
-            self.holder()
+            engine = self.holder()
+        slot = self.worker.engine_record
+        seconds = getattr(engine, "startup_seconds", None)
+        if slot is not None and seconds is not None:
+            self.worker.engine_record = {**slot, "startup_seconds": round(float(seconds), 2)}
 
     def count_in(self, shard: Shard) -> None:
         """Add a shard to the bar, for a loop that learns its shards one at a time."""

@@ -7,7 +7,8 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -113,11 +114,15 @@ def pooled_lengths(outcomes: list[Outcome]) -> tuple[list[int], int]:
     return lengths, at_max
 
 
-def layout(c: Any, rows: int) -> Layout:
-    """Array tasks, engines and devices of the full run, as plan and submit count them."""
+def layout(c: Any, rows: int, tuned: Sequence[str] = ()) -> Layout:
+    """Array tasks, engines and devices of the full run, as plan and submit count them; tuned: the
+    winner's overrides (its cluster.engines_per_task is the run's)."""
     from batchinfer.config.engines import engines_per_task, gpus_per_engine, task_gpus
     from batchinfer.inputs.shards import plan_shards
 
+    wanted = tuned_value(tuned, "cluster.engines_per_task")
+    if wanted is not None:
+        c = replace(c, cluster=replace(c.cluster, engines_per_task=wanted))
     sh = c.sharding
     shards = plan_shards(rows, sh.num_shards, sh.rows_per_shard, DEFAULT_ROWS_PER_SHARD)
     gpus = int(c.cluster.gpus_per_task or 0) or len(task_gpus(c))
@@ -128,6 +133,17 @@ def layout(c: Any, rows: int) -> Layout:
         devices_per_engine=gpus_per_engine(c) if gpus else 1,
         array_parallelism=c.cluster.array_parallelism,
     )
+
+
+def tuned_value(overrides: Sequence[str], key: str) -> Any:
+    """The value an override list gives key (the last one), None when none does."""
+    from omegaconf import OmegaConf
+
+    found = None
+    for o in overrides:
+        if o.split("=", 1)[0].lstrip("+~") == key and "=" in o:
+            found = OmegaConf.select(OmegaConf.from_dotlist([o.lstrip("+~")]), key)
+    return found
 
 
 def prompt_tokens(prompts: Prompts, winner: Outcome) -> dict[str, float]:
@@ -205,10 +221,11 @@ def finish(
     best_overrides = winner.setting.override_strings() if winner else []
     group = results.write_group(folder, best_overrides) if winner else None
     fc = None
-    shape = layout(c, len(prompts.keys))
+    shape = layout(c, len(prompts.keys), winner.setting.overrides if winner else ())
     if winner is not None and winner.startup_seconds is not None:
         generates = c.task.name not in POOLING_TASKS
-        rate = winner.output_tokens_per_s if generates else winner.rows_per_s
+        # the forecast counts engines (forecast.point): it takes one engine's rate, not the task's
+        rate = winner.per_engine("output_tokens" if generates else "rows")
         measured = Measured(lengths or [0], rate or 0.0, winner.startup_seconds, generates)
         fc = {
             "prompt_tokens": prompt_tokens(prompts, winner),

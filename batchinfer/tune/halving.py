@@ -18,7 +18,9 @@ from batchinfer.tune.settings import Setting
 
 @dataclass
 class Rung:
-    """One rung of one setting, from its run directory's DONE.json and output rows."""
+    """One rung of one setting, from its run directory's DONE.json and output rows. With several
+    engines (side by side, as in a task), generate_seconds is their engine-seconds over `engines`,
+    so the score is the task's rate."""
 
     rung: int
     rows: int
@@ -29,6 +31,8 @@ class Rung:
     peak_memory_mb: Optional[float] = None
     output_lengths: list[int] = field(default_factory=list)
     stopped_at_max_tokens: int = 0
+    engines: int = 1
+    startup_seconds: Optional[float] = None  # its engines' start-up, when they started for this rung
 
     @property
     def score(self) -> float:
@@ -62,6 +66,18 @@ class Outcome:
         gen = self._total("generate_seconds")
         return self._total("rows") / gen if gen else None
 
+    @property
+    def engines(self) -> int:
+        """Engines its task ran side by side (cluster.engines_per_task; fewer only for a rung with
+        fewer rows than engines)."""
+        return max((r.engines for r in self.rungs), default=1)
+
+    def per_engine(self, name: str) -> Optional[float]:
+        """`output_tokens` or `rows` per engine-second of generation: one engine's steady rate
+        while its task's engines run side by side, the rate forecast.point takes."""
+        engine_seconds = sum(r.generate_seconds * r.engines for r in self.rungs)
+        return self._total(name) / engine_seconds if engine_seconds else None
+
 
 class TrialFailed(Exception):
     """A trial's engine was refused, failed, ran out of memory or over its time: the reason."""
@@ -70,7 +86,7 @@ class TrialFailed(Exception):
 class Trial(Protocol):
     """One setting's engine, started once, running rungs while told to go on."""
 
-    def start(self, timeout: float) -> float: ...  # start-up seconds
+    def start(self, timeout: float) -> Optional[float]: ...  # start-up seconds; None: each rung starts its own
 
     def rung(self, index: int, timeout: float) -> Rung: ...
 
@@ -113,6 +129,9 @@ def halve(
             for r in range(rungs):
                 rung = trial.rung(r, max(1.0, deadline - time.monotonic()))
                 out.rungs.append(rung)
+                starts = [s.startup_seconds for s in out.rungs if s.startup_seconds is not None]
+                if starts:  # engines started for each rung: the setting's start-up is their mean
+                    out.startup_seconds = round(sum(starts) / len(starts), 2)
                 say(f"[{i + 1}/{len(settings)}] {setting.name}: rung {r}, {rung.rows} rows, {rung.score:.1f}/s")
                 peers = [s for j, s in scores[r].items() if settings[j].changes_outputs == setting.changes_outputs]
                 scores[r][i] = rung.score

@@ -48,8 +48,9 @@ class TrialProcess:
             raise TrialFailed(msg["reason"])
         return msg
 
-    def start(self, timeout: float) -> float:
-        """Start the process and its engine; the engine's start-up seconds."""
+    def start(self, timeout: float) -> Optional[float]:
+        """Start the process and its engine; the engine's start-up seconds (None: a task of several
+        engines, started for each rung)."""
         env = dict(os.environ, **self.setting.env)
         log = open(self.folder / "trial.log", "w", encoding="utf-8")  # noqa: SIM115  (the child keeps it)
         self.proc = subprocess.Popen(
@@ -63,7 +64,8 @@ class TrialProcess:
         )
         log.close()
         threading.Thread(target=self._read, daemon=True).start()
-        return float(self._answer(timeout, "engine start")["startup_seconds"])
+        startup = self._answer(timeout, "engine start")["startup_seconds"]
+        return None if startup is None else float(startup)
 
     def rung(self, index: int, timeout: float) -> Rung:
         """Run rung `index` on the engine already started."""
@@ -91,11 +93,26 @@ class TrialProcess:
         self._kill()
 
     def _kill(self) -> None:
-        """SIGKILL the trial's process group (also an engine-core process its exit left behind)."""
+        """SIGKILL the trial's process group (also an engine-core process its exit left behind) and
+        the groups of its descendants: a task's engine processes have groups of their own."""
+        import psutil
+
         if self.proc is None:
             return
+        groups = {self.proc.pid}
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+            descendants = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            descendants = []
+        for p in descendants:
+            try:
+                groups.add(os.getpgid(p.pid))
+            except ProcessLookupError:
+                pass
+        groups.discard(os.getpgrp())  # never this process's own group
+        for group in groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self.proc.wait()

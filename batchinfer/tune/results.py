@@ -28,6 +28,7 @@ def setting_record(o: Outcome) -> dict[str, Any]:
         "overrides": o.setting.override_strings(),
         "changes_outputs": o.setting.changes_outputs,
         "startup_seconds": o.startup_seconds,
+        "engines": o.engines,  # side by side in its task; the rates below are the task's
         "rungs": len(rungs),
         "rows": sum(r.rows for r in rungs),
         "generate_seconds": round(gen, 3),
@@ -52,7 +53,10 @@ def table(records: list[dict[str, Any]], winner: Optional[str]) -> str:
             f"{r['failure'] or ''} |"
         )
     lines.append("")
-    lines.append("* the winner (fastest at the highest rung reached); † changes outputs: never chosen, try it yourself")
+    lines.append(
+        "* the winner (fastest at the highest rung reached); † changes outputs: never chosen, try it yourself; "
+        "rates are a task's, all its engines together"
+    )
     return "\n".join(lines)
 
 

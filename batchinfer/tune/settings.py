@@ -12,6 +12,7 @@ from batchinfer.errors import ConfigError
 MAX_NUM_SEQS = (64, 128, 512)
 MAX_NUM_BATCHED_TOKENS = (2048, 4096, 16384)
 GPU_MEMORY_UTILIZATION = (0.8, 0.95)
+MAX_ENGINE_COUNTS = 3  # engines per task tried on a whole node: the largest few that divide it
 # Settings that change outputs: tried only with --include NAME, never chosen as the winner.
 OUTPUT_CHANGING = {
     "fp8": ("quantization=fp8",),
@@ -63,12 +64,36 @@ def parse_tries(tries: list[str]) -> list[Setting]:
     return out
 
 
+def engine_counts(c: Any, gpus: int, cpus: list[int]) -> list[int]:
+    """cluster.engines_per_task values to try besides the config's own, for a task of `gpus` GPUs
+    (0: a CPU task on `cpus`): on GPUs each N >= 2 whose N x TP x PP GPUs divide the task's (the
+    largest MAX_ENGINE_COUNTS of them); on two or more cores 2, or 1 when the config runs several
+    engines already. None for an engine over several nodes, which takes the whole task."""
+    from batchinfer.config.engines import engines_per_task, gpus_per_engine
+
+    if int(c.cluster.nodes_per_task) != 1:
+        return []
+    try:
+        now = engines_per_task(c, gpus)
+    except ConfigError:
+        return []  # the config as composed cannot run: its own trial says why
+    if gpus:
+        each = gpus_per_engine(c)
+        fits = [n for n in range(2, gpus // each + 1) if gpus % (n * each) == 0]
+        # fewer engines than the config runs would leave GPUs of the task idle: never faster per node
+        return [n for n in fits[-MAX_ENGINE_COUNTS:] if n > now]
+    if len(cpus) < 2:
+        return []
+    return [1] if now > 1 else [2]
+
+
 def default_grid(c: Any, gpus: int, cpus: list[int], include: list[str]) -> list[Setting]:
     """The config as composed first, then one knob at a time around it: max_num_seqs,
     max_num_batched_tokens, gpu_memory_utilization (GPUs), the OpenMP binding of every allowed core
-    (CPU); then the output-changing settings asked for. cluster.engines_per_task is not tried: a
-    trial runs one engine, and N engines on N times the devices change the task's layout, not an
-    engine's rate (the forecast counts them)."""
+    (CPU), cluster.engines_per_task where the task holds several GPUs or cores (engine_counts);
+    then the output-changing settings asked for. A trial of several engines runs each rung as a
+    task does (tune/trial.py), so its rate is the task's, all engines together: settings compare
+    per node, and the forecast divides it by the engines."""
     from batchinfer.config.engines import engine_envs
 
     m = c.model
@@ -83,9 +108,15 @@ def default_grid(c: Any, gpus: int, cpus: list[int], include: list[str]) -> list
             for v in GPU_MEMORY_UTILIZATION
             if v != m.gpu_memory_utilization
         ]
-    elif len(cpus) > 1:
+    counts = engine_counts(c, gpus, cpus)
+    if not gpus and len(cpus) > 1:
         # vLLM's default binding (`auto`) keeps a core for its scheduler; every core was measured
-        # at 1.38x that on a 2-core machine.
-        grid.append(Setting(env=engine_envs(c, 1, [], cpus)[0]))
+        # at 1.38x that on a 2-core machine. Several engines bind their own cores (engine_envs):
+        # the binding is tried with one engine.
+        every_core = engine_envs(c, 1, [], cpus)[0]
+        one = ("cluster.engines_per_task=1",) if counts == [1] else ()
+        grid.append(Setting(one, env=every_core))
+        counts = [n for n in counts if n != 1]
+    grid += [Setting((f"cluster.engines_per_task={n}",)) for n in counts]
     grid += [Setting(OUTPUT_CHANGING[name], changes_outputs=True) for name in include]
     return grid

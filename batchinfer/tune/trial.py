@@ -2,9 +2,12 @@
 
 It builds the engine once, says `ready` with the start-up seconds, then for each `go R` line on
 stdin runs rung R of the pilot as a small run directory through the local runner with that engine
-and answers one JSON line; `stop` (or end of input) closes the engine. A failure is answered as
-`failed` with its reason. Protocol lines go to the original stdout; everything else (vLLM, tqdm,
-`run`'s own lines) to stderr, which the parent keeps in the trial's log."""
+and answers one JSON line; `stop` (or end of input) closes the engine. A setting whose task runs
+several engines (cluster.engines_per_task) has no engine to share: it says `ready` at once, and
+each rung is a run directory of one shard per engine that the local runner gives to engine
+processes started for it, as a task does; the rung's answer carries their start-up. A failure
+is answered as `failed` with its reason. Protocol lines go to the original stdout; everything
+else (vLLM, tqdm, `run`'s own lines) to stderr, which the parent keeps in the trial's log."""
 
 from __future__ import annotations
 
@@ -33,10 +36,28 @@ TRIAL_KEYS = (
 )
 
 
-def rung_overrides(overrides: list[str], rung_input: str, out: str) -> list[str]:
-    """The user's and the setting's overrides, pointed at one rung's rows and run directory."""
+def rung_overrides(overrides: list[str], rung_input: str, out: str, shards: int = 1) -> list[str]:
+    """The user's and the setting's overrides, pointed at one rung's rows and run directory of
+    `shards` shards (one per engine of the task)."""
     kept = [o for o in overrides if o.partition("=")[0].lstrip("+~") not in TRIAL_KEYS]
-    return [*kept, f"input.path={rung_input}", "input.format=parquet", f"output.dir={out}", "sharding.num_shards=1"]
+    return [
+        *kept,
+        f"input.path={rung_input}",
+        "input.format=parquet",
+        f"output.dir={out}",
+        f"sharding.num_shards={shards}",
+    ]
+
+
+def task_engines(spec: dict[str, Any]) -> int:
+    """Engines the setting's task runs: cluster.engines_per_task for the GPUs (or cores) it has."""
+    from batchinfer.config.compose import compose
+    from batchinfer.config.engines import engines_per_task, task_gpus
+    from batchinfer.config.schema import to_config
+
+    cfg = compose(rung_overrides(spec["overrides"], spec["rungs"][0], spec["out"]), config_dir=spec["config_dir"])
+    c = to_config(cfg)
+    return engines_per_task(c, len(task_gpus(c)))
 
 
 class PeakMemory:
@@ -74,26 +95,42 @@ class PeakMemory:
         self.sample()  # a rung shorter than the interval still gets a reading
 
 
-def measure(run: Any, index: int, peak: Optional[float]) -> Rung:
-    """A finished rung's figures from its DONE.json and committed rows."""
-    from batchinfer.rundir.durable import read_json
-    from batchinfer.rundir.stats import with_rates
+def measure(run: Any, index: int, peak: Optional[float], own_start: bool = False) -> Rung:
+    """A finished rung's figures from its shards' DONE.json and committed rows. Engines of one task
+    run side by side: the rung's generate seconds are their engine-seconds shared among them (its
+    span when they share the work evenly), so its rate is the task's; own_start: its engines
+    started for it, the slowest one's start-up is the rung's."""
+    from batchinfer.rundir.progress import read_progress
 
-    done = with_rates(read_json(run.shard_folder(0).done_path))
+    records = [read_progress(run.shard_folder(s.index).done_path) for s in run.shards()]
+    done = [r for r in records if r is not None]
     names = [n for n in ("output_tokens", "finish_reason") if n in run.schema.names]
-    rows = run.shard_folder(0).read_rows(columns=names).to_pydict() if names else {}
-    lengths = [int(n or 0) for n in rows.get("output_tokens", [])]
+    rows: dict[str, list[Any]] = {n: [] for n in names}
+    for shard in run.shards() if names else []:
+        for n, values in run.shard_folder(shard.index).read_rows(columns=names).to_pydict().items():
+            rows[n] += values
+    engines = max([int((r.engine or {}).get("of", 1)) for r in done] or [1])
+    caches = [r.prefix_cache for r in done if r.prefix_cache is not None]
+    queries = sum(c.queries for c in caches)
     return Rung(
         rung=index,
-        rows=int(done.get("rows_done", 0)),
-        prompt_tokens=int(done.get("prompt_tokens", 0)),
-        output_tokens=int(done.get("output_tokens", 0)),
-        generate_seconds=float(done.get("seconds", {}).get("generate", 0.0)),
-        prefix_cache_hit_rate=done.get("prefix_cache_hit_rate"),
+        rows=sum(r.rows_done for r in done),
+        prompt_tokens=sum(r.prompt_tokens for r in done),
+        output_tokens=sum(r.output_tokens for r in done),
+        generate_seconds=sum(r.seconds.generate for r in done) / engines,
+        prefix_cache_hit_rate=round(sum(c.hits for c in caches) / queries, 4) if queries else None,
         peak_memory_mb=round(peak, 1) if peak else None,
-        output_lengths=lengths,
+        output_lengths=[int(n or 0) for n in rows.get("output_tokens", [])],
         stopped_at_max_tokens=sum(1 for r in rows.get("finish_reason", []) if r == "length"),
+        engines=engines,
+        startup_seconds=round(max(engine_startup(r) for r in done), 2) if own_start and done else None,
     )
+
+
+def engine_startup(record: Any) -> float:
+    """Seconds a shard's engine took to start: its engine record's (a task's engine starts before it
+    takes a shard), else the shard's own start-up phase (an engine started for the shard)."""
+    return float((record.engine or {}).get("startup_seconds") or record.seconds.startup)
 
 
 def build_engine(overrides: list[str], config_dir: Optional[str], rung_input: str, out: str) -> Any:
@@ -108,16 +145,18 @@ def build_engine(overrides: list[str], config_dir: Optional[str], rung_input: st
     return engine_class()(to_config(resolved))
 
 
-def run_rung(spec: dict[str, Any], engine: Any, index: int) -> Rung:
-    """Rung `index`: its rows as a one-shard run directory, on the engine already built."""
+def run_rung(spec: dict[str, Any], engine: Any, index: int, engines: int = 1) -> Rung:
+    """Rung `index`: its rows as a one-shard run directory on the engine already built, or (engine
+    None) as a run directory of one shard per engine, run as a task with that many engines runs it."""
     from batchinfer.config.compose import compose
     from batchinfer.launch.local import run_local
 
     out = str(Path(spec["out"]) / f"rung-{index}")
-    cfg = compose(rung_overrides(spec["overrides"], spec["rungs"][index], out), config_dir=spec["config_dir"])
+    overrides = rung_overrides(spec["overrides"], spec["rungs"][index], out, engines)
+    cfg = compose(overrides, config_dir=spec["config_dir"])
     with PeakMemory() as mem:
         run = run_local(cfg, engine=engine)
-    return measure(run, index, mem.peak_mb)
+    return measure(run, index, mem.peak_mb, own_start=engine is None)
 
 
 def _reason(e: BaseException) -> str:
@@ -129,21 +168,27 @@ def _reason(e: BaseException) -> str:
 
 
 def serve(spec: dict[str, Any], answer: Any, lines: Any) -> None:
-    """Build the engine, answer `go R` lines with rungs until `stop` or end of input."""
+    """Build the engine (none for a task of several), answer `go R` lines with rungs until `stop`
+    or end of input."""
     engine = None
     try:
-        t0 = time.monotonic()
-        engine = build_engine(
-            spec["overrides"], spec["config_dir"], spec["rungs"][0], str(Path(spec["out"]) / "rung-0")
-        )
-        startup = round(getattr(engine, "startup_seconds", time.monotonic() - t0), 2)
-        log.info("tune trial: engine ready in %.1f s", startup)
-        answer({"event": "ready", "startup_seconds": startup})
+        engines = task_engines(spec)
+        if engines > 1:
+            log.info("tune trial: %d engines per task, started for each rung as a task starts them", engines)
+            answer({"event": "ready", "startup_seconds": None})
+        else:
+            t0 = time.monotonic()
+            engine = build_engine(
+                spec["overrides"], spec["config_dir"], spec["rungs"][0], str(Path(spec["out"]) / "rung-0")
+            )
+            startup = round(getattr(engine, "startup_seconds", time.monotonic() - t0), 2)
+            log.info("tune trial: engine ready in %.1f s", startup)
+            answer({"event": "ready", "startup_seconds": startup})
         for line in lines:
             word, _, arg = line.strip().partition(" ")
             if word != "go":
                 break
-            answer({"event": "rung", **asdict(run_rung(spec, engine, int(arg)))})
+            answer({"event": "rung", **asdict(run_rung(spec, engine, int(arg), engines))})
     except BaseException as e:  # noqa: BLE001  (any failure is the setting's row, not a crash)
         answer({"event": "failed", "reason": _reason(e)})
         if not isinstance(e, Exception):
