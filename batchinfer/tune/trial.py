@@ -98,8 +98,9 @@ class PeakMemory:
 def measure(run: Any, index: int, peak: Optional[float], own_start: bool = False) -> Rung:
     """A finished rung's figures from its shards' DONE.json and committed rows. Engines of one task
     run side by side: the rung's generate seconds are their engine-seconds shared among them (its
-    span when they share the work evenly), so its rate is the task's; own_start: its engines
-    started for it, the slowest one's start-up is the rung's."""
+    span when they share the work evenly), so its rate is the task's, also when the engine ready
+    first took more than its share of a short rung; own_start: its engines started for it, the
+    slowest start-up recorded by an engine that ran a shard is the rung's."""
     from batchinfer.rundir.progress import read_progress
 
     records = [read_progress(run.shard_folder(s.index).done_path) for s in run.shards()]

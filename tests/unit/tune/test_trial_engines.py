@@ -60,8 +60,9 @@ def test_a_task_of_two_engines_runs_each_rung_as_a_task(tmp_path: Path, tiny_mod
     for r, (answer, rows) in enumerate(zip(two[1:], (12, 20), strict=True)):
         run = tmp_path / "two" / f"rung-{r}"
         done = [json.loads(p.read_text()) for p in sorted(run.glob("shards/*/DONE.json"))]
-        # one shard per engine, each run by its own engine process, started for this rung
-        assert len(done) == 2 and sorted(d["engine"]["index"] for d in done) == [0, 1]
+        # one shard per engine, run by engine processes of a task of two, started for this rung
+        # (which engine takes which: the first to be ready may take both)
+        assert len(done) == 2 and {d["engine"]["index"] for d in done} <= {0, 1}
         assert all(d["engine"]["of"] == 2 and d["engine"]["startup_seconds"] > 0 for d in done)
         assert answer["engines"] == 2 and answer["rows"] == rows == sum(d["rows_done"] for d in done)
         out = read_output(run)
