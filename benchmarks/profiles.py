@@ -56,7 +56,21 @@ PROFILES = {
         "classification", rows=192, duplicate_rate=0.30, max_tokens=4, system=CLASSIFY_SYSTEM, choice=TOPICS
     ),
     "codegen": Profile("codegen", rows=32, duplicate_rate=0.0, max_tokens=160),
+    # More rows than the streaming worker's first window (2 x max_num_seqs = 512 at vLLM's CPU
+    # default of 256), so window order, duplicates across windows and the result cache are measured,
+    # not a whole-shard view; short answers keep a run near 4 minutes on 2 cores.
+    "chat-windows": Profile("chat-windows", rows=640, duplicate_rate=0.10, max_tokens=16),
 }
+# chat-windows asks several questions of each function (the standard library alone has ~300).
+QUESTIONS = [
+    "In two sentences, what does Python's {name} do and when would I use it?",
+    "Give one short example call of Python's {name} and say what it returns.",
+    "What is a common mistake when using Python's {name}? Answer briefly.",
+    "Which argument of Python's {name} matters most, and why? One sentence.",
+    "Name a standard library alternative to Python's {name} and compare them briefly.",
+    "Explain Python's {name} to a beginner in one sentence.",
+    "Is Python's {name} safe to call from several threads at once? Answer briefly.",
+]
 
 
 def functions() -> list[tuple[str, str, str]]:
@@ -84,6 +98,8 @@ def texts(profile: Profile) -> list[str]:
         first = doc.split("\n\n")[0].replace("\n", " ")
         if profile.name == "chat":
             out.append(f"In two sentences, what does Python's {name} do and when would I use it?\n\n{first}")
+        elif profile.name == "chat-windows":
+            out += [q.format(name=name) + f"\n\n{first}" for q in QUESTIONS]
         elif profile.name == "classification":
             out.append(f"{name}: {first}")
         elif 600 <= len(src) <= 2400:
