@@ -8,6 +8,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
+# The variables that make a process act as its Slurm job (requeue it, judge locks by it).
+IDENTITY_KEYS = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT")
+
+
+def without_job(environ: Mapping[str, str]) -> dict[str, str]:
+    """environ without the job identity: for a child that runs inside the job but must never act
+    as it (a tune trial: a failed rung is a row of the table, never `scontrol requeue` of the tune job)."""
+    return {k: v for k, v in environ.items() if k not in IDENTITY_KEYS}
+
 
 @dataclass(frozen=True)
 class SlurmEnv:

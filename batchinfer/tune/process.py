@@ -17,6 +17,14 @@ from batchinfer.tune.halving import Rung, TrialFailed
 from batchinfer.tune.settings import Setting
 
 
+def trial_env(setting: Setting) -> dict[str, str]:
+    """A trial's environment: this one with the setting's variables, without the Slurm job identity
+    (inside a tune job, a trial's failed rung or a stop signal must not requeue the tune job)."""
+    from batchinfer.slurm_env import without_job
+
+    return {**without_job(os.environ), **setting.env}
+
+
 class TrialProcess:
     """`python -m batchinfer.tune.trial SPEC` for one setting (see batchinfer/tune/trial.py)."""
 
@@ -51,7 +59,7 @@ class TrialProcess:
     def start(self, timeout: float) -> Optional[float]:
         """Start the process and its engine; the engine's start-up seconds (None: a task of several
         engines, started for each rung)."""
-        env = dict(os.environ, **self.setting.env)
+        env = trial_env(self.setting)
         log = open(self.folder / "trial.log", "w", encoding="utf-8")  # noqa: SIM115  (the child keeps it)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "batchinfer.tune.trial", str(self.folder / "spec.json")],
