@@ -18,8 +18,6 @@ import os
 import time
 from typing import Any
 
-PREFIX_TOKENS = 32  # as batchinfer/engine/feed.py groups them
-
 
 def feed(engine: Any, params: Any, order: list[list[int]], cap: int, tag: str) -> dict[str, Any]:
     """Add requests while fewer than cap are in flight, step until all are done."""
@@ -54,6 +52,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    from batchinfer.engine.feed import work_order
+    from batchinfer.requests.request import RequestKey
+
     llm = LLM(model=a.model, dtype="float32", max_model_len=2048, enforce_eager=True, seed=0)
     tok, engine = llm.get_tokenizer(), llm.llm_engine
     rows = [json.loads(line) for line in open(a.rows)][: a.n]
@@ -66,7 +67,8 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
     params.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate and the worker ask
     seqs = engine.vllm_config.scheduler_config.max_num_seqs
-    ordered = sorted(distinct, key=lambda t: (t[:PREFIX_TOKENS], len(t), t))
+    # the worker's own order (batchinfer/engine/feed.py), not a copy of it
+    ordered = sorted(distinct, key=lambda t: work_order(RequestKey(tuple(t), "")))
     plans = {"A": (distinct, 10**9), "B": (ordered, 2 * seqs), "C": (distinct, 2 * seqs), "D": (ordered, 10**9)}
     block = engine.vllm_config.cache_config.block_size
     print(json.dumps({"max_num_seqs": seqs, "block_size": block, "requests": len(distinct)}), flush=True)

@@ -8,7 +8,7 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -114,15 +114,11 @@ def pooled_lengths(outcomes: list[Outcome]) -> tuple[list[int], int]:
     return lengths, at_max
 
 
-def layout(c: Any, rows: int, tuned: Sequence[str] = ()) -> Layout:
-    """Array tasks, engines and devices of the full run, as plan and submit count them; tuned: the
-    winner's overrides (its cluster.engines_per_task is the run's)."""
+def layout(c: Any, rows: int) -> Layout:
+    """Array tasks, engines and devices of the full run, as plan and submit count them."""
     from batchinfer.config.engines import engines_per_task, gpus_per_engine, task_gpus
     from batchinfer.inputs.shards import plan_shards
 
-    wanted = tuned_value(tuned, "cluster.engines_per_task")
-    if wanted is not None:
-        c = replace(c, cluster=replace(c.cluster, engines_per_task=wanted))
     sh = c.sharding
     shards = plan_shards(rows, sh.num_shards, sh.rows_per_shard, DEFAULT_ROWS_PER_SHARD)
     gpus = int(c.cluster.gpus_per_task or 0) or len(task_gpus(c))
@@ -135,15 +131,15 @@ def layout(c: Any, rows: int, tuned: Sequence[str] = ()) -> Layout:
     )
 
 
-def tuned_value(overrides: Sequence[str], key: str) -> Any:
-    """The value an override list gives key (the last one), None when none does."""
-    from omegaconf import OmegaConf
+def with_overrides(c: Any, overrides: Sequence[str]) -> Any:
+    """The config c with overrides applied as the command line applies them (the winner's settings:
+    its cluster.engines_per_task lays out the forecast run)."""
+    from batchinfer.config.compose import apply_overrides
+    from batchinfer.config.schema import structured, to_config
 
-    found = None
-    for o in overrides:
-        if o.split("=", 1)[0].lstrip("+~") == key and "=" in o:
-            found = OmegaConf.select(OmegaConf.from_dotlist([o.lstrip("+~")]), key)
-    return found
+    cfg = structured(asdict(c))
+    apply_overrides(cfg, list(overrides))
+    return to_config(cfg)
 
 
 def prompt_tokens(prompts: Prompts, winner: Outcome) -> dict[str, float]:
@@ -221,7 +217,7 @@ def finish(
     best_overrides = winner.setting.override_strings() if winner else []
     group = results.write_group(folder, best_overrides) if winner else None
     fc = None
-    shape = layout(c, len(prompts.keys), winner.setting.overrides if winner else ())
+    shape = layout(with_overrides(c, winner.setting.overrides) if winner else c, len(prompts.keys))
     if winner is not None and winner.startup_seconds is not None:
         generates = c.task.name not in POOLING_TASKS
         # the forecast counts engines (forecast.point): it takes one engine's rate, not the task's

@@ -49,15 +49,12 @@ def rung_overrides(overrides: list[str], rung_input: str, out: str, shards: int 
     ]
 
 
-def task_engines(spec: dict[str, Any]) -> int:
-    """Engines the setting's task runs: cluster.engines_per_task for the GPUs (or cores) it has."""
+def first_rung_config(spec: dict[str, Any]) -> Any:
+    """The setting's config as its first rung composes it (what its engine is built from)."""
     from batchinfer.config.compose import compose
-    from batchinfer.config.engines import engines_per_task, task_gpus
-    from batchinfer.config.schema import to_config
 
-    cfg = compose(rung_overrides(spec["overrides"], spec["rungs"][0], spec["out"]), config_dir=spec["config_dir"])
-    c = to_config(cfg)
-    return engines_per_task(c, len(task_gpus(c)))
+    out = str(Path(spec["out"]) / "rung-0")
+    return compose(rung_overrides(spec["overrides"], spec["rungs"][0], out), config_dir=spec["config_dir"])
 
 
 class PeakMemory:
@@ -134,14 +131,12 @@ def engine_startup(record: Any) -> float:
     return float((record.engine or {}).get("startup_seconds") or record.seconds.startup)
 
 
-def build_engine(overrides: list[str], config_dir: Optional[str], rung_input: str, out: str) -> Any:
+def build_engine(cfg: Any) -> Any:
     """The setting's engine, built from its config as a run resolves it (model presets to folders)."""
-    from batchinfer.config.compose import compose
     from batchinfer.config.schema import to_config
     from batchinfer.engine.factory import engine_class
     from batchinfer.rundir.prepare import resolve_input
 
-    cfg = compose(rung_overrides(overrides, rung_input, out), config_dir=config_dir)
     resolved, _ = resolve_input(cfg)
     return engine_class()(to_config(resolved))
 
@@ -173,15 +168,17 @@ def serve(spec: dict[str, Any], answer: Any, lines: Any) -> None:
     or end of input."""
     engine = None
     try:
-        engines = task_engines(spec)
+        from batchinfer.config.schema import to_config
+        from batchinfer.launch.local import task_engines
+
+        cfg = first_rung_config(spec)
+        engines = task_engines(to_config(cfg), n_shards=sys.maxsize)  # a rung has one shard per engine
         if engines > 1:
             log.info("tune trial: %d engines per task, started for each rung as a task starts them", engines)
             answer({"event": "ready", "startup_seconds": None})
         else:
             t0 = time.monotonic()
-            engine = build_engine(
-                spec["overrides"], spec["config_dir"], spec["rungs"][0], str(Path(spec["out"]) / "rung-0")
-            )
+            engine = build_engine(cfg)
             startup = round(getattr(engine, "startup_seconds", time.monotonic() - t0), 2)
             log.info("tune trial: engine ready in %.1f s", startup)
             answer({"event": "ready", "startup_seconds": startup})

@@ -12,7 +12,7 @@ from support.runs import fake_model_dir
 
 from batchinfer.config.compose import compose
 from batchinfer.config.schema import to_config
-from batchinfer.tune.command import Options, finish, layout
+from batchinfer.tune.command import Options, finish, layout, with_overrides
 from batchinfer.tune.halving import Outcome, Rung, best, halve
 from batchinfer.tune.results import setting_record
 from batchinfer.tune.sample import Prompts
@@ -109,8 +109,9 @@ def test_a_winner_with_two_engines_forecasts_with_one_engines_rate(tmp_path: Pat
 def test_layout_takes_the_winners_engines(tmp_path: Path) -> None:
     c = cfg(tmp_path, "cluster.gpus_per_task=8", "model.tensor_parallel_size=2")
     assert layout(c, 100).engines_per_task == 1
-    assert layout(c, 100, ["model.max_num_seqs=64", "cluster.engines_per_task=4"]).engines_per_task == 4
-    assert layout(c, 100, ["cluster.engines_per_task=auto"]).engines_per_task == 4  # 8 GPUs / TP 2
+    tuned = with_overrides(c, ["model.max_num_seqs=64", "cluster.engines_per_task=4"])
+    assert layout(tuned, 100).engines_per_task == 4 and tuned.model.max_num_seqs == 64
+    assert layout(with_overrides(c, ["cluster.engines_per_task=auto"]), 100).engines_per_task == 4  # 8 GPUs / TP 2
 
 
 class PerRungTrial:
