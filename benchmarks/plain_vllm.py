@@ -1,6 +1,6 @@
 """(a) Plain vLLM as the classic Slurm batch script runs it: one LLM.chat over all rows.
 
-usage: python plain_vllm.py ROWS.jsonl MODEL MAX_TOKENS [--system S] [--choice a,b] [--max-model-len N]
+usage: python plain_vllm.py ROWS.jsonl MODEL MAX_TOKENS [--system S] [--choice a,b] [--max-model-len N] [--block-size N]
 prints one JSON line: startup, generate seconds, prompt and output tokens.
 """
 
@@ -22,6 +22,7 @@ def main() -> None:
     p.add_argument("--system")
     p.add_argument("--choice")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--block-size", type=int, help="KV block size (vLLM's default when unset: 128 on CPU)")
     # The dtype batchinfer's `auto` gives on this CPU, so both sides compute the same way.
     p.add_argument("--dtype", default=own_choice(gpu=False)["dtype"])
     a = p.parse_args()
@@ -29,7 +30,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    llm = LLM(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, enforce_eager=True, seed=0)
+    block = {"block_size": a.block_size} if a.block_size else {}
+    llm = LLM(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, enforce_eager=True, seed=0, **block)
     startup = time.perf_counter() - t0
     rows = [json.loads(line) for line in open(a.rows)]
     so = StructuredOutputsParams(choice=a.choice.split(",")) if a.choice else None
