@@ -61,7 +61,8 @@ def run_measured(cmd: list[str]) -> tuple[subprocess.CompletedProcess, dict[str,
     poller.join()
     cpu: dict[str, float] = {}
     for role, seconds, threads in seen.values():
-        key = "cpu_main" if role == "main" else "cpu_engine" if "EngineCore" in role else "cpu_other"
+        kinds = (("EngineCore", "cpu_engine_core"), ("Worker", "cpu_worker"))
+        key = "cpu_main" if role == "main" else next((k for name, k in kinds if name in role), "cpu_other")
         cpu[key] = cpu.get(key, 0.0) + seconds
         print(f"  {role!r}: {seconds:.1f} s; threads {sorted((round(t, 1) for _, t in threads), reverse=True)[:6]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), cpu
