@@ -52,7 +52,7 @@ def _batchinfer_logger_as_it_was() -> Iterator[None]:
     yield from restored_log_handlers(clear=False)
 
 
-FOLDERS = ("unit", "engine", "cli", "slurm", "contract")  # what a test needs to run: README, "Tests"
+FOLDERS = ("unit", "engine", "cli", "slurm", "contract")  # what a test needs to run: docs/architecture.md, "Tests"
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook reads the xdist_group marks

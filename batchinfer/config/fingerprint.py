@@ -14,7 +14,7 @@ from batchinfer.errors import ConfigError
 # engine_kwargs that change speed or memory, not what greedy decoding generates: a run may be
 # reopened or resumed with other values. speculative_config is one (the speculative=ngram preset
 # keeps greedy outputs; with temperature > 0 the samples differ, as a changed batch can make
-# them). Every other engine_kwargs key is part of the fingerprint. Listed in README ("The run directory").
+# them). Every other engine_kwargs key is part of the fingerprint. Listed in docs/inputs-outputs.md ("The run directory").
 THROUGHPUT_ENGINE_KWARGS = frozenset(
     {
         "max_num_seqs",

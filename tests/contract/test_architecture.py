@@ -339,7 +339,7 @@ def layer_violations(graph: dict[str, list[tuple[str, str]]], package: str, laye
     for module, edges in sorted(graph.items()):
         mine = layer_of(module, package, layers)
         if mine is None:
-            out.append(f"{module}: in no layer (add it to LAYERS and the README's architecture table)")
+            out.append(f"{module}: in no layer (add it to LAYERS and the package table of docs/architecture.md)")
             continue
         for target, where in edges:
             theirs = layer_of(target, package, layers)
@@ -535,7 +535,7 @@ def test_checkers_report_a_cycle_and_an_upward_import(tmp_path: Path) -> None:
     violations = layer_violations(graph, "pkg", SYNTHETIC_LAYERS)
     assert violations == [
         "pkg.low.up (layer 1) imports pkg.high.y (layer 2): pkg/low/up.py:1: from pkg.high.y import thing",
-        "pkg.odd: in no layer (add it to LAYERS and the README's architecture table)",
+        "pkg.odd: in no layer (add it to LAYERS and the package table of docs/architecture.md)",
     ]
 
     # A package folder without a docstring or without __init__.py is reported.

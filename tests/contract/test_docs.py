@@ -1,4 +1,5 @@
-"""The README's two commands: the example runs as documented, and CI runs the documented test command."""
+"""The README and the docs/ site: the two quickstart commands run as documented, CI runs the documented test
+command, the front page stays a page, every command is in the tables and every link and page is found."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from markdown.extensions.toc import slugify
 from support import REPO
+
+from batchinfer.cli import build_parser
+
+DOCS = REPO / "docs"
 
 
 def quickstart_commands() -> list[str]:
@@ -42,3 +48,48 @@ def test_readme_example_runs_on_a_few_rows(tmp_path: Path) -> None:
     assert all(r["text"] in allowed and r["error"] is None for r in rows)
     again = subprocess.run(example, shell=True, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "is already complete: 12 rows" in again.stdout
+
+
+def command_table(page: Path) -> str:
+    """The first markdown table of PAGE whose header is `| command | what it does |`."""
+    text = page.read_text()
+    return re.search(r"^\| command \| what it does \|\n(?:\|.*\n)+", text, re.M).group(0)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
+def test_command_tables_name_every_subcommand(page: str) -> None:
+    table = command_table(REPO / page)
+    listed = set(re.findall(r"^\| `batchinfer ([a-z-]+)", table, re.M))
+    parser = build_parser()
+    subcommands = set(next(a for a in parser._actions if a.dest == "command").choices)
+    assert listed == subcommands
+
+
+def test_readme_is_a_front_page() -> None:
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250
+
+
+def headings(page: Path) -> set[str]:
+    """The anchors MkDocs gives PAGE's headings (outside code blocks)."""
+    out, fence = set(), False
+    for line in page.read_text().splitlines():
+        fence ^= line.startswith("```")
+        if not fence and line.startswith("#"):
+            out.add(slugify(line.lstrip("#").strip().replace("`", ""), "-"))
+    return out
+
+
+def test_readme_links_lead_to_files_and_headings_that_exist() -> None:
+    links = re.findall(r"\]\(([^)\s]+)\)", (REPO / "README.md").read_text())
+    local = [ln for ln in links if "://" not in ln]
+    assert any(ln.startswith("docs/") for ln in local)
+    for link in local:
+        path, _, anchor = link.partition("#")
+        assert (REPO / path).exists(), link
+        assert not anchor or anchor in headings(REPO / path), link
+
+
+def test_every_docs_page_is_in_the_site_navigation() -> None:
+    nav = yaml.safe_load((REPO / "mkdocs.yml").read_text().replace("!!python/name:", ""))["nav"]
+    pages = {next(iter(item.values())) for item in nav}
+    assert pages == {p.name for p in DOCS.glob("*.md")}
