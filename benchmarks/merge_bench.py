@@ -44,6 +44,7 @@ TEXTS = [
 def build(root: Path, rows: int, shard_rows: int, part_rows: int, fmt: str) -> Path:
     """A finished run directory (DONE.json naming no compacted file) of `rows` rows."""
     from batchinfer.rundir.durable import write_json
+
     from batchinfer.rundir.store import RunDir
 
     run, ids = prepared_run(root, rows, fmt, f"sharding.rows_per_shard={shard_rows}")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.config.schema import Config
-from batchinfer.rundir.durable import create_once, read_json
+from batchinfer.durable import create_once, read_json
 from batchinfer.versions import cpu_build
 
 log = logging.getLogger("batchinfer")

@@ -26,10 +26,10 @@ from batchinfer.errors import BatchinferError, ConfigError, StorageError
 from batchinfer.inputs.columns import get_path
 from batchinfer.inputs.convert import open_input
 from batchinfer.inputs.shards import Shard
+from batchinfer.locks import ShardLock, configured_mode
 from batchinfer.requests.build import row_id
 from batchinfer.requests.prompts import PromptBuilder
 from batchinfer.requests.request import Made, RequestKey
-from batchinfer.rundir.locks import ShardLock, configured_mode
 from batchinfer.rundir.progress import PrefixCache, Progress, count_failure, read_progress, write_progress
 from batchinfer.rundir.schema import REUSED_COLUMN, rows_to_table
 from batchinfer.rundir.store import RunDir

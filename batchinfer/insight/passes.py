@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from batchinfer.durable import read_json
 from batchinfer.rundir import passes
-from batchinfer.rundir.durable import read_json
 from batchinfer.rundir.store import RunDir
 
 

@@ -133,8 +133,8 @@ def format_report(rep: dict[str, Any], charts: list[Path]) -> str:
 
 def write_report(run: RunDir, **kw: Any) -> tuple[dict[str, Any], str]:
     """Write DIR/report/{report.md, report.json, *.png}; return the report and its markdown."""
+    from batchinfer.durable import write_json
     from batchinfer.insight.charts import write_charts
-    from batchinfer.rundir.durable import write_json
 
     rep = build_report(run, **kw)
     folder = run.path / "report"

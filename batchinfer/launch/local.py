@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from batchinfer import security
 from batchinfer.config.engines import engine_devices, engines_per_task, task_gpus
 from batchinfer.config.schema import Config
+from batchinfer.durable import read_json
 from batchinfer.engine.crashes import CRASHES_TO_ISOLATE
 from batchinfer.engine.output import EngineOutput
 from batchinfer.errors import BatchinferError, EngineFailure, RunDirError, Stopped
@@ -22,7 +23,6 @@ from batchinfer.launch.engines import run_engines
 from batchinfer.launch.ranks import other_ranks
 from batchinfer.launch.requeue import earns_another_attempt, requeue_for_another_attempt, requeue_on_stop
 from batchinfer.launch.shardloop import EngineSlot, ShardLoop, rows_done
-from batchinfer.rundir.durable import read_json
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.store import RunDir

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any, NotRequired, Optional, TypedDict
 
 from batchinfer.config.schema import Config
+from batchinfer.durable import refused_write, storage_error
 from batchinfer.engine.dtype import settle
 from batchinfer.engine.factory import engine_class
 from batchinfer.engine.output import EngineOutput
 from batchinfer.errors import BatchinferError, RunDirError, SlurmUnavailable, Stopped, TransientRunDirError
 from batchinfer.inputs.shards import Shard
-from batchinfer.rundir.durable import refused_write, storage_error
 from batchinfer.rundir.progress import read_progress
 from batchinfer.rundir.store import RunDir
 from batchinfer.stopsignals import STOP_SIGNALS

@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchinfer import faults
+from batchinfer.durable import TMP_PREFIX, read_json, refused_write, storage_error, write_json
 from batchinfer.errors import RunDirError
-from batchinfer.rundir.durable import TMP_PREFIX, read_json, refused_write, storage_error, write_json
-from batchinfer.rundir.locks import RunLock
+from batchinfer.locks import RunLock
 from batchinfer.rundir.ordered_rows import shard_rows_in_order
 from batchinfer.rundir.output_swap import MERGING, check_own_output, put_in_place, remove_merge_leftovers
 from batchinfer.rundir.output_writer import OutputWriter, to_datasets_folder

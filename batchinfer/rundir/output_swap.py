@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 from batchinfer import faults
+from batchinfer.durable import TMP_PREFIX, fsync_dir, read_json
 from batchinfer.errors import RunDirError
-from batchinfer.rundir.durable import TMP_PREFIX, fsync_dir, read_json
 from batchinfer.rundir.store import RunDir
 from batchinfer.security import remove_path
 

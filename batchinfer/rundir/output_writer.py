@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchinfer.rundir.durable import fsync_dir
+from batchinfer.durable import fsync_dir
 from batchinfer.rundir.ordered_rows import Rows
 from batchinfer.rundir.schema import jsonl_to_table, table_to_jsonl
 from batchinfer.rundir.store import OUTPUT_EXT, RunDir

@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchinfer.durable import read_json, write_json
 from batchinfer.errors import RunDirError
-from batchinfer.rundir.durable import read_json, write_json
 from batchinfer.rundir.store import RunDir
 
 PASSES_DIR = "passes"

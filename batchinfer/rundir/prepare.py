@@ -28,6 +28,7 @@ from batchinfer.config.fingerprint import (
     read_config_files,
 )
 from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, POOLING_TASKS, to_config, to_dict
+from batchinfer.durable import atomic_write, write_json
 from batchinfer.errors import ConfigError, RunDirError
 from batchinfer.inputs.columns import column_type
 from batchinfer.inputs.convert import convert_input, open_input
@@ -36,13 +37,12 @@ from batchinfer.inputs.formats import detect_format
 from batchinfer.inputs.paths import GLOB_CHARS, input_files, looks_like_hub_dataset
 from batchinfer.inputs.reference import is_reference
 from batchinfer.inputs.shards import plan_shards
+from batchinfer.locks import flock_works
 from batchinfer.models.locations import resolve_model
 from batchinfer.models.pooling import embedding_dim
 from batchinfer.models.tokens import model_dir
 from batchinfer.requests.prompts import apply_labels
 from batchinfer.requests.row_templates import check_row_templates
-from batchinfer.rundir.durable import atomic_write, write_json
-from batchinfer.rundir.locks import flock_works
 from batchinfer.rundir.reuse import checked_reuse
 from batchinfer.rundir.schema import output_schema, pooling_schema, schema_summary, schema_to_text
 from batchinfer.rundir.store import RunDir

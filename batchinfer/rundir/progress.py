@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 from batchinfer import slurm_env
-from batchinfer.rundir.durable import read_json, write_json
-from batchinfer.rundir.locks import holder_info
+from batchinfer.durable import read_json, write_json
+from batchinfer.locks import holder_info
 
 # Version 2 writes `schema`; a record without it is version 1 (read the same way: every key that
 # version 1 could lack reads as what that version meant by its absence).

@@ -13,8 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchinfer import faults
-from batchinfer.errors import RunDirError
-from batchinfer.rundir.durable import (
+from batchinfer.durable import (
     TMP_PREFIX,
     fsync_dir,
     publish_new,
@@ -23,6 +22,7 @@ from batchinfer.rundir.durable import (
     temporary_name,
     write_json,
 )
+from batchinfer.errors import RunDirError
 from batchinfer.rundir.shardrows import ShardRows, count_rows, covers
 from batchinfer.rundir.tables import group_rows, read_table, table_bytes
 

@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from batchinfer.durable import publish_stream, read_json
 from batchinfer.errors import RunDirError
-from batchinfer.rundir.durable import publish_stream, read_json
 from batchinfer.rundir.ordered_rows import Rows, shard_rows_in_order
 from batchinfer.rundir.passes import (
     PASS_COLUMN,

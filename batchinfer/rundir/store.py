@@ -10,9 +10,9 @@ import pyarrow as pa
 import yaml
 
 from batchinfer.config.schema import Config, to_config
+from batchinfer.durable import atomic_write, read_json
 from batchinfer.errors import RunDirError
 from batchinfer.inputs.shards import Shard
-from batchinfer.rundir.durable import atomic_write, read_json
 from batchinfer.rundir.schema import schema_from_text
 from batchinfer.rundir.shard_folder import ShardFolder
 from batchinfer.security import redact_config

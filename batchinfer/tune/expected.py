@@ -188,7 +188,7 @@ def run_forecast(
 
 def write_record(run_path: Path, rf: RunForecast) -> Path:
     """DIR/forecast.json: the run's forecast, written whole."""
-    from batchinfer.rundir.durable import write_json
+    from batchinfer.durable import write_json
 
     body = asdict(rf)
     body["figures"] = {k: {n: round(v, 6) for n, v in f.items()} for k, f in body["figures"].items()}

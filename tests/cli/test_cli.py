@@ -108,7 +108,7 @@ def test_merge_of_incomplete_dir_names_shards(tmp_path: Path) -> None:
 
 
 def test_lock_refusal_from_a_second_process(tmp_path: Path) -> None:
-    from batchinfer.rundir.locks import ShardLock
+    from batchinfer.locks import ShardLock
     from batchinfer.rundir.prepare import prepare
 
     corpus = tmp_path / "c.jsonl"

@@ -24,7 +24,7 @@ from support.runs import Workload, committed_parts_are_whole, committed_rows, mo
 from batchinfer.config.compose import compose
 from batchinfer.errors import RunDirError
 from batchinfer.launch.local import run_local
-from batchinfer.rundir.locks import ShardLock
+from batchinfer.locks import ShardLock
 from batchinfer.rundir.store import RunDir
 
 pytestmark = [pytest.mark.engine, pytest.mark.kill]

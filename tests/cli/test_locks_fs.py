@@ -23,7 +23,7 @@ TAKE = """\
 import sys
 from pathlib import Path
 from batchinfer.errors import RunDirError
-from batchinfer.rundir.locks import ShardLock
+from batchinfer.locks import ShardLock
 try:
     with ShardLock(Path(sys.argv[1]), mode="auto", log=lambda m: None):
         print("held")
@@ -36,7 +36,7 @@ except RunDirError as e:
 def _no_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
     """The lock judged is the run's own: a Slurm job around the suite (CI inside a job) must not
     leak in, and each mode's one-time log line must be logged again whatever ran before."""
-    from batchinfer.rundir.locks import lock as lock_mod
+    from batchinfer.locks import lock as lock_mod
 
     for var in (
         "SLURM_JOB_ID",

@@ -38,6 +38,8 @@ LAYERS = {
     "slurm_states": 0,
     "stopsignals": 0,
     "hashing": 0,
+    "durable": 0,
+    "locks": 0,
     "models": 1,
     "config": 2,
     "inputs": 3,

@@ -13,13 +13,14 @@ from support.corpus import assert_exactly_once, project, read_output, write_corp
 from support.openai_batch import request, run_batch
 from support.runs import assert_only_missing_rows_redone, committed_rows, model_overrides, recorded_commits
 
+from batchinfer import durable
 from batchinfer.config.compose import compose
 from batchinfer.engine.stopflag import StopFlag
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.engine.worker import ShardWorker
 from batchinfer.errors import Stopped
 from batchinfer.launch.local import run_local
-from batchinfer.rundir import durable, tables
+from batchinfer.rundir import tables
 from batchinfer.rundir.store import RunDir
 
 ROWS = 160

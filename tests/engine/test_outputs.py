@@ -15,9 +15,9 @@ from support.runs import run_overrides as overrides
 
 from batchinfer.config.compose import compose
 from batchinfer.config.schema import to_config, to_dict
+from batchinfer.durable import read_json
 from batchinfer.errors import ConfigError, InputError
 from batchinfer.launch.local import run_local
-from batchinfer.rundir.durable import read_json
 
 pytestmark = pytest.mark.engine
 

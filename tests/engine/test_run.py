@@ -15,9 +15,9 @@ from support.runs import assert_only_missing_rows_redone, committed_rows, record
 from support.runs import run_overrides as overrides
 
 from batchinfer.config.compose import compose
+from batchinfer.durable import read_json
 from batchinfer.errors import ConfigError
 from batchinfer.launch.local import run_local
-from batchinfer.rundir.durable import read_json
 from batchinfer.rundir.merge import merge
 
 pytestmark = pytest.mark.engine

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from batchinfer.config.compose import compose
-from batchinfer.rundir.durable import write_json
-from batchinfer.rundir.locks import ShardLock
+from batchinfer.durable import write_json
+from batchinfer.locks import ShardLock
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.schema import error_row, rows_to_table
 from batchinfer.rundir.store import RunDir

@@ -16,11 +16,11 @@ from support.runs import fake_model_dir
 
 from batchinfer.config.compose import compose
 from batchinfer.config.schema import ClusterConfig, Config, ModelConfig
+from batchinfer.durable import write_json
 from batchinfer.errors import ConfigError
 from batchinfer.insight.report import build_report, format_report
 from batchinfer.insight.status import format_status, shard_status, summarize
 from batchinfer.launch import slurm
-from batchinfer.rundir.durable import write_json
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.store import RunDir
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from support.fake_engine import prepared
 
+from batchinfer.durable import write_json
 from batchinfer.insight.report import build_report, format_report
-from batchinfer.rundir.durable import write_json
 from batchinfer.rundir.store import RunDir
 
 HOUR = {"startup": 300.0, "prepare": 0.0, "generate": 3000.0, "commit": 300.0}  # 3600 s a shard

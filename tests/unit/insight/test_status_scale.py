@@ -20,9 +20,9 @@ from support.runs import fake_model_dir
 
 from batchinfer.cli import main
 from batchinfer.config.compose import compose
+from batchinfer.durable import write_json
 from batchinfer.insight import status
 from batchinfer.launch import slurm
-from batchinfer.rundir.durable import write_json
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.store import RunDir
 

@@ -14,8 +14,8 @@ from support.fake_slurm import overrides
 from batchinfer.config.compose import compose
 from batchinfer.insight.status import shard_status
 from batchinfer.launch.submit import active_jobs
-from batchinfer.rundir.locks.holder import Holder, Verdict
-from batchinfer.rundir.locks.judge import judge_holder
+from batchinfer.locks.holder import Holder, Verdict
+from batchinfer.locks.judge import judge_holder
 from batchinfer.rundir.prepare import prepare
 from batchinfer.slurm_states import ACTIVE, ALIVE, FINAL, PAUSED, QUEUED, RUNNING
 

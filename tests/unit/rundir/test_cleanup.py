@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from support.parts import DONE, committed, finish_all
 
+from batchinfer.durable import read_json, write_json
 from batchinfer.errors import RunDirError
-from batchinfer.rundir.durable import read_json, write_json
 
 
 def test_temporaries_and_compaction_leftovers_are_removed_by_their_own_methods(tmp_path: Path, fmt: str) -> None:

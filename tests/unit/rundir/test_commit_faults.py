@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 from support.fake_engine import FakeEngine, prepared
 
+from batchinfer import durable
 from batchinfer.engine.stopflag import StopFlag
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.engine.worker import ShardWorker
 from batchinfer.errors import RunDirError
 from batchinfer.inputs.shards import Shard
-from batchinfer.rundir import durable
-from batchinfer.rundir.locks import ShardLock
+from batchinfer.locks import ShardLock
 from batchinfer.rundir.schema import error_row, rows_to_table
 from batchinfer.rundir.shard_folder import ShardFolder
 

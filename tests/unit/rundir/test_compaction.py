@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 from support.parts import DONE, ROWS, committed, finish_all, output_row
 
+from batchinfer.durable import read_json, write_json
 from batchinfer.errors import RunDirError
 from batchinfer.insight.status import shard_status
 from batchinfer.rundir import ordered_rows, tables
-from batchinfer.rundir.durable import read_json, write_json
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.ordered_rows import shard_rows_in_order
 from batchinfer.rundir.schema import rows_to_table

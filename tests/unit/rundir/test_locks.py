@@ -24,20 +24,20 @@ from support.corpus import read_output
 from support.fake_engine import FakeEngine, keyed, prepared
 from support.filesystems import emulate, emulation_env, logged_calls
 
+from batchinfer import locks
 from batchinfer.config.compose import compose
 from batchinfer.config.fingerprint import fingerprint_keys
 from batchinfer.config.schema import to_dict
 from batchinfer.errors import ConfigError, RunDirError, TransientRunDirError
 from batchinfer.launch.local import run_shards
-from batchinfer.rundir import locks
+from batchinfer.locks import Holder, RunLock, ShardLock, Verdict, configured_mode
+from batchinfer.locks import filesystems as fs_mod
+from batchinfer.locks import holder as holder_mod
+from batchinfer.locks import judge as judge_mod
+from batchinfer.locks import lock as lock_mod
+from batchinfer.locks import lockfile as lockfile_mod
+from batchinfer.locks import mode as mode_mod
 from batchinfer.rundir import merge as merge_mod
-from batchinfer.rundir.locks import Holder, RunLock, ShardLock, Verdict, configured_mode
-from batchinfer.rundir.locks import filesystems as fs_mod
-from batchinfer.rundir.locks import holder as holder_mod
-from batchinfer.rundir.locks import judge as judge_mod
-from batchinfer.rundir.locks import lock as lock_mod
-from batchinfer.rundir.locks import lockfile as lockfile_mod
-from batchinfer.rundir.locks import mode as mode_mod
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.store import RunDir
 
@@ -103,7 +103,7 @@ HOLD = """\
 import sys
 from pathlib import Path
 from batchinfer.errors import RunDirError
-from batchinfer.rundir.locks import ShardLock
+from batchinfer.locks import ShardLock
 try:
     lock = ShardLock(Path(sys.argv[1]), log=lambda m: None, mode=sys.argv[2]).__enter__()
 except RunDirError as e:
@@ -703,8 +703,8 @@ def test_a_lock_file_is_never_empty_at_its_name(tmp_path: Path) -> None:
     code = (
         "import os, signal, sys\n"
         "from pathlib import Path\n"
-        "from batchinfer.rundir import locks\n"
-        "from batchinfer.rundir.locks import lockfile\n"
+        "from batchinfer import locks\n"
+        "from batchinfer.locks import lockfile\n"
         "lockfile.os.link = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
         f"locks.ShardLock(Path({str(d)!r}), mode='file').__enter__()\n"
     )
@@ -770,7 +770,7 @@ def test_two_merges_at_once_one_writes_the_other_is_refused(
 def test_merge_lock_in_another_process_refuses(tmp_path: Path) -> None:
     run = _finished(tmp_path)
     code = (
-        "import sys, time\nfrom pathlib import Path\nfrom batchinfer.rundir.locks import RunLock\n"
+        "import sys, time\nfrom pathlib import Path\nfrom batchinfer.locks import RunLock\n"
         f"with RunLock(Path({str(run.path)!r}), mode='auto'):\n    print('held', flush=True)\n    sys.stdin.read()\n"
     )
     holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

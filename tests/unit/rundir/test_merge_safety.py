@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from support.parts import committed, finish_all
 
+from batchinfer.durable import read_json
 from batchinfer.errors import RunDirError
-from batchinfer.rundir.durable import read_json
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.output_swap import MERGING
 

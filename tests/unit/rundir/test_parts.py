@@ -13,7 +13,7 @@ from support.fake_engine import FakeEngine, fake_overrides, keyed, prepared
 from batchinfer.config.compose import compose
 from batchinfer.errors import RunDirError
 from batchinfer.launch.local import run_shards
-from batchinfer.rundir.locks import ShardLock
+from batchinfer.locks import ShardLock
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.schema import error_row, output_schema, rows_to_table

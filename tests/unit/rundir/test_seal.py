@@ -13,11 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 from support.parts import DONE, committed, finish_all, output_row
 
+from batchinfer.durable import read_json, write_json
 from batchinfer.engine.stopflag import StopFlag
 from batchinfer.engine.worker import ShardWorker
 from batchinfer.errors import RunDirError
 from batchinfer.rundir import shard_folder
-from batchinfer.rundir.durable import read_json, write_json
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.schema import rows_to_table
 from batchinfer.rundir.store import RunDir

@@ -31,13 +31,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
+from batchinfer.durable import refused_write, storage_error
 from batchinfer.errors import RunDirError
-from batchinfer.rundir.durable import refused_write, storage_error
-from batchinfer.rundir.locks.filesystems import FLOCK_UNSUPPORTED, flocked, node_local_flock, writable
-from batchinfer.rundir.locks.holder import Holder, Verdict, read_holder
-from batchinfer.rundir.locks.judge import judge_holder, refusal, same_machine
-from batchinfer.rundir.locks.lockfile import ExclFile
-from batchinfer.rundir.locks.mode import LOCK_MODES
+from batchinfer.locks.filesystems import FLOCK_UNSUPPORTED, flocked, node_local_flock, writable
+from batchinfer.locks.holder import Holder, Verdict, read_holder
+from batchinfer.locks.judge import judge_holder, refusal, same_machine
+from batchinfer.locks.lockfile import ExclFile
+from batchinfer.locks.mode import LOCK_MODES
 
 _logged: set[str] = set()
 # The locks this process holds, by (pid, path): a second lock of one name in one process is

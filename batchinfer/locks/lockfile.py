@@ -33,11 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
+from batchinfer.durable import fsync_dir
 from batchinfer.errors import RunDirError
-from batchinfer.rundir.durable import fsync_dir
-from batchinfer.rundir.locks.filesystems import fs_age, fs_now
-from batchinfer.rundir.locks.holder import Holder, Verdict, read_holder
-from batchinfer.rundir.locks.judge import judge_holder, refusal
+from batchinfer.locks.filesystems import fs_age, fs_now
+from batchinfer.locks.holder import Holder, Verdict, read_holder
+from batchinfer.locks.judge import judge_holder, refusal
 
 # An empty or unreadable lock file older than this (filesystem clock) is stale: its writer was
 # killed between create and write (an older batchinfer) or the file was damaged.

@@ -9,11 +9,11 @@ run directory configures (mode.py). The caller that knows the run directory read
 (`configured_mode`) and passes it in: a lock never reads run.yaml. On disk: `<lock>` (flock and
 the holder's JSON record) and `<lock>.excl` (the lock file), as DESIGN.md's one writer per shard."""
 
-from batchinfer.rundir.locks.filesystems import flock_works, node_local_flock
-from batchinfer.rundir.locks.holder import Holder, Judgement, Verdict, holder_info
-from batchinfer.rundir.locks.judge import judge_holder
-from batchinfer.rundir.locks.lock import RunLock, ShardLock
-from batchinfer.rundir.locks.mode import LOCK_MODES, configured_mode
+from batchinfer.locks.filesystems import flock_works, node_local_flock
+from batchinfer.locks.holder import Holder, Judgement, Verdict, holder_info
+from batchinfer.locks.judge import judge_holder
+from batchinfer.locks.lock import RunLock, ShardLock
+from batchinfer.locks.mode import LOCK_MODES, configured_mode
 
 __all__ = [
     "LOCK_MODES",

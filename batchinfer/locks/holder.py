@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 from batchinfer import slurm_env
-from batchinfer.rundir.locks.filesystems import read_text
+from batchinfer.locks.filesystems import read_text
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 PID_NAMESPACE = "/proc/self/ns/pid"

@@ -22,7 +22,7 @@ from typing import Optional
 
 from batchinfer import slurm_env, slurm_states
 from batchinfer.errors import RunDirError, TransientRunDirError
-from batchinfer.rundir.locks.holder import Holder, Judgement, Verdict, boot_id, pid_namespace, pid_start
+from batchinfer.locks.holder import Holder, Judgement, Verdict, boot_id, pid_namespace, pid_start
 
 # squeue is asked with this timeout; no answer in time = the holder cannot be judged.
 SQUEUE_TIMEOUT_S = 30.0
