@@ -9,12 +9,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from batchinfer.config.schema import POOLING_TASKS, to_dict
 from batchinfer.errors import ConfigError
+from batchinfer.locks.mode import LOCK_MODES
 
 CHOICES = {
     "prompt.mode": ("chat", "raw"),
     "prompt.overlong": ("error_row", "truncate_left", "truncate_right", "fail"),
     "output.format": ("jsonl", "parquet", "openai", "hf"),
-    "output.lock": ("auto", "flock", "file"),
+    "output.lock": LOCK_MODES,
     "task.name": ("generate", *POOLING_TASKS),
     "input.format": (None, "jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf_disk", "openai"),
 }

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import yaml
 
-from batchinfer.config.checks import CHOICES
 from batchinfer.errors import TransientRunDirError
 
-LOCK_MODES: tuple[str, ...] = CHOICES["output.lock"]
+LOCK_MODES: tuple[str, ...] = ("auto", "flock", "file")  # output.lock's choices (config/checks.py)
 # A run.yaml that cannot be read is read again after these waits (seconds) before the lock is
 # refused: its output.lock decides the mechanism, and guessing "auto" could mix two.
 RUN_YAML_RETRY_WAITS = (0.5, 2.0)
