@@ -82,7 +82,17 @@ def flocked(path: Path) -> int:
     Read-only where that works, so a lock held for hours never blocks remounting the filesystem
     read-only; NFS emulates flock with POSIX locks, whose exclusive lock needs a descriptor open
     for writing (EBADF otherwise), so there it is taken again through a writable one (closing the
-    read-only one drops nothing: this process holds no lock on the file, see lock.py's `_held`)."""
+    read-only one drops nothing: this process holds no lock on the file, see lock.py's `_held`).
+    A file its holder removed while we opened it is no lock any more: the name is opened again."""
+    for _ in range(8):
+        fd = _flocked_once(path)
+        if _names(fd, path):
+            return fd
+        os.close(fd)  # its holder removed the file (and maybe its folder) meanwhile: lock the new one
+    raise BlockingIOError(errno.EAGAIN, f"{path} kept being removed and made again")
+
+
+def _flocked_once(path: Path) -> int:
     for flags in (os.O_RDONLY, os.O_RDWR):
         fd = os.open(path, flags | os.O_CREAT, 0o666)  # the umask decides
         try:
@@ -93,6 +103,15 @@ def flocked(path: Path) -> int:
             if e.errno != errno.EBADF or flags == os.O_RDWR:
                 raise
     raise AssertionError("unreachable")
+
+
+def _names(fd: int, path: Path) -> bool:
+    """Whether path still names the file open as fd (a lock on an unlinked file locks nothing)."""
+    try:
+        st, now = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
 
 
 def writable(fd: int) -> bool:

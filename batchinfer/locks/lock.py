@@ -61,9 +61,18 @@ def _after_publish() -> None:
 class FileLock:
     """One holder of a named lock in a run directory: flock where it works, else a lock file."""
 
-    def __init__(self, path: Path, busy: Callable[[str], str], *, mode: str, log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        path: Path,
+        busy: Callable[[str], str],
+        *,
+        mode: str,
+        log: Callable[[str], None] = print,
+        error: type[RunDirError] = RunDirError,
+    ):
         self.path = path
         self.busy = busy  # holder description -> refusal message
+        self.error = error  # the refusal's class
         self.log = log
         self.mode = mode  # the caller's choice (mode.py): the lock never reads run.yaml
         self.fd: Optional[int] = None
@@ -72,7 +81,7 @@ class FileLock:
         self._held_key: Optional[tuple[int, str]] = None
 
     def _refuse(self, holder: str) -> RunDirError:
-        return RunDirError(self.busy(holder))
+        return self.error(self.busy(holder))
 
     def __enter__(self) -> FileLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -220,6 +229,12 @@ class FileLock:
             holder, _ = read_holder(excl.path)
             raise self._refuse(f"{(holder or Holder()).describe()} (it took the lock file over from us)")
         self.excl = excl
+
+    def unlink_held(self) -> None:
+        """Remove the flock file while we hold it (its folder is about to go): a process that opened
+        it meanwhile finds, once granted, that its descriptor no longer names the file (flocked)."""
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)
 
     def __exit__(self, *exc: Any) -> None:
         self._drop_flock()
