@@ -21,6 +21,11 @@ class RunDirError(BatchinferError):
     """The run directory refuses the operation (fingerprint, lock, incomplete)."""
 
 
+class FolderRefused(RunDirError):
+    """A folder batchinfer may not take: another's (a user's, another tool's), or one another live
+    command is making; one line naming the folder and its holder (ownership.py)."""
+
+
 class TransientRunDirError(RunDirError):
     """A refusal that may pass by itself (Slurm did not answer about a lock's holder, run.yaml could
     not be read just now): the shard loop tries again before giving up."""

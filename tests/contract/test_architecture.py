@@ -2,7 +2,7 @@
 cycle and never run up the layers, and every login-node module imports without vllm or torch.
 
 Layers, bottom to top (a module imports at module level only its own package or lower ones):
-base modules (errors, security, faults, logs, versions, mounts) < models < config < inputs < requests
+base modules (errors, security, faults, logs, versions, mounts, durable, locks, ownership) < models < config < inputs < requests
 < rundir < engine < launch < insight < cli. Only engine/vllm_engine.py imports vllm, inside
 functions. The checkers are plain functions, also run on a small synthetic package to show
 that they report what they look for."""
@@ -40,6 +40,7 @@ LAYERS = {
     "hashing": 0,
     "durable": 0,
     "locks": 0,
+    "ownership": 0,
     "models": 1,
     "config": 2,
     "inputs": 3,
