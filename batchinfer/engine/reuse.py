@@ -8,6 +8,7 @@ from typing import Any, Optional
 from batchinfer.errors import ConfigError
 from batchinfer.requests.digest import RequestDigests
 from batchinfer.requests.request import Answered, Made, Request, RequestKey
+from batchinfer.rundir.model_record import identity_digest
 from batchinfer.rundir.reuse import ReuseIndex, reuse_paths
 from batchinfer.rundir.schema import DIGEST_COLUMN, REUSED_COLUMN
 from batchinfer.rundir.store import RunDir
@@ -21,6 +22,7 @@ class RowReuse:
         self.run = run
         self.recorded = DIGEST_COLUMN in run.schema.names  # run directories made before record none
         self.paths = reuse_paths(run.config.output.reuse)
+        self.identity = identity_digest(run.run)  # the model's files, as recorded at prepare
         if self.paths and not self.recorded:
             raise ConfigError(
                 f"output.reuse: {run.path} was made by an earlier batchinfer without request digests; "
@@ -36,7 +38,10 @@ class RowReuse:
         if not self.recorded:
             return Request(base, key)
         if self._digests is None or self._digests_dtype != dtype:
-            self._digests, self._digests_dtype = RequestDigests(self.run.run["fingerprint_keys"], dtype), dtype
+            self._digests, self._digests_dtype = (
+                RequestDigests(self.run.run["fingerprint_keys"], dtype, self.identity),
+                dtype,
+            )
         digest = self._digests.of(key, base["id"])
         base.update({DIGEST_COLUMN: digest, REUSED_COLUMN: False})
         answer = self.index.answer(digest) if self.paths else None
@@ -49,5 +54,5 @@ class RowReuse:
     def index(self) -> ReuseIndex:
         """The output.reuse directories' answers, indexed at the first look-up."""
         if self._index is None:
-            self._index = ReuseIndex(self.paths, self.run.schema.names)
+            self._index = ReuseIndex(self.paths, self.run.schema.names, self.identity)
         return self._index

@@ -30,6 +30,7 @@ from batchinfer.locks import ShardLock, configured_mode
 from batchinfer.requests.build import row_id
 from batchinfer.requests.prompts import PromptBuilder
 from batchinfer.requests.request import Made, RequestKey
+from batchinfer.rundir.model_record import check_model_unchanged
 from batchinfer.rundir.progress import PrefixCache, Progress, count_failure, read_progress, write_progress
 from batchinfer.rundir.schema import REUSED_COLUMN, rows_to_table
 from batchinfer.rundir.store import RunDir
@@ -59,6 +60,7 @@ class ShardWorker:
         # {"index", "of", "devices"}: which of its task's engines this is (cluster.engines_per_task)
         self.engine_record: Optional[dict[str, Any]] = None
         self._engine_dead: Callable[[], bool] = lambda: False  # the engine's, once it has one
+        self._model_checked = False
 
     @property
     def dataset(self) -> Any:
@@ -153,6 +155,9 @@ class ShardWorker:
         # A stop already pending (it came while the parts were read, or between shards) is acted on
         # before the engine starts: a 15-40 s start would spend the warning Slurm gave.
         self.stop.check()
+        if not self._model_checked:  # other weights at model.path now: refused before any row is answered
+            check_model_unchanged(self.run)
+            self._model_checked = True
         engine = self.get_engine()
         self.stop.check()  # a USR2 held pending while the engine started is delivered as it ends
         self._engine_dead = lambda: bool(getattr(engine, "dead", False))

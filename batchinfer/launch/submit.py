@@ -23,6 +23,7 @@ from batchinfer.launch.executor import make_executor
 from batchinfer.launch.jobs import all_job_ids, heal_streak, submissions, unrecorded_names
 from batchinfer.launch.node_layout import layout_lines
 from batchinfer.rundir.merge import incomplete_shards
+from batchinfer.rundir.model_record import check_model_unchanged
 from batchinfer.rundir.prepare import freeze_paths, prepare
 from batchinfer.rundir.store import RunDir
 
@@ -302,6 +303,8 @@ def resume(run_dir: str, overrides: list[str], force: bool = False, dry_run: boo
     if overrides:
         apply_resource_overrides(run, overrides)
     todo = incomplete_shards(run)
+    if todo:
+        check_model_unchanged(run)  # the tasks would refuse it too, each after its wait in the queue
     if not todo:
         print(
             f"{run.path}: every shard is done; nothing to resume (`batchinfer merge {run.path}` if output is missing)"

@@ -43,6 +43,8 @@ from batchinfer.models.pooling import embedding_dim
 from batchinfer.models.tokens import model_dir
 from batchinfer.requests.prompts import apply_labels
 from batchinfer.requests.row_templates import check_row_templates
+from batchinfer.rundir.model_record import KEY as MODEL_IDENTITY
+from batchinfer.rundir.model_record import identity_of, refuse_changed_model
 from batchinfer.rundir.reuse import checked_reuse
 from batchinfer.rundir.schema import output_schema, pooling_schema, schema_summary, schema_to_text
 from batchinfer.rundir.store import RunDir
@@ -128,7 +130,8 @@ def _prepare(cfg: DictConfig) -> RunDir:
         legacy = run_dir_for(c, legacy_fingerprint(keys))  # a default DIR named by an older version
         if legacy.exists():
             run = legacy
-    c["output"]["reuse"] = checked_reuse(c["output"]["reuse"], run)  # not in the fingerprint
+    identity = identity_of(c["model"]["path"], c["model"]["revision"])
+    c["output"]["reuse"] = checked_reuse(c["output"]["reuse"], run, identity.digest)  # not in the fingerprint
     if run.exists():
         old = run.run
         changes = key_changes(old["fingerprint_keys"], keys)
@@ -138,6 +141,7 @@ def _prepare(cfg: DictConfig) -> RunDir:
                 f"{run.path} was made with a different config: {shown}. These change outputs, so the "
                 f"run cannot continue in this directory; use another output.dir or restore the old values"
             )
+        refuse_changed_model(run.path, old, identity)
         c = freeze_paths(run, c)
         if old["config"] != c:
             old["config"] = c  # only settings outside the fingerprint differ (commit intervals, cluster)
@@ -146,7 +150,7 @@ def _prepare(cfg: DictConfig) -> RunDir:
     refuse_foreign_folder(run.path)
     created = not run.path.exists()
     try:
-        _create(run, c, keys, fp, input_record, contents)
+        _create(run, c, keys, fp, input_record, contents, identity.to_dict())
     except BaseException:
         if created:  # a bad input leaves no half-made DIR behind
             remove_path(run.path, ignore_errors=True)
@@ -225,6 +229,7 @@ def _create(
     fp: str,
     input_record: dict[str, Any],
     contents: dict[str, bytes],
+    identity: dict[str, Any],
 ) -> None:
     _make_folder(run)
     files = _freeze_files(run, c, contents)
@@ -255,6 +260,7 @@ def _create(
             "host": socket.gethostname(),
             "fingerprint": fp,
             "fingerprint_keys": keys,
+            MODEL_IDENTITY: identity,  # what model.path held: request digests key on it
             "files": files,
             "input": dict(input_record, path=inp["path"], format=inp["format"], rows=rows),
             "output_schema": {"columns": schema_summary(schema), "arrow": schema_to_text(schema)},

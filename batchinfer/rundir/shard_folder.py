@@ -7,7 +7,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Optional
+from typing import TYPE_CHECKING, Any, BinaryIO, Optional, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -36,6 +36,9 @@ PART_RE = re.compile(r"^part-(\d{6})\.(parquet|jsonl)$")
 # named -> it holds the shard and leftover parts are ignored; not named -> parts hold the shard and
 # a file of this name is a leftover of a killed compaction).
 COMPACTED_RE = re.compile(r"^rows\.(parquet|jsonl)$")
+# A shard seals once: a view read while it sealed is read again, and the second view is stable.
+SNAPSHOT_TRIES = 3
+T = TypeVar("T")
 
 
 class _Unread:
@@ -200,6 +203,22 @@ class ShardFolder:
         if done is None and _regular_file(stray) and not covers(self.run.shard(self.index), parts, self.run.schema):
             return [stray, *parts]
         return parts
+
+    def read_committed(self, read: Callable[[Path], T]) -> list[tuple[Path, T]]:
+        """read(file) of each file holding the shard's committed rows, as one consistent view
+        without the shard lock, while a writer may be sealing it: the parts listed before the seal
+        (none is removed before DONE.json is written), else the compacted file DONE.json names
+        (never removed). A file gone while read, or DONE.json written meanwhile, starts it again,
+        so no committed row is missed and none is read twice (parts and their compacted copy)."""
+        for _ in range(SNAPSHOT_TRIES):
+            done = self.done_record()
+            try:
+                out = [(p, read(p)) for p in self.committed_files(done)]
+            except FileNotFoundError:
+                continue  # sealed meanwhile: its parts are gone, DONE.json names the compacted file
+            if done is not None or self.done_record() is None:
+                return out
+        raise RunDirError(f"shard {self.index}: its files kept changing while read ({SNAPSHOT_TRIES} tries)")
 
     def read_rows(self, columns: Optional[list[str]] = None) -> pa.Table:
         """All committed rows of the shard (commit order, or row order once compacted)."""

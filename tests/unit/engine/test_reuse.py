@@ -20,6 +20,7 @@ from batchinfer.launch.local import run_shards
 from batchinfer.requests.digest import RequestDigests
 from batchinfer.requests.request import RequestKey
 from batchinfer.rundir.merge import merge
+from batchinfer.rundir.model_record import identity_digest
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.progress import Progress
 from batchinfer.rundir.reuse import ReuseIndex, open_reuse_dir
@@ -208,7 +209,7 @@ def test_index_first_directory_wins_and_error_rows_are_not_answers(tmp_path: Pat
     a, _ = run_of(tmp_path, "a", rows)
     b, _ = run_of(tmp_path, "b", rows_of(4), "output.format=jsonl")  # JSONL parts are read too
     b_out = read_output(b.path)
-    index = ReuseIndex([str(b.path), str(a.path)], a.schema.names)
+    index = ReuseIndex([str(b.path), str(a.path)], a.schema.names, identity_digest(a.run))
     assert index.answer(b_out[0][DIGEST_COLUMN])["text"] == b_out[0]["text"]
     assert set(index.answer(b_out[0][DIGEST_COLUMN])) == {
         "text",
@@ -224,10 +225,10 @@ def test_index_first_directory_wins_and_error_rows_are_not_answers(tmp_path: Pat
     assert len(index.digests) == 4 + 3 and index.answer(a_out[3][DIGEST_COLUMN])["text"] == a_out[3]["text"]
     found = int(np.searchsorted(index.digests, np.bytes_(a_out[3][DIGEST_COLUMN].encode())))
     assert index.files[index.file_of[found]][0].path == b.path
-    behind = ReuseIndex([str(a.path), str(b.path)], a.schema.names)
+    behind = ReuseIndex([str(a.path), str(b.path)], a.schema.names, identity_digest(a.run))
     found = int(np.searchsorted(behind.digests, np.bytes_(a_out[3][DIGEST_COLUMN].encode())))
     assert behind.files[behind.file_of[found]][0].path == a.path
-    only_a = ReuseIndex([str(a.path)], a.schema.names)
+    only_a = ReuseIndex([str(a.path)], a.schema.names, identity_digest(a.run))
     assert len(only_a.digests) == 3  # the error row is not indexed
 
 

@@ -1,0 +1,122 @@
+"""A model folder's identity: what its files are (names, sizes, contents), so that the same path
+holding other weights (a fine-tune saved to the same place, a conversion to another dtype) is known
+for another model. Recorded in run.yaml at prepare; request digests (output.reuse) key on it, and a
+run whose model folder changed since is refused on resume, naming the files that changed.
+
+Contents: a file up to WHOLE_BYTES (config.json, tokenizer files, a weights index, a small model's
+weights) is hashed whole; a larger one (weight shards of many GB) by its first HEAD_BYTES (a
+safetensors header and the first tensors) and SAMPLES blocks spread over the rest: a fine-tune
+changes every block it touches, and reading a few MB per shard keeps the check cheap on a 100 GB
+model on a network filesystem. Hidden files (names starting with '.', e.g. a hub cache's or a
+lock's) are not the model's."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+WHOLE_BYTES = 16 << 20  # files up to this size are hashed whole
+HEAD_BYTES = 1 << 20  # a larger file: its head (a safetensors header holds every tensor's name and place) ...
+SAMPLES = 32  # ... and this many blocks spread evenly over the rest
+SAMPLE_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """One file of a model folder: its path inside it, size and content digest (whole or sampled)."""
+
+    name: str
+    size: int
+    sha256: str
+    whole: bool
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """The files of a model folder; two identities are the same model when their digests are equal."""
+
+    folder: str
+    files: tuple[ModelFile, ...]
+
+    @property
+    def digest(self) -> str:
+        """One hash of every file's name, size and content digest (not of the folder's path)."""
+        h = hashlib.sha256()
+        for f in self.files:
+            h.update(f"{f.name}\0{f.size}\0{f.sha256}\n".encode())
+        return h.hexdigest()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The run.yaml record."""
+        return {
+            "folder": self.folder,
+            "digest": self.digest,
+            "files": {f.name: {"size": f.size, "sha256": f.sha256, "whole": f.whole} for f in self.files},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelIdentity:
+        """An identity from its run.yaml record."""
+        files = tuple(
+            ModelFile(name, int(v["size"]), str(v["sha256"]), bool(v.get("whole", True)))
+            for name, v in sorted((d.get("files") or {}).items())
+        )
+        return cls(folder=str(d.get("folder", "")), files=files)
+
+    def changes(self, now: ModelIdentity) -> list[str]:
+        """How the folder `now` differs from this record, one phrase per file (empty: the same)."""
+        old = {f.name: f for f in self.files}
+        new = {f.name: f for f in now.files}
+        out = [f"{n} is gone" for n in sorted(set(old) - set(new))]
+        out += [f"{n} is new" for n in sorted(set(new) - set(old))]
+        for n in sorted(set(old) & set(new)):
+            a, b = old[n], new[n]
+            if a.size != b.size:
+                out.append(f"{n} changed size ({a.size} -> {b.size} bytes)")
+            elif a.sha256 != b.sha256:
+                out.append(f"{n} changed contents (sha256 {a.sha256[:12]} -> {b.sha256[:12]})")
+        return out
+
+
+def file_digest(path: Path, size: int) -> tuple[str, bool]:
+    """(sha256, whole): of the whole file up to WHOLE_BYTES, else of its size, head and SAMPLES blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= WHOLE_BYTES:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+            return h.hexdigest(), True
+        h.update(f"{size}\0".encode())
+        h.update(f.read(HEAD_BYTES))
+        step = (size - HEAD_BYTES - SAMPLE_BYTES) // SAMPLES
+        for i in range(1, SAMPLES + 1):  # the last block ends at the file's end
+            f.seek(HEAD_BYTES + i * step)
+            h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest(), False
+
+
+def model_identity(folder: Path) -> ModelIdentity:
+    """The identity of a model folder (every file under it but hidden ones; symlinks followed, as a
+    hub cache's snapshot links its blobs)."""
+    files = []
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(names):
+            if name.startswith("."):
+                continue
+            path = Path(root) / name
+            if not path.is_file():
+                continue
+            size = path.stat().st_size
+            digest, whole = file_digest(path, size)
+            files.append(ModelFile(path.relative_to(folder).as_posix(), size, digest, whole))
+    return ModelIdentity(folder=str(folder), files=tuple(sorted(files, key=lambda f: f.name)))
+
+
+def recorded_identity(record: dict[str, Any]) -> Optional[ModelIdentity]:
+    """The model identity a run.yaml record holds; None for a run prepared before identities were recorded."""
+    d = record.get("model_identity")
+    return ModelIdentity.from_dict(d) if d else None

@@ -1,0 +1,57 @@
+"""A run's model identity (models/identity.py): taken at prepare into run.yaml `model_identity`,
+and checked against the model folder before rows are answered again (reopen, resume, each worker):
+rows answered by other weights than the ones recorded would mix two models in one output.
+
+A run directory prepared before identities were recorded has none: it resumes as before (nothing to
+compare), and its answers are never reused by a run that records one (their request digests lack
+it; the digests could only say the path was the same, not the weights)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from batchinfer.errors import RunDirError
+from batchinfer.models.identity import ModelIdentity, model_identity, recorded_identity
+from batchinfer.models.tokens import model_dir
+
+log = logging.getLogger("batchinfer")
+KEY = "model_identity"  # run.yaml's key
+
+
+def identity_of(path: str, revision: Optional[str]) -> ModelIdentity:
+    """The identity of model.path (a folder, or a hub name's snapshot in the local cache) now."""
+    return model_identity(model_dir(path, revision))
+
+
+def identity_digest(record: dict[str, Any]) -> Optional[str]:
+    """The recorded identity's digest of a run.yaml record (None: none recorded)."""
+    identity = recorded_identity(record)
+    return identity.digest if identity is not None else None
+
+
+def model_changes(record: dict[str, Any], now: ModelIdentity) -> list[str]:
+    """How the model folder now differs from what a run.yaml record holds (empty: same, or none recorded)."""
+    old = recorded_identity(record)
+    return old.changes(now) if old is not None else []
+
+
+def refuse_changed_model(where: Any, record: dict[str, Any], now: ModelIdentity) -> None:
+    """RunDirError naming the model folder and its changed files when it is not the one recorded."""
+    changes = model_changes(record, now)
+    if not changes:
+        return
+    shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
+    raise RunDirError(
+        f"{where}: the model folder {now.folder} is not the one this run was prepared with ({shown}). "
+        "Its rows so far are answers of the old weights: restore the folder, or start a new run "
+        "(another output.dir; output.reuse of this one reuses none of its answers)"
+    )
+
+
+def check_model_unchanged(run: Any) -> None:
+    """Refuse to go on with a run (a RunDir) whose model folder changed since prepare."""
+    if recorded_identity(run.run) is None:
+        return
+    model = run.config.model
+    refuse_changed_model(run.path, run.run, identity_of(model.path, model.revision))
