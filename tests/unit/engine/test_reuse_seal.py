@@ -27,7 +27,7 @@ from batchinfer.rundir.store import RunDir
 
 SEALER = """
 import sys
-from batchinfer.rundir.locks import ShardLock, configured_mode
+from batchinfer.locks import ShardLock, configured_mode
 from batchinfer.rundir.store import RunDir
 run = RunDir(sys.argv[1])
 folder = run.shard_folder(1)
