@@ -40,6 +40,7 @@ IN_COMPACT_CLEANUP = "in-compact-cleanup"  # the first part removed, the others 
 IN_MERGE = "in-merge"  # merged output half written
 BEFORE_MERGE_RENAME = "before-merge-rename"  # merged output complete and fsynced, not yet renamed into place
 IN_MERGE_SWAP = "in-merge-swap"  # a folder output (split files, hf) moved aside, the new one not yet in place
+PASS_FOLDER_MADE = "pass-folder-made"  # a redo's DIR/passes/N made, its pass.json not yet written
 POINTS = (
     IN_PART_WRITE,
     BEFORE_PART_RENAME,
@@ -55,6 +56,7 @@ POINTS = (
     IN_MERGE,
     BEFORE_MERGE_RENAME,
     IN_MERGE_SWAP,
+    PASS_FOLDER_MADE,
 )
 
 

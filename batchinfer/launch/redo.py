@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from batchinfer import faults
 from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, structured
 from batchinfer.config.store import conf_dir
 from batchinfer.errors import ConfigError, RunDirError
@@ -90,6 +91,7 @@ def new_pass(root: RunDir, where: str, overrides: list[str], config_dir: Optiona
     path = passes.pass_path(root, number)
     with private_umask(root.config.output.private):
         path.mkdir(parents=True)
+        faults.point(faults.PASS_FOLDER_MADE)
         (path / PREPARING).touch()  # prepare may fill this folder: it is a run directory being made
         passes.write_record(path, number, where, overrides, config_dir)
     try:

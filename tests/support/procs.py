@@ -109,3 +109,66 @@ sys.exit(main(sys.argv[2:]))
 def spied_rows(log: Path) -> list[int]:
     """Rows a COMMIT_SPY subprocess committed."""
     return [r for line in log.read_text().splitlines() for r in json.loads(line)] if log.exists() else []
+
+
+# `batchinfer` in a subprocess with one function blocked (argv[1] "module:name", "+" at its end to
+# block after the call returns): it prints BLOCKED and waits for a line on stdin, "go" to carry on,
+# "fail" to stop there with KeyboardInterrupt (a Ctrl-C at that moment).
+BLOCKED = """
+import importlib, sys
+target, after = sys.argv[1].rstrip("+"), sys.argv[1].endswith("+")
+module, name = target.rsplit(":", 1)
+mod = importlib.import_module(module)
+real = getattr(mod, name)
+def wait():
+    print("BLOCKED", flush=True)
+    if sys.stdin.readline().strip() == "fail":
+        raise KeyboardInterrupt
+def blocked(*a, **k):
+    if not after:
+        wait()
+    out = real(*a, **k)
+    if after:
+        wait()
+    return out
+setattr(mod, name, blocked)
+from batchinfer.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+class BlockedCli:
+    """`batchinfer ARGS` in its own process group, stopped in the function `hook` names until
+    `release`; `blocked()` returns once it is there (its output so far when it ended instead)."""
+
+    def __init__(self, hook: str, args: list[str], env: dict | None = None):
+        cmd = [sys.executable, "-c", BLOCKED, hook, *args]
+        opts = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, **opts, env=dict(os.environ, **(env or {})), start_new_session=True)
+        self.pid = self.proc.pid
+        self.out: list[str] = []
+
+    def blocked(self) -> None:
+        """Wait until the process is in the hook; AssertionError with its stderr if it ended first."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.strip() == "BLOCKED":
+                return
+            self.out.append(line)
+        raise AssertionError(f"ended before the hook: {''.join(self.out)}{self.proc.stderr.read()[-3000:]}")
+
+    def release(self, how: str = "go", timeout: float = 600) -> subprocess.CompletedProcess:
+        """Let it carry on ("go") or stop there ("fail"); its result once it ends."""
+        try:
+            out, err = self.proc.communicate(how + "\n", timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(self.proc)
+            raise
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, "".join(self.out) + out, err)
+
+    def __enter__(self) -> BlockedCli:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc.poll() is None:
+            kill_group(self.proc)

@@ -74,3 +74,21 @@ def test_redo_on_slurm_status_cancel_resume_and_merge_job(
     assert "pass 1: merged" in out
     code, out, _ = cli(["report", "--json", str(root.path)], capsys)
     assert json.loads(out)["passes"] == {"0": 40 - len(length), "1": len(length)}
+
+
+def test_the_same_redo_while_its_pass_jobs_are_queued_submits_nothing(
+    tmp_path: Path, tiny_model_path: Path, fake_bin: Any, capsys: pytest.CaptureFixture
+) -> None:
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 40, seed=12)
+    cfg = compose(run_overrides(tiny_model_path, corpus, tmp_path / "run", "sampling.max_tokens=4"))
+    root = run_local(cfg, engine=StandinEngine(cfg))
+    sbatch = fake_bin("sbatch", f'{SUBMITTED}echo "Submitted batch job $((700 + n))"')
+    args = ["redo", str(root.path), "--where", 'finish_reason == "length"', "cluster=slurm", "cluster.gpus_per_task=0"]
+    code, out, err = cli(args, capsys)
+    assert code == 0 and "(job 700); merge job 701" in out, err
+    fake_bin("squeue", 'echo "700_0|700|PENDING|bi-x"; echo "701|701|PENDING|bi-x"')
+    code, out, err = cli(args, capsys)
+    assert code != 0 and "700_0 PENDING" in err and "701 PENDING" in err
+    assert sbatch.with_suffix(".count").read_text().strip() == "2"  # the array and merge job of the first only
+    assert len(submissions(RunDir(root.path / "passes" / "1"))) == 1
