@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from batchinfer.durable import read_json
+from batchinfer.ownership import Kind
 from batchinfer.rundir import passes
 from batchinfer.rundir.store import RunDir
 
@@ -18,10 +19,11 @@ def pass_records(root: RunDir) -> list[dict[str, Any]]:
         path = passes.pass_path(root, number)
         rec = passes.read_record(path)
         run = RunDir(path)
-        shards = run.shards() if run.exists() else []
+        kind = passes.recognise(path).kind
+        shards = run.shards() if run.exists() and kind is Kind.DONE else []
         done = sum(run.shard_folder(s.index).is_done() for s in shards)
-        if not run.exists():
-            state = "preparing"
+        if kind is not Kind.DONE:
+            state = _making(kind)
         elif done < len(shards):
             state = "unfinished"
         else:
@@ -39,6 +41,13 @@ def pass_records(root: RunDir) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _making(kind: Kind) -> str:
+    """The state of a pass not made yet: a live redo makes it, or a stopped one left it half made."""
+    if kind is Kind.HALF_MADE:
+        return "stopped while being made (the next redo takes it over)"
+    return "being made"
 
 
 def pass_lines(root: RunDir, records: list[dict[str, Any]]) -> list[str]:

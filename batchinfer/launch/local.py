@@ -24,6 +24,7 @@ from batchinfer.launch.ranks import other_ranks
 from batchinfer.launch.requeue import earns_another_attempt, requeue_for_another_attempt, requeue_on_stop
 from batchinfer.launch.shardloop import EngineSlot, ShardLoop, rows_done
 from batchinfer.rundir.merge import merge
+from batchinfer.rundir.passes import output_is_current
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.store import RunDir
 
@@ -91,7 +92,7 @@ def run_local(cfg: DictConfig, engine: Any = None, prepared: Optional[Callable[[
     tune/budget.py) sees DIR before the engine starts."""
     run = prepare(cfg)
     todo = [s.index for s in run.shards() if not run.shard_folder(s.index).is_done()]
-    if not todo and run.output_path.exists() and run.stats_json.is_file():
+    if not todo and output_is_current(run):  # a finished pass (redo) not merged yet is merged below
         rows = read_json(run.stats_json)["rows"]
         print(f"{run.path} is already complete: {rows} rows in {run.output_path}; nothing to do")
         return run

@@ -6,22 +6,24 @@ from __future__ import annotations
 
 import logging
 import shlex
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from batchinfer import faults
+from batchinfer import faults, ownership
 from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, structured
 from batchinfer.config.store import conf_dir
 from batchinfer.errors import ConfigError, RunDirError
+from batchinfer.ownership import Kind
 from batchinfer.rundir import passes
 from batchinfer.rundir.merge import format_indices, incomplete_shards, merge
 from batchinfer.rundir.prepare import PREPARING, prepare
 from batchinfer.rundir.splice import select_rows, view_schema, write_selection
 from batchinfer.rundir.store import RunDir
 from batchinfer.rundir.where import compile_where
-from batchinfer.security import private_umask, remove_path
+from batchinfer.security import private_umask
 
 log = logging.getLogger("batchinfer")
 
@@ -38,26 +40,34 @@ def redo(
     root.run  # noqa: B018  (refuses a folder without run.yaml)
     if passes.is_pass(root):
         raise RunDirError(f"{root.path} is a pass of {passes.root_of(root).path}: redo selects from that one")
-    missing = incomplete_shards(root)
-    if missing:
-        raise RunDirError(
-            f"{root.path}: shards {format_indices(missing)} are not finished; redo selects from a finished "
-            f"run: `batchinfer resume {shlex.quote(str(root.path))}` (or the same `batchinfer run`) first"
-        )
     compile_where(where, view_schema(root))  # a bad expression is refused before anything
     for ov in overrides:
         if ov.lstrip("+~").startswith(OWN_KEYS):
             raise ConfigError(f"{ov}: a pass sets {ov.split('=')[0]} itself (its input is the selected rows)")
-    run = _open_pass(root, where, overrides, config_dir)
-    if run is None:
-        return root
-    cfg = pass_config(root, run.path, overrides, config_dir)
-    prepare(cfg)  # reopens: the same overrides give the same fingerprint
-    return run_pass(run, engine)
+    # One redo (or resume of a pass) of DIR at a time, from the check through the selection to the
+    # pass's prepare, and while it runs here: a pass made meanwhile cannot go unseen by a selection,
+    # and a second redo is refused naming the first instead of taking its pass.
+    with holding(root, "redo"):
+        missing = incomplete_shards(root)
+        if missing:
+            raise RunDirError(
+                f"{root.path}: shards {format_indices(missing)} are not finished; redo selects from a finished "
+                f"run: `batchinfer resume {shlex.quote(str(root.path))}` (or the same `batchinfer run`) first"
+            )
+        run = _open_pass(root, where, overrides, config_dir)
+        if run is None:
+            return root
+        return run_pass(run, engine)
+
+
+def holding(root: RunDir, command: str) -> AbstractContextManager[Any]:
+    """DIR's lock (ownership.hold) for a command that makes or runs one of its passes."""
+    return ownership.hold(root.path, command, mode=root.config.output.lock)
 
 
 def _open_pass(root: RunDir, where: str, overrides: list[str], config_dir: Optional[str]) -> Optional[RunDir]:
-    """The unfinished pass of this command (made by a redo that was stopped), or a new one."""
+    """The unfinished pass of this command (made by a redo that was stopped), or a new one (taking
+    over a pass whose redo was stopped while making it)."""
     number = passes.unfinished_pass(root)
     if number is None:
         numbers = passes.pass_numbers(root)
@@ -68,41 +78,51 @@ def _open_pass(root: RunDir, where: str, overrides: list[str], config_dir: Optio
                 return None
         return new_pass(root, where, overrides, config_dir)
     path = passes.pass_path(root, number)
+    found = passes.recognise(path)
+    if found.kind is Kind.HALF_MADE:  # its redo was stopped while making it: nothing of it ran
+        return new_pass(root, where, overrides, config_dir, number)
+    if found.kind is not Kind.DONE:
+        raise passes.being_made(root, number, found)
     rec = passes.read_record(path)
     if not rec.same_command(where, overrides, config_dir):
         raise RunDirError(
             f"{path} ({rec.describe()}) is not finished; finish it first with the same command or "
             f"`batchinfer resume {shlex.quote(str(root.path))}` (or remove {path} to drop it)"
         )
-    if not RunDir(path).exists():  # stopped before its run.yaml: nothing of it ran, select again
-        remove_path(path)
-        return new_pass(root, where, overrides, config_dir)
     print(f"resuming pass {number} of {root.path}: {rec.describe()}")
-    return RunDir(path)
+    return prepare(pass_config(root, path, overrides, config_dir))  # reopens: the same overrides, the same fingerprint
 
 
-def new_pass(root: RunDir, where: str, overrides: list[str], config_dir: Optional[str] = None) -> Optional[RunDir]:
-    """Select the rows, write pass.json and selection.parquet, prepare DIR/passes/N; None if no row matches."""
+def new_pass(
+    root: RunDir, where: str, overrides: list[str], config_dir: Optional[str] = None, number: Optional[int] = None
+) -> Optional[RunDir]:
+    """Select the rows, then make DIR/passes/N (the next number, or a half-made pass to take over)
+    through ownership.claim: pass.json, selection.parquet, prepared; None if no row matches."""
     rows = select_rows(root, compile_where(where, view_schema(root)))
     if not len(rows):
         print(f"no row of {root.path} matches {where!r}: nothing to redo")
         return None
-    number = max(passes.pass_numbers(root), default=0) + 1
+    number = number or max(passes.pass_numbers(root), default=0) + 1
     path = passes.pass_path(root, number)
-    with private_umask(root.config.output.private):
-        path.mkdir(parents=True)
+    private = root.config.output.private
+    with (
+        private_umask(private),
+        ownership.claim(
+            path, "redo", mode=root.config.output.lock, legacy=passes.legacy_kind, label=f"pass {number} of"
+        ) as made,
+    ):  # what is made here is removed if this raises, and only that
         faults.point(faults.PASS_FOLDER_MADE)
-        (path / PREPARING).touch()  # prepare may fill this folder: it is a run directory being made
+        if made.existing:  # made and finished by someone, yet no pass.json: not ours to fill
+            raise RunDirError(f"{path} is there without {passes.PASS_JSON}; move it away to make pass {number}")
+        if made.adopted:
+            print(f"pass {number} of {root.path} was left half made by a redo that was stopped: made again")
+            made.clear()
+        (path / PREPARING).touch()  # prepare fills this folder: a run directory being made
         passes.write_record(path, number, where, overrides, config_dir)
-    try:
-        with private_umask(root.config.output.private):
-            write_selection(root, rows, path)
+        write_selection(root, rows, path)
         passes.set_rows(path, len(rows))
         run = prepare(pass_config(root, path, overrides, config_dir))
         passes.check_schema(root, run)
-    except BaseException:
-        remove_path(path, ignore_errors=True)  # ours, and nothing of it ran
-        raise
     print(f"pass {number} of {root.path}: {len(rows)} rows match {where!r}; in {path}")
     return run
 
@@ -147,9 +167,11 @@ def run_pass(run: RunDir, engine: Any = None) -> RunDir:
     """Run a pass here, or submit it as a Slurm array (cluster=slurm); its merge merges DIR."""
     todo = incomplete_shards(run)
     if run.config.cluster.name == "slurm":
-        from batchinfer.launch.submit import submit_shards
+        from batchinfer.launch.submit import refuse_active_jobs, submit_shards
 
         if todo:
+            advice = f"wait for them (`batchinfer status {shlex.quote(str(passes.root_of(run).path))}`) or cancel them"
+            refuse_active_jobs(run, advice)  # a second array and merge job would run beside them
             submit_shards(run, todo)
             return run
     elif todo:
@@ -164,26 +186,49 @@ def run_pass(run: RunDir, engine: Any = None) -> RunDir:
 
 def resume_pass(root_dir: str, overrides: list[str], force: bool = False, dry_run: bool = False) -> bool:
     """`resume DIR` when DIR's own shards are done and a pass is not: finish that pass (submitted
-    again under cluster=slurm, else here) and merge; False when DIR has no such pass."""
+    again under cluster=slurm, else here) and merge; merge DIR when a finished pass is not in its
+    output; False when DIR has no such pass."""
     from batchinfer.launch.submit import resume
 
     root = RunDir(root_dir)
-    number = passes.unfinished_pass(root) if root.exists() and not passes.is_pass(root) else None
-    if number is None or incomplete_shards(root):
+    if not root.exists() or passes.is_pass(root) or incomplete_shards(root):
         return False
+    number = passes.unfinished_pass(root)
+    if number is None:
+        return _merge_passes(root, dry_run)
     path = passes.pass_path(root, number)
-    rec = passes.read_record(path)
-    run = RunDir(path)
-    if not run.exists():  # stopped while its rows were being selected: only the redo command knows them
+    found = passes.recognise(path)
+    if found.kind is Kind.HALF_MADE:  # only the redo command knows its rows: it takes the pass over
+        rec = passes.read_record(path)
         raise RunDirError(
             f"pass {number} of {root.path} was stopped while it was being made; run the same command again: "
             f"`batchinfer redo {shlex.quote(str(root.path))} {' '.join(shlex.quote(a) for a in rec.describe_args())}`"
         )
-    print(f"pass {number} of {root.path} ({rec.describe()}) is not finished: resuming it")
+    if found.kind is not Kind.DONE:
+        raise passes.being_made(root, number, found)
+    run = RunDir(path)
+    print(f"pass {number} of {root.path} ({passes.read_record(path).describe()}) is not finished: resuming it")
     if run.config.cluster.name == "slurm":
         resume(str(path), overrides, force=force, dry_run=dry_run)
+    elif dry_run:
+        todo = incomplete_shards(run)
+        print(f"dry run: shards {format_indices(todo)} of {path} would run here, then merge; nothing started")
     else:
-        run_pass(run)
+        with holding(root, "resume"):
+            run_pass(run)
+    return True
+
+
+def _merge_passes(root: RunDir, dry_run: bool) -> bool:
+    """resume DIR whose passes are finished but not all in its output (a kill between a pass's
+    merge and DIR's; DIR's merge lock refused a pass's merge job): merge DIR."""
+    if not passes.pass_numbers(root) or passes.output_is_current(root):
+        return False
+    if dry_run:
+        print(f"dry run: {root.output_path} does not hold every finished pass; resume would merge {root.path}")
+        return True
+    stats = merge(root)
+    print(f"merged {stats['rows']} rows into {root.output_path} (every finished pass)")
     return True
 
 

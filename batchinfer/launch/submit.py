@@ -291,15 +291,20 @@ def active_jobs(run: RunDir) -> dict[str, str]:
     return {j: s for j, s in states.items() if s in slurm_states.ACTIVE}
 
 
+def refuse_active_jobs(run: RunDir, advice: str) -> None:
+    """RunDirError naming DIR's jobs still queued or running: a second submission of its shards
+    would run beside them (`resume`, and `redo` of a pass it submitted)."""
+    active = active_jobs(run)
+    if active:
+        shown = ", ".join(f"{j} {s}" for j, s in sorted(active.items())[:10])
+        raise RunDirError(f"{run.path} still has jobs queued or running ({shown}); {advice}")
+
+
 def resume(run_dir: str, overrides: list[str], force: bool = False, dry_run: bool = False) -> RunDir:
     """`batchinfer resume DIR`: resubmit only incomplete shards with the frozen config."""
     run = RunDir(run_dir)
-    active = {} if force else active_jobs(run)
-    if active:
-        shown = ", ".join(f"{j} {s}" for j, s in sorted(active.items())[:10])
-        raise RunDirError(
-            f"{run.path} still has jobs queued or running ({shown}); wait, `batchinfer cancel` them, or pass --force"
-        )
+    if not force:
+        refuse_active_jobs(run, "wait, `batchinfer cancel` them, or pass --force")
     if overrides:
         apply_resource_overrides(run, overrides)
     todo = incomplete_shards(run)

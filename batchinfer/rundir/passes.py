@@ -13,8 +13,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchinfer import ownership
 from batchinfer.durable import read_json, write_json
 from batchinfer.errors import RunDirError
+from batchinfer.ownership import Found, Kind
 from batchinfer.rundir.store import RunDir
 
 PASSES_DIR = "passes"
@@ -24,6 +26,7 @@ SELECTION = "selection.parquet"
 SOURCE_ROW = "_batchinfer_row"
 PASS_COLUMN = "pass"
 PASS_FIELD = pa.field(PASS_COLUMN, pa.int32(), nullable=False)
+MERGED_PASSES = "merged_passes"  # stats.json: the passes a merge took, whatever rows they kept
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,28 @@ def root_of(run: RunDir) -> RunDir:
     return RunDir(run.path.parent.parent)
 
 
+def legacy_kind(path: Path) -> Optional[Kind]:
+    """What a pass folder an older batchinfer made (no owner's mark) is: made once its run.yaml is
+    there, half made with only pass.json; anything else is not a pass (ownership.recognise)."""
+    if not (path / PASS_JSON).is_file():
+        return None
+    return Kind.DONE if (path / "run.yaml").is_file() else Kind.HALF_MADE
+
+
+def recognise(path: Path) -> Found:
+    """What a pass folder is: made, being made by a live redo, half made by a dead one, ..."""
+    return ownership.recognise(path, legacy=legacy_kind)
+
+
+def being_made(root: RunDir, number: int, found: Found) -> RunDirError:
+    """The refusal of a pass folder another command is making (or that is not a pass)."""
+    if found.kind is Kind.MAKING and found.mark is not None:
+        return RunDirError(
+            f"pass {number} of {root.path} is being made by {found.mark.describe()}; wait for it to finish"
+        )
+    return ownership.refusal(found, f"pass {number} of {root.path}:")
+
+
 def is_finished(path: Path) -> bool:
     """A pass whose run directory is prepared and whose every shard is done."""
     run = RunDir(path)
@@ -128,6 +153,10 @@ def merged_passes(root: RunDir) -> Optional[list[int]]:
     stats = read_json(root.stats_json)
     if stats.get("fingerprint") != root.run["fingerprint"]:
         return None
+    if MERGED_PASSES in stats:
+        return sorted(stats[MERGED_PASSES])
+    # written before merged_passes was: the passes with rows in the output (a pass every row of
+    # which a later one answered again is missing, so such an output is merged again once)
     return sorted(int(k) for k in stats.get("passes", {"0": 0}) if k != "0")
 
 

@@ -34,6 +34,7 @@ from batchinfer.inputs.columns import column_type
 from batchinfer.inputs.convert import convert_input, open_input
 from batchinfer.inputs.fingerprint import file_fingerprint
 from batchinfer.inputs.formats import detect_format
+from batchinfer.inputs.openai_batch import ROW_SAMPLING
 from batchinfer.inputs.paths import GLOB_CHARS, input_files, looks_like_hub_dataset
 from batchinfer.inputs.reference import is_reference
 from batchinfer.inputs.shards import plan_shards
@@ -314,8 +315,9 @@ def _run_schema(c: dict[str, Any], arrow: pa.Schema) -> pa.Schema:
     task = (c.get("task") or {}).get("name", "generate")
     if task in POOLING_TASKS:
         return _pooling_schema(c, id_type, input_type)
-    # OpenAI batch rows may ask for n > 1 each: keep a samples column for them.
-    with_samples = c["sampling"]["n"] > 1 or inp["format"] == "openai"
+    # OpenAI batch rows may ask for n > 1 each: keep a samples column for them (and in a redo's
+    # pass of such rows, whose input is the selected requests as Parquet).
+    with_samples = c["sampling"]["n"] > 1 or ROW_SAMPLING in arrow.names
     labels = c["prompt"]["labels"]
     return output_schema(
         id_type,

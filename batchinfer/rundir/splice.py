@@ -19,6 +19,7 @@ from batchinfer.durable import publish_stream, read_json
 from batchinfer.errors import RunDirError
 from batchinfer.rundir.ordered_rows import Rows, shard_rows_in_order
 from batchinfer.rundir.passes import (
+    MERGED_PASSES,
     PASS_COLUMN,
     PASS_FIELD,
     SELECTION,
@@ -119,8 +120,15 @@ class Splicer:
         return pa.concat_tables([table, answers]).take(pa.array(index))
 
     def stats(self) -> dict[str, Any]:
-        """stats.json's `passes`: rows of the output per pass (`0`: DIR's own run); nothing without passes."""
-        return {"passes": {str(k): v for k, v in sorted(self.counts.items())}} if self.passes else {}
+        """stats.json's `passes`: rows of the output per pass (`0`: DIR's own run), and `merged_passes`:
+        the passes this merge took (one whose every row a later pass answered again has no rows,
+        yet is merged); nothing without passes."""
+        if not self.passes:
+            return {}
+        return {
+            "passes": {str(k): v for k, v in sorted(self.counts.items())},
+            MERGED_PASSES: [int(p.path.name) for p in self.passes],
+        }
 
 
 def unchanged_output(root: RunDir) -> Optional[dict[str, Any]]:

@@ -5,6 +5,7 @@ is refused naming it, and neither removes what the other made."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -53,13 +54,17 @@ def test_two_identical_redos_the_second_is_refused_naming_the_first(
     run, cfg = done["run"], done["cfg"]
     path = pass_path(run, 1)
     # the first stops after writing pass.json, before its run.yaml: "a pass being made"
-    with BlockedCli("batchinfer.launch.redo:write_selection", redo_args(run, "sampling.max_tokens=9"), standin_env()) as first:
+    with BlockedCli(
+        "batchinfer.launch.redo:write_selection", redo_args(run, "sampling.max_tokens=9"), standin_env()
+    ) as first:
         first.blocked()
         assert (path / "pass.json").is_file() and not (path / "run.yaml").exists()
         # resume does not advise the same command (which would take the pass from its live maker)
         code, out, err = cli(["resume", str(run.path)], capsys)
         assert code != 0 and f"pid {first.pid}" in err and "run the same command again" not in err
-        with pytest.raises(RunDirError, match=rf"pass 1 of .* is being made by host \S+ pid {first.pid}"):
+        code, out, _ = cli(["status", str(run.path)], capsys)
+        assert code == 0 and "pass 1: being made" in out
+        with pytest.raises(RunDirError, match=rf"{re.escape(str(run.path))} is in use by host \S+ pid {first.pid}"):
             redo(str(run.path), LENGTH, ["sampling.max_tokens=9"], engine=StandinEngine(cfg))
         assert (path / "pass.json").is_file()  # the refused one touched nothing of it
         res = first.release(how)
@@ -82,12 +87,14 @@ def test_a_redo_does_not_select_from_a_view_another_pass_changes_before_it_makes
 ) -> None:
     run, cfg = done["run"], done["cfg"]
     # the first has selected its rows from the output as it is now, and not yet made its pass
-    with BlockedCli("batchinfer.launch.redo:select_rows+", redo_args(run, "sampling.max_tokens=9"), standin_env()) as first:
+    with BlockedCli(
+        "batchinfer.launch.redo:select_rows+", redo_args(run, "sampling.max_tokens=9"), standin_env()
+    ) as first:
         first.blocked()
         assert not (run.path / "passes").exists() or not any((run.path / "passes").iterdir())
         # a second redo, of other settings, would make and merge a pass meanwhile that the first
         # one's selection never saw (and the first's pass would then undo its answers)
-        with pytest.raises(RunDirError, match=rf"being redone by host \S+ pid {first.pid}"):
+        with pytest.raises(RunDirError, match=rf"{re.escape(str(run.path))} is in use by host \S+ pid {first.pid}"):
             redo(str(run.path), LENGTH, ["sampling.max_tokens=40"], engine=StandinEngine(cfg))
         assert not pass_path(run, 1).exists()
         res = first.release()
@@ -104,7 +111,9 @@ def test_a_redo_does_not_select_from_a_view_another_pass_changes_before_it_makes
     assert [r for r in last if r["row"] not in still] == [r for r in after if r["row"] not in still]
 
 
-def test_a_redo_killed_between_its_pass_folder_and_pass_json_does_not_block_the_next(done: dict[str, Any]) -> None:
+def test_a_redo_killed_between_its_pass_folder_and_pass_json_does_not_block_the_next(
+    done: dict[str, Any], capsys: pytest.CaptureFixture
+) -> None:
     run, cfg = done["run"], done["cfg"]
     res = run_cli(redo_args(run, "sampling.max_tokens=9"), env=dict(standin_env(), **{ENV: PASS_FOLDER_MADE}))
     assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
@@ -112,6 +121,7 @@ def test_a_redo_killed_between_its_pass_folder_and_pass_json_does_not_block_the_
     assert path.is_dir() and not (path / "pass.json").exists()  # the kill landed there
     assert run.output_path.read_bytes() == done["output"]
     redo(str(run.path), LENGTH, ["sampling.max_tokens=9"], engine=StandinEngine(cfg))
+    assert "was left half made by a redo that was stopped" in capsys.readouterr().out
     assert read_record(path).overrides == ["sampling.max_tokens=9"]
     after = read_output(run.path)
     assert [r["row"] for r in after if r["pass"] == 1] == done["length"]
