@@ -45,9 +45,7 @@ def pass_records(root: RunDir) -> list[dict[str, Any]]:
 
 def _making(kind: Kind) -> str:
     """The state of a pass not made yet: a live redo makes it, or a stopped one left it half made."""
-    if kind is Kind.HALF_MADE:
-        return "stopped while being made (the next redo takes it over)"
-    return "being made"
+    return "half made" if kind is Kind.HALF_MADE else "being made"
 
 
 def pass_lines(root: RunDir, records: list[dict[str, Any]]) -> list[str]:
@@ -58,6 +56,8 @@ def pass_lines(root: RunDir, records: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"pass {r['pass']}: {r['state']}, {r['rows']} rows, {r['shards_done']} of {r['shards']} shards done ({what})"
         )
+        if r["state"] == "half made":
+            lines.append("  its redo was stopped while making it: the next redo takes it over and makes it again")
     return lines
 
 

@@ -5,6 +5,7 @@ is refused naming it, and neither removes what the other made."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 from pathlib import Path
@@ -126,3 +127,24 @@ def test_a_redo_killed_between_its_pass_folder_and_pass_json_does_not_block_the_
     after = read_output(run.path)
     assert [r["row"] for r in after if r["pass"] == 1] == done["length"]
     assert json.loads(run.stats_json.read_text())["passes"]["1"] == len(done["length"])
+
+
+def test_a_redo_killed_while_it_selects_leaves_a_half_made_pass_the_next_takes_over(
+    done: dict[str, Any], capsys: pytest.CaptureFixture
+) -> None:
+    run, cfg = done["run"], done["cfg"]
+    path = pass_path(run, 1)
+    with BlockedCli(
+        "batchinfer.launch.redo:write_selection", redo_args(run, "sampling.max_tokens=9"), standin_env()
+    ) as first:
+        first.blocked()
+        os.killpg(first.pid, signal.SIGKILL)
+        assert first.proc.wait() == -signal.SIGKILL
+    assert (path / "pass.json").is_file() and not (path / "selection.parquet").exists()  # killed there
+    code, out, _ = cli(["status", str(run.path)], capsys)
+    assert code == 0 and "pass 1: half made" in out and "the next redo takes it over" in out
+    code, out, err = cli(["resume", str(run.path)], capsys)  # the maker is dead: the same command loses nothing
+    assert code != 0 and "run the same command again" in err and "sampling.max_tokens=9" in err
+    redo(str(run.path), LENGTH, ["sampling.max_tokens=9"], engine=StandinEngine(cfg))
+    assert "was left half made by a redo that was stopped" in capsys.readouterr().out
+    assert [r["row"] for r in read_output(run.path) if r["pass"] == 1] == done["length"]
