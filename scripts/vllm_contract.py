@@ -470,6 +470,13 @@ CHECKS: tuple[Check, ...] = (
         "config/schema.py refuses a reasoning parser not in vllm_names.REASONING_PARSERS",
     ),
     Check(
+        "model.engine_kwargs names",
+        "names",
+        "vllm.engine.arg_utils:EngineArgs",
+        ("ENGINE_ARGS",),
+        "config/checks.py refuses a model.engine_kwargs key not in vllm_names.ENGINE_ARGS",
+    ),
+    Check(
         "max_logprobs default",
         "param_default",
         "vllm.engine.arg_utils:EngineArgs.__init__",
@@ -768,6 +775,8 @@ def vllm_names(obj: Any) -> set[Any]:
 
     if typing.get_origin(obj) is typing.Literal:
         return set(typing.get_args(obj))
+    if isinstance(obj, type) and dataclasses.is_dataclass(obj):  # its fields' names
+        return {f.name for f in dataclasses.fields(obj)}
     if callable(obj) and not isinstance(obj, type):
         obj = obj()
     return set(obj)

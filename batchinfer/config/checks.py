@@ -23,17 +23,6 @@ CHOICES = {
 
 # key -> (check, what is allowed): vLLM or Slurm would reject these later, after submitting.
 RANGES: dict[str, tuple[Any, str]] = {
-    "sampling.temperature": (lambda v: v >= 0, "a number >= 0 (0 is greedy)"),
-    "sampling.top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "sampling.top_k": (lambda v: v >= -1, "an integer: 0 or -1 (off), or >= 1"),
-    "sampling.min_p": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-    "sampling.max_tokens": (lambda v: v >= 1, "an integer >= 1"),
-    "sampling.min_tokens": (lambda v: v >= 0, "an integer >= 0"),
-    "sampling.n": (lambda v: v >= 1, "an integer >= 1"),
-    "sampling.logprobs": (lambda v: v >= -1, "an integer >= 0 (-1: the whole vocabulary)"),
-    "sampling.presence_penalty": (lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
-    "sampling.frequency_penalty": (lambda v: -2 <= v <= 2, "a number in [-2, 2]"),
-    "sampling.repetition_penalty": (lambda v: v > 0, "a number > 0 (1 is off)"),
     "model.gpu_memory_utilization": (lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
     "model.max_model_len": (lambda v: v >= 1, "an integer >= 1"),
     "model.tensor_parallel_size": (lambda v: v >= 1, "an integer >= 1"),
@@ -73,11 +62,6 @@ def validate(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value is not None and not ok(value):
             raise ConfigError(f"{key}={value} is out of range: it takes {allowed}")
-    if cfg.sampling.min_tokens > cfg.sampling.max_tokens:
-        raise ConfigError(
-            f"sampling.min_tokens={cfg.sampling.min_tokens} is out of range: it takes at most "
-            f"sampling.max_tokens={cfg.sampling.max_tokens}"
-        )
     so = [k for k in ("choice", "regex", "json", "grammar") if cfg.sampling.structured_outputs[k] is not None]
     if len(so) > 1:
         raise ConfigError(f"sampling.structured_outputs: set one of choice, regex, json, grammar (got {', '.join(so)})")
@@ -88,6 +72,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"prompt.labels.names has duplicates: {list(labels)}")
     _check_task(cfg.task)
     _check_dropped_settings(cfg)
+    check_sampling(cfg)
     _check_vllm_names(cfg)
     check_output_format(cfg.task.name, cfg.output.format, cfg.input.format)
     from batchinfer.config.json_schema import check_json_schema
@@ -105,6 +90,43 @@ def validate(cfg: DictConfig) -> None:
 
     private_mode(cfg.output.private)
     check_config_secrets(to_dict(cfg))
+
+
+def takes(key: str) -> Optional[str]:
+    """What a config key takes, for messages: RANGES, or vLLM's rule for a sampling key."""
+    if key in RANGES:
+        return RANGES[key][1]
+    from batchinfer.requests.verdict import RULES
+
+    rule = RULES.get(key.removeprefix("sampling.")) if key.startswith("sampling.") else None
+    return (rule[3] or rule[1]) if rule else None
+
+
+def check_sampling(cfg: DictConfig) -> None:
+    """ConfigError naming the key when vLLM would refuse the config's sampling on every request
+    (requests/verdict.py holds vLLM's rules, the same every row's own values are held to; the
+    model's vocabulary from its config.json when the folder is here)."""
+    from batchinfer.requests.verdict import limits, refusal
+
+    m = cfg.model
+    sampling = OmegaConf.to_container(cfg.sampling)
+    engine_kwargs = OmegaConf.to_container(m.engine_kwargs) if m.engine_kwargs else None
+    found = refusal(
+        {k: v for k, v in sampling.items() if k != "seed_per_row"},
+        limits(m.path, m.revision, engine_kwargs),
+        in_row=False,
+    )
+    if found is None:
+        return
+    fix = FIXES.get(found.key, "")
+    raise ConfigError(found.message("sampling.") + (f"; {fix}" if fix else ""))
+
+
+# What to do about a refused sampling value, beyond what it takes.
+FIXES = {
+    "seed": "choose a seed below 2^63 (9223372036854775808)",
+    "structured_outputs.json": "write the schema inline or name a file holding it",
+}
 
 
 def _check_dropped_settings(cfg: DictConfig) -> None:
@@ -151,12 +173,13 @@ def _check_vllm_names(cfg: DictConfig) -> None:
         close = difflib.get_close_matches(str(value), allowed, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise ConfigError(f"{key}={value!r} is not a name vLLM knows{hint}; it takes one of: {', '.join(allowed)}")
-    cap, asked = kwargs.get("max_logprobs", names.MAX_LOGPROBS), cfg.sampling.logprobs
-    if asked is not None and cap != -1 and (asked == -1 or asked > cap):
-        what = "the whole vocabulary" if asked == -1 else f"{asked} log probabilities per token"
+    unknown = sorted(set(kwargs) - set(names.ENGINE_ARGS))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], names.ENGINE_ARGS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
         raise ConfigError(
-            f"sampling.logprobs={asked} asks for {what}, above vLLM's limit of {cap} (max_logprobs): "
-            f"lower sampling.logprobs, or raise the limit with model.engine_kwargs.max_logprobs={asked}"
+            f"model.engine_kwargs.{unknown[0]} is not an argument of vLLM's EngineArgs{hint}: vLLM would refuse "
+            "it at engine start; remove it, or spell it as `vllm serve --help` lists it (with _ for -)"
         )
 
 

@@ -9,7 +9,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from batchinfer.config.checks import RANGES, validate
+from batchinfer.config.checks import takes, validate
 from batchinfer.config.keys import unknown_key_message, unknown_keys
 from batchinfer.config.schema import escape_interpolation
 from batchinfer.config.store import conf_dir, register_configs
@@ -127,8 +127,8 @@ def _override_error(e: Exception) -> str:
     if not isinstance(cause, ValidationError) or not key:
         return _first_lines(str(e))
     reason = str(cause).splitlines()[0]
-    allowed = RANGES.get(key)
-    return f"{key}: {reason}" + (f"; {key} takes {allowed[1]}" if allowed else "")
+    allowed = takes(key)
+    return f"{key}: {reason}" + (f"; {key} takes {allowed}" if allowed else "")
 
 
 def require_run_keys(cfg: DictConfig, input_required: bool = True) -> None:

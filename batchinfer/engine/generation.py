@@ -13,6 +13,7 @@ from batchinfer.inputs.openai_batch import task_mismatch
 from batchinfer.requests.build import build_request, sampling_for
 from batchinfer.requests.prompts import PromptBuilder, RowError
 from batchinfer.requests.request import ErrorRow, RequestKey
+from batchinfer.requests.verdict import engine_refusal
 from batchinfer.rundir.schema import error_row
 
 
@@ -44,11 +45,12 @@ class GenerationRows:
         return key
 
     def params(self, engine: Any, own: str) -> Any:
-        """The engine's SamplingParams for a row; values vLLM refuses (top_p 0, max_tokens 0) raise RowError."""
+        """The engine's SamplingParams for a row; whatever vLLM raises on the values (its
+        VLLMValidationError is no ValueError) is RowError, kind sampling."""
         try:
             return engine.sampling_params(sampling_for(self.cfg, own))
-        except (ValueError, TypeError) as e:
-            raise RowError("sampling", f"vLLM refuses the row's sampling {own}: {e}") from None
+        except Exception as e:
+            raise engine_refusal(e, "sampling", f"vLLM refuses the row's sampling {own or '(the config)'}") from None
 
     def result_row(self, base: dict[str, Any], c: Completion) -> dict[str, Any]:
         """An output row from a finished request."""

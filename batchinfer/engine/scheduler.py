@@ -19,8 +19,9 @@ from batchinfer.engine.stream import first_window_rows, todo_slices, window_rows
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.errors import Stopped, StorageError
 from batchinfer.inputs.shards import Shard
-from batchinfer.requests.prompts import Prompt, RowError
+from batchinfer.requests.prompts import Prompt
 from batchinfer.requests.request import ErrorRow, Made, RequestKey
+from batchinfer.requests.verdict import engine_refusal
 from batchinfer.rundir.progress import Progress
 from batchinfer.rundir.schema import error_row
 
@@ -147,7 +148,9 @@ class ShardScheduler:
                 self.in_engine = True
                 self.engine.add(rid, list(key.ids), params)
                 self.in_engine = False
-            except (RowError, ValueError) as e:  # vLLM refused this request alone: an error row
+            except Exception as e:  # vLLM refused this request alone (whatever its type): an error row
+                if getattr(self.engine, "dead", False):
+                    raise  # the engine died: not this request's fault (in_engine: rows in flight are suspects)
                 self.in_engine = False
                 self._refused(key, e)
                 continue
@@ -166,10 +169,10 @@ class ShardScheduler:
     def _refused(self, key: RequestKey, e: Exception) -> None:
         """The rows of a request the engine refused are error rows."""
         self.n_isolate = max(0, self.n_isolate - 1)  # a refused isolated request is done with too
-        kind, why = (e.kind, e.message) if isinstance(e, RowError) else ("rejected", str(e))
+        refused = engine_refusal(e, "engine_refused", "vLLM refused it")
         members = self.feed.groups.pop(key)
         self.pending.extend(
-            dict(m, **error_row(m["row"], m["id"], kind, f"row {m['row']}: vLLM refused it: {why}")) for m in members
+            dict(m, **error_row(m["row"], m["id"], refused.kind, f"row {m['row']}: {refused.message}")) for m in members
         )
         self.finished += len(members)
 

@@ -207,16 +207,13 @@ class Engine:
         """SamplingParams for a sampling config (cached; one object per distinct config)."""
         key = repr(sorted(sampling.items()))
         if key not in self._params:
-            kw = sampling_kwargs(sampling)
+            kw = sampling_kwargs(sampling)  # what this raises is the row's error row (GenerationRows.params)
             so = structured_kwargs(sampling.get("structured_outputs"))
-            try:
-                if so:
-                    from vllm.sampling_params import StructuredOutputsParams
+            if so:
+                from vllm.sampling_params import StructuredOutputsParams
 
-                    kw["structured_outputs"] = StructuredOutputsParams(**so)
-                params = self._sampling_cls(**kw)
-            except Exception as e:  # VLLMValidationError is not a ValueError: the worker needs no vllm import
-                raise ValueError(str(e)) from None
+                kw["structured_outputs"] = StructuredOutputsParams(**so)
+            params = self._sampling_cls(**kw)
             from vllm.sampling_params import RequestOutputKind
 
             # As LLM.generate does: one output per request when it is done, with all n samples
@@ -285,6 +282,8 @@ class Engine:
             self.add(f"{request_id}{PAIR_SEP}1", token_ids[params.split :], params.embed)
             return
         # Rendered as LLM.generate does since vLLM 0.14 (a raw dict is deprecated there).
+        # Anything this raises but a dead core's EngineDeadError (`dead` is set before it is raised)
+        # is this request's refusal: its rows are error rows (ShardScheduler.submit).
         (engine_input,) = self.engine.renderer.render_cmpl([{"prompt_token_ids": token_ids}])
         self.engine.add_request(request_id, engine_input, params)
         self._live.add(request_id)

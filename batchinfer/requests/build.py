@@ -6,15 +6,17 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-from batchinfer.config.schema import Config, SamplingConfig
+from batchinfer.config.schema import Config
 from batchinfer.errors import InputError
 from batchinfer.inputs.openai_batch import ROW_SAMPLING, task_mismatch
 from batchinfer.requests.prompts import Messages, Prompt, PromptBuilder, RowError
+from batchinfer.requests.verdict import RULES, Limits, limits, refusal
 
-SAMPLING_KEYS = frozenset(f.name for f in fields(SamplingConfig))
+# The keys a row's own sampling may set: SamplingParams names (not seed_per_row, a run's setting).
+ROW_KEYS = frozenset({*RULES, "structured_outputs"})
 Encode = Callable[[Prompt], list[int]]
 MAX_RENDERS = 40  # renders of a chat being cut: halving the gap, a million characters take 20
 
@@ -153,51 +155,39 @@ def row_sampling(cfg: Config, row: dict[str, Any], id_: Any) -> str:
                 raise RowError("sampling", f"field {column!r} is not a JSON object: {e}") from None
         if not isinstance(value, dict):
             raise RowError("sampling", f"field {column!r} must be an object of SamplingParams, got {value!r}")
-        unknown = sorted(set(value) - SAMPLING_KEYS - {"structured_outputs"})
+        unknown = sorted(set(value) - ROW_KEYS)
         if unknown:
             raise RowError("sampling", f"field {column!r} has unknown sampling keys {unknown}")
         own.update({k: v for k, v in value.items() if v is not None})
-    check_row_sampling(own, f"field {column!r}" if column and row.get(column) is not None else "the request's body")
-    if cfg.sampling.n == 1 and int(own.get("n") or 1) > 1 and not row.get(ROW_SAMPLING):
+    if cfg.sampling.n == 1 and isinstance(own.get("n"), int) and own["n"] > 1 and not row.get(ROW_SAMPLING):
         raise RowError(
             "sampling",
             f"field {column!r} asks for n={own['n']} samples, but this run keeps one per row (sampling.n=1): "
             "set sampling.n>1 in the config to keep a samples column, or drop n from the row",
         )
+    where = f"field {column!r}" if column and row.get(column) is not None else "the request's body"
+    check_row_sampling(cfg, own, where)
     s = cfg.sampling
     if s.seed_per_row and "seed" not in own:
         own["seed"] = row_seed(s.seed, id_)
     return json.dumps(own, sort_keys=True) if own else ""
 
 
-# What each sampling key takes in a row's own overrides, by the config schema's type.
-_ROW_TYPES = {f.name: f.type for f in fields(SamplingConfig) if f.name != "structured_outputs"}
+def check_row_sampling(cfg: Config, own: dict[str, Any], where: str) -> None:
+    """RowError (kind sampling) naming the key when vLLM would refuse the row's request: its own
+    sampling values on top of the config's (requests/verdict.py holds vLLM's rules)."""
+    if not own:
+        return  # the config's own values were checked before the run started
+    found = refusal(dict(cfg.sampling.params, **own), row_limits(cfg))
+    if found:
+        source = where if found.key.split(".")[0] in own else "the row's sampling with the config's"
+        raise RowError("sampling", found.message(f"{source}: "))
 
 
-def check_row_sampling(own: dict[str, Any], where: str) -> None:
-    """RowError (kind sampling) naming the key where a row's own sampling value has the wrong type
-    or is out of the range the config's value would be checked against."""
-    from batchinfer.config.checks import RANGES
-
-    for key, value in own.items():
-        kind = str(_ROW_TYPES.get(key, ""))
-        if not kind or value is None:
-            continue
-        if "bool" in kind:
-            ok, what = isinstance(value, bool), "true or false"
-        elif "int" in kind:
-            ok, what = isinstance(value, int) and not isinstance(value, bool), "an integer"
-        elif "float" in kind:
-            ok, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-        elif "list" in kind:
-            ok, what = isinstance(value, list) and all(isinstance(v, str) for v in value), "a list of strings"
-        else:
-            continue
-        if not ok:
-            raise RowError("sampling", f"{where}: {key}={value!r} is not {what}")
-        check, allowed = RANGES.get(f"sampling.{key}", (None, ""))
-        if check is not None and not check(value):
-            raise RowError("sampling", f"{where}: {key}={value!r} is out of range: it takes {allowed}")
+def row_limits(cfg: Config) -> Limits:
+    """The limits a run's model sets on each request (see requests/verdict.py)."""
+    m = cfg.model
+    return limits(m.path, m.revision, m.engine_kwargs)
 
 
 def row_seed(seed: int, id_: Any) -> int:

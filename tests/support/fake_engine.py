@@ -7,19 +7,21 @@ from pathlib import Path
 from typing import Any
 
 from batchinfer.config.compose import compose
+from batchinfer.config.vllm_names import MAX_LOGPROBS
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.store import RunDir
 from support.corpus import write_corpus
 from support.runs import fake_model_dir
-from support.standin import digest
+from support.standin import check_logprobs, checked_params, digest, vllm_refusal
 
 
 class FakeEngine:
     """The unit tests' engine: answers each request from its own token ids (`answer`), so a row
     given another row's result is caught, and finishes `per_step` requests per step, chosen by
-    digest and step number rather than in the order they came. It refuses (ValueError at add, as
-    vLLM refuses a request) the prompts `refuse` names, and dies (its next step raises, as a dead
+    digest and step number rather than in the order they came. It refuses (vLLM's own
+    VLLMValidationError at add, as vLLM refuses a request) the prompts `refuse` names, and sampling
+    values where vLLM refuses them, and dies (its next step raises, as a dead
     engine core does) once a prompt `poison` names is added; prompts are texts of one message."""
 
     max_model_len = 1000
@@ -48,7 +50,7 @@ class FakeEngine:
         return f"ans-{digest(ids) % 16**8:08x}"
 
     def sampling_params(self, sampling: dict[str, Any]) -> Any:
-        return sampling
+        return checked_params(sampling)
 
     def encode(self, prompt: Any, chat_template_kwargs: Any = None) -> list[int]:
         text = prompt if isinstance(prompt, str) else " ".join(m["content"] for m in prompt)
@@ -56,7 +58,8 @@ class FakeEngine:
 
     def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
         if tuple(token_ids) in self.refused:
-            raise ValueError(f"the fake engine refuses this request ({len(token_ids)} tokens)")
+            raise vllm_refusal(f"the fake engine refuses this request ({len(token_ids)} tokens)")
+        check_logprobs(params, MAX_LOGPROBS)
         self.queue.append((request_id, token_ids))
         self.added.append(token_ids)
 

@@ -7,7 +7,8 @@ its own token ids, as the tiny model does: the prompt's last token, repeated a n
 that a digest of all its token ids picks. So a row given another row's answer, or another row's
 prompt, fails `assert_exactly_once` and a row-for-row comparison with an in-process stand-in run.
 It finishes requests out of order, a few per step, and with `refuse_every` refuses some at add
-(ValueError, as vLLM refuses a request), which the worker turns into error rows. A request whose
+(vLLM's own VLLMValidationError, as vLLM refuses a request), which the worker turns into error rows;
+sampling values vLLM refuses raise that too, where vLLM raises it. A request whose
 text holds BATCHINFER_POISON's marker makes its next step fail as a dead engine core does.
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.config.schema import to_config
+from batchinfer.config.vllm_names import MAX_LOGPROBS
 from batchinfer.engine.vllm_engine import Completion, Engine, model_key
 from batchinfer.faults import POISON_ENV
 from support import TESTS
@@ -40,6 +42,31 @@ def standin_env(base: Optional[dict[str, str]] = None) -> dict[str, str]:
 def digest(ids: Iterable[int]) -> int:
     """A stable number from a request's token ids (what the answer is made from)."""
     return int.from_bytes(hashlib.blake2b(repr(list(ids)).encode(), digest_size=8).digest(), "big")
+
+
+def vllm_refusal(message: str, parameter: Optional[str] = None, value: Any = None) -> Exception:
+    """vLLM's own exception for a request it refuses (imported only when one is refused)."""
+    from vllm.exceptions import VLLMValidationError
+
+    return VLLMValidationError(message, parameter=parameter, value=value)
+
+
+def checked_params(sampling: dict[str, Any]) -> dict[str, Any]:
+    """The sampling values as they are, or VLLMValidationError where vLLM's SamplingParams and
+    structured-output checks refuse them (the rules the contract test holds against vLLM's own)."""
+    from batchinfer.requests.verdict import Limits, refusal
+
+    found = refusal(sampling, Limits(max_logprobs=-1))  # the cap is add_request's check
+    if found:
+        raise vllm_refusal(found.message(), found.key, found.value)
+    return dict(sampling)
+
+
+def check_logprobs(params: dict[str, Any], cap: int) -> None:
+    """add_request's logprobs check, raising what vLLM raises."""
+    asked = params.get("logprobs")
+    if asked and cap != -1 and (asked == -1 or asked > cap):
+        raise vllm_refusal(f"Requested sample logprobs of {asked}, which is greater than max allowed: {cap}")
 
 
 class StandinEngine:
@@ -70,6 +97,7 @@ class StandinEngine:
         self.max_num_seqs = cfg.model.max_num_seqs or 16
         self.tokenizer = AutoTokenizer.from_pretrained(str(Path(cfg.model.path)))
         self.refuse_every = refuse_every
+        self.max_logprobs = (cfg.model.engine_kwargs or {}).get("max_logprobs", MAX_LOGPROBS)
         # a step takes time, so rates, holds and kills at a random moment behave as on an engine
         self.step_seconds = float(os.environ.get(STEP_ENV, 0.002)) if step_seconds is None else step_seconds
         self.queue: dict[str, tuple[list[int], int]] = {}  # request id -> (token ids, max_tokens)
@@ -79,10 +107,9 @@ class StandinEngine:
         self.startup_seconds = time.monotonic() - start
 
     def sampling_params(self, sampling: dict[str, Any]) -> Any:
-        """The sampling config itself (only max_tokens matters here)."""
-        if int(sampling.get("max_tokens") or 0) < 1:
-            raise ValueError("max_tokens must be at least 1")
-        return dict(sampling)
+        """The sampling config itself (only max_tokens matters here); values vLLM's SamplingParams
+        refuses raise its VLLMValidationError (the logprobs cap is checked at add, as vLLM does)."""
+        return checked_params(sampling)
 
     # Token ids exactly as the real engine makes them (its method: it uses only self.tokenizer).
     encode = Engine.encode
@@ -90,7 +117,8 @@ class StandinEngine:
     def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
         """Queue a request; with refuse_every, one in that many (by digest) is refused."""
         if self.refuse_every and digest(token_ids) % self.refuse_every == 0:
-            raise ValueError(f"the stand-in refuses this request ({len(token_ids)} tokens)")
+            raise vllm_refusal(f"the stand-in refuses this request ({len(token_ids)} tokens)")
+        check_logprobs(params, self.max_logprobs)
         self.queue[request_id] = (list(token_ids), int(params["max_tokens"]))
         marker = os.environ.get(POISON_ENV)
         self.dead = self.dead or bool(marker and marker in self.tokenizer.decode(token_ids))

@@ -37,7 +37,10 @@ def test_wrong_type_and_choice_are_named() -> None:
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("sampling.temperature=-1", "sampling.temperature=-1.0 is out of range: it takes a number >= 0 (0 is greedy)"),
+        (
+            "sampling.temperature=-1",
+            "sampling.temperature=-1.0 is out of range: it takes a finite number in [0, 2] (0 is greedy)",
+        ),
         ("sampling.top_p=1.5", "sampling.top_p=1.5 is out of range: it takes a number in (0, 1]"),
         ("sharding.num_shards=0", "sharding.num_shards=0 is out of range: it takes an integer >= 1"),
         (
@@ -46,7 +49,7 @@ def test_wrong_type_and_choice_are_named() -> None:
         ),
         (
             "sampling.min_tokens=300",
-            "sampling.min_tokens=300 is out of range: it takes at most sampling.max_tokens=256",
+            "sampling.min_tokens=300 is out of range: it takes at most max_tokens=256",
         ),
     ],
 )
@@ -220,7 +223,7 @@ def test_values_hydra_cannot_lex_are_taken_literally(override: str, key: str, va
         (
             ["sampling.logprobs=21"],
             "sampling.logprobs=21 asks for 21 log probabilities per token, above vLLM's limit of 20 (max_logprobs): "
-            "lower sampling.logprobs, or raise the limit with model.engine_kwargs.max_logprobs=21",
+            "ask for fewer, or raise the limit with model.engine_kwargs.max_logprobs=21",
         ),
         (["sampling.logprobs=-1"], "sampling.logprobs=-1 asks for the whole vocabulary, above vLLM's limit of 20"),
         (

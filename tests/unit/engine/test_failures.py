@@ -132,7 +132,7 @@ def test_a_refused_isolated_request_ends_isolation_like_a_finished_one(tmp_path:
     assert eng.added[0] == eng.ids(rows[2]["text"]) and eng.in_flight[0] == 1  # row 2 alone first
     assert eng.in_flight[1] > 1  # then no request runs alone in its place (row 5's turn was refused)
     assert max(eng.in_flight) == 2 * eng.max_num_seqs
-    _assert_own_answers(run, rows, errors={5: "rejected"})
+    _assert_own_answers(run, rows, errors={5: "engine_refused"})
 
 
 def test_a_stop_pending_before_the_engine_starts_starts_no_engine(tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ def test_refused_requests_become_error_rows(tmp_path: Path, tiny_model_path: Pat
     out = read_output(run_local(cfg, engine=eng).path)
     assert refused and [r["id"] for r in out] == [r["id"] for r in rows]
     assert {r["row"] for r in out if r["error"]} == refused
-    assert all(r["error"]["kind"] == "rejected" for r in out if r["error"])
+    assert all(r["error"]["kind"] == "engine_refused" for r in out if r["error"])
 
 
 def test_a_subprocess_run_builds_the_standin_and_logs_no_engine_start(tmp_path: Path, tiny_model_path: Path) -> None:

@@ -188,7 +188,7 @@ def test_a_poison_prompt_far_apart_costs_two_engine_deaths_and_refused_requests_
     assert out[3]["error"]["kind"] == out[200]["error"]["kind"] == "engine_crash"
     assert "identical to row 3's" in out[200]["error"]["message"] and out[200]["text"] is None
     for i in (10, 150):
-        assert out[i]["error"]["kind"] == "rejected" and "the fake engine refuses" in out[i]["error"]["message"]
+        assert out[i]["error"]["kind"] == "engine_refused" and "the fake engine refuses" in out[i]["error"]["message"]
     for r, x in zip(out, rows, strict=True):
         if r["row"] not in (3, 200, 10, 150):
             assert r["error"] is None and r["text"] == FakeEngine.answer(_ids(first, x["text"])), r

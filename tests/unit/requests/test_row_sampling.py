@@ -45,10 +45,13 @@ def test_wrong_row_sampling_values_are_sampling_error_rows(params: object, messa
 def test_good_row_sampling_values_pass_as_canonical_json() -> None:
     own = row_sampling(CFG, {"text": "x", "params": {"max_tokens": 3, "temperature": 1, "stop": ["\n"]}}, 0)
     assert json.loads(own) == {"max_tokens": 3, "temperature": 1, "stop": ["\n"]}
-    many = to_config(compose(["input.sampling_column=params", "sampling.n=2"]))
+    many = to_config(compose(["input.sampling_column=params", "sampling.n=2", "sampling.temperature=0.8"]))
     assert json.loads(row_sampling(many, {"params": {"n": 4}}, 0)) == {"n": 4}  # kept: a samples column
     # an OpenAI request may ask for n samples: its rows have a samples column
-    assert json.loads(row_sampling(CFG, {ROW_SAMPLING: json.dumps({"n": 2})}, 0)) == {"n": 2}
+    assert json.loads(row_sampling(CFG, {ROW_SAMPLING: json.dumps({"n": 2, "temperature": 1})}, 0)) == {
+        "n": 2,
+        "temperature": 1,
+    }
     with pytest.raises(RowError, match=r"the request's body: max_tokens='9' is not an integer"):
         row_sampling(CFG, {ROW_SAMPLING: json.dumps({"max_tokens": "9"})}, 0)
 
