@@ -83,6 +83,7 @@ def validate(
     from batchinfer.insight.cpus import allowed_cpus
     from batchinfer.models.maxlen import max_model_len
     from batchinfer.models.tokens import LoginTokenizer, model_dir
+    from batchinfer.requests.prompts import messages_note
     from batchinfer.rundir.prepare import check_writable, resolve_input
 
     resolved, files = resolve_input(cfg)
@@ -102,6 +103,7 @@ def validate(
         ids = _check_columns(c, ds)
         todo: Sequence[int] = Sample(rows, sample) if sample and sample < rows else range(rows)
         found = _check_all(c, ds, dest, folder, tok, max_len, todo, jobs or allowed_cpus(), progress)
+        notes = [n for n in [messages_note(c.prompt, ds.data)] if n]
         del ds  # memory-mapped from tmp
     found.stops.kinds |= ids.stops.kinds  # after the rows' own stops, as the report lists them
-    return build_report(Validated(c, len(files), rows, max_len, max_len_source, len(todo), found))
+    return build_report(Validated(c, len(files), rows, max_len, max_len_source, len(todo), found, notes))

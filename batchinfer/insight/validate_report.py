@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from batchinfer.config.schema import Config
@@ -22,6 +22,7 @@ class Validated:
     max_len_source: str
     checked: int  # rows checked: all, or a sample's
     found: Checked  # ids problems already among found.stops
+    notes: list[str] = field(default_factory=list)  # what the run does that the config does not say
 
 
 OVERLONG = {
@@ -56,6 +57,7 @@ def build_report(v: Validated) -> dict[str, Any]:
         "input": {"path": inp.path, "format": inp.format, "files": v.files, "rows": v.rows},
         "model": {"path": m.path, "max_model_len": v.max_len, "max_model_len_source": v.max_len_source},
         "prompt": {"mode": v.c.prompt.mode, "overlong": policy},
+        "notes": v.notes,
         "sample": sampled,
         "stops": {"count": stops.total(), "by_kind": stops.kinds},
         "error_rows": {"count": errors.total(), "by_kind": errors.kinds},
@@ -97,6 +99,7 @@ def format_report(r: dict[str, Any]) -> str:
             bar = "#" * max(1 if b["rows"] else 0, round(40 * b["rows"] / peak))
             lines.append(f"  {b['from']:>7,} - {b['to']:<7,} {b['rows']:>9,}  {bar}".rstrip())
     lines.append(f"overlong     {r['overlong']['outcome']} (prompt.overlong={r['overlong']['policy']})")
+    lines += [f"note         {note}" for note in r.get("notes") or []]
     for title, section in (("stops run", r["stops"]), ("error rows", r["error_rows"])):
         for kind, entry in section["by_kind"].items():
             scaled = est.get("error_rows_by_kind", {}).get(kind) if section is r["error_rows"] else None

@@ -26,6 +26,25 @@ class RowError(Exception):
         self.message = message
 
 
+def messages_note(prompt: PromptConfig, table: Any) -> Optional[str]:
+    """What an input's `messages` column does to the config's prompt, for validate and the run's log
+    (None when no row has one): as vLLM's LLM.chat takes a conversation, a row's own messages are
+    its chat as they are, and the config's template, system prompt and examples do not apply to it."""
+    if prompt.mode != "chat" or MESSAGES not in table.column_names:
+        return None
+    column = table.column(MESSAGES)  # an Arrow column: its nulls are the rows without messages
+    with_messages = len(column) - column.null_count
+    if not with_messages:
+        return None
+    unused = ["prompt.template_file" if prompt.template_file else "prompt.template"]
+    unused += [k for k, v in (("prompt.system", prompt.system), ("prompt.examples", prompt.examples)) if v]
+    rest = len(column) - with_messages
+    return (
+        f"{with_messages:,} of {len(column):,} rows have their own `{MESSAGES}`: each is sent as its own chat, "
+        f"as it is, without {', '.join(unused)}" + (f" (those apply to the other {rest:,} rows)" if rest else "")
+    )
+
+
 def load_template(prompt: PromptConfig) -> str:
     """The template text: prompt.template_file when set, else prompt.template."""
     path = prompt.template_file

@@ -42,7 +42,7 @@ from batchinfer.locks import flock_works
 from batchinfer.models.locations import resolve_model
 from batchinfer.models.pooling import embedding_dim
 from batchinfer.models.tokens import model_dir
-from batchinfer.requests.prompts import apply_labels
+from batchinfer.requests.prompts import apply_labels, messages_note
 from batchinfer.requests.row_templates import check_row_templates
 from batchinfer.rundir.model_record import KEY as MODEL_IDENTITY
 from batchinfer.rundir.model_record import identity_of, refuse_changed_model
@@ -242,6 +242,9 @@ def _create(
         log.info("%s refers to the %s files in place (not copied)", run.input_dir, inp["format"])
     check_row_templates(to_config(c), ds.column_names, inp["path"])
     check_sampling_column(inp.get("sampling_column"), ds.column_names, inp["path"])
+    note = messages_note(to_config(c).prompt, ds.data)
+    if note:
+        log.warning("%s", note)
     schema = _run_schema(c, ds.data.schema)
     sh = c["sharding"]
     shards = plan_shards(rows, sh["num_shards"], sh["rows_per_shard"], DEFAULT_ROWS_PER_SHARD)

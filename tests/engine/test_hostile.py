@@ -22,6 +22,7 @@ from support.standin import StandinEngine
 from batchinfer.config.compose import compose
 from batchinfer.insight import findings
 from batchinfer.insight.validate import validate
+from batchinfer.insight.validate_report import format_report
 from batchinfer.launch.local import run_local
 
 SECRET = "the private file's content must not reach any output"
@@ -144,3 +145,29 @@ def test_rows_validate_and_the_real_engine_agree(
     assert predicted == made == _expected(ROW_CASES)
     out = (tmp_path / "run").rglob("*")
     assert not any(SECRET in p.read_text(errors="replace") for p in out if p.is_file() and p.suffix == ".jsonl")
+
+
+def test_a_messages_column_is_named_in_validate_and_the_run_log(
+    tmp_path: Path, tiny_model_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rows with their own `messages` are sent as they are: validate and the run's log say that the
+    config's template and system prompt do not apply to them, and to how many rows."""
+    corpus = tmp_path / "chat.jsonl"
+    chat = [{"role": "user", "content": "hello world"}]
+    corpus.write_text(
+        json.dumps({"id": "a", "text": "hello", "messages": chat})
+        + "\n"
+        + json.dumps({"id": "b", "text": "world"})
+        + "\n"
+    )
+    ov = run_overrides(tiny_model_path, corpus, tmp_path / "run", "prompt.system=Be brief.")
+    note = (
+        "1 of 2 rows have their own `messages`: each is sent as its own chat, as it is, without prompt.template, "
+        "prompt.system (those apply to the other 1 rows)"
+    )
+    report = validate(compose(ov), jobs=1, progress=False)
+    assert report["notes"] == [note]
+    assert f"note         {note}" in format_report(report)
+    with caplog.at_level("WARNING", logger="batchinfer"):
+        run_local(compose(ov), engine=StandinEngine(compose(ov)))
+    assert note in caplog.text
