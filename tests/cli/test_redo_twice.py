@@ -20,7 +20,7 @@ from support.standin import StandinEngine, standin_env
 
 from batchinfer.config.compose import compose
 from batchinfer.errors import RunDirError
-from batchinfer.faults import ENV, PASS_FOLDER_MADE
+from batchinfer.faults import ENV, IN_MERGE, PASS_FOLDER_MADE
 from batchinfer.launch.local import run_local
 from batchinfer.launch.redo import redo
 from batchinfer.rundir.passes import pass_path, read_record
@@ -148,3 +148,20 @@ def test_a_redo_killed_while_it_selects_leaves_a_half_made_pass_the_next_takes_o
     redo(str(run.path), LENGTH, ["sampling.max_tokens=9"], engine=StandinEngine(cfg))
     assert "was left half made by a redo that was stopped" in capsys.readouterr().out
     assert [r["row"] for r in read_output(run.path) if r["pass"] == 1] == done["length"]
+
+
+def test_a_redo_killed_between_its_pass_merge_and_dirs_is_merged_by_resume(
+    done: dict[str, Any], capsys: pytest.CaptureFixture
+) -> None:
+    run = done["run"]
+    # the pass (one shard) merges first, then DIR (three shards): the second merge is DIR's
+    res = run_cli(redo_args(run, "sampling.max_tokens=9"), env=dict(standin_env(), **{ENV: f"{IN_MERGE}:2"}))
+    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+    path = pass_path(run, 1)
+    assert RunDir(path).stats_json.is_file() and RunDir(path).output_path.exists()  # the pass was merged,
+    assert run.output_path.read_bytes() == done["output"]  # DIR not: killed in its merge
+    code, out, err = cli(["resume", str(run.path)], capsys)
+    assert code == 0 and "nothing to resume" not in out, err
+    after = read_output(run.path)
+    assert [r["row"] for r in after if r["pass"] == 1] == done["length"]
+    assert json.loads(run.stats_json.read_text())["merged_passes"] == [1]
