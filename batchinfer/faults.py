@@ -25,6 +25,10 @@ ENGINE_LOG_ENV = "BATCHINFER_ENGINE_LOG"
 # Tests: "module:Class" of a stand-in engine that workers build instead of vLLM's (tests/support/standin.py),
 # for Slurm-mechanics and launcher tests in other processes that need the worker, not vLLM.
 STANDIN_ENV = "BATCHINFER_STANDIN_ENGINE"
+# Tests: a worker of an engine rank on a node after the first raises at its nth step (vLLM's
+# ValueError, as a step the rank cannot run does).
+RANK_RAISE_ENV = "BATCHINFER_RANK_RAISE"
+NODE_RANK_ENV = "BATCHINFER_NODE_RANK"  # set by an engine rank's process for its workers
 # The fault points: call sites name them by these constants, so grep finds each point's places.
 IN_PART_WRITE = "in-part-write"  # half of a part's bytes are in its temporary file
 BEFORE_PART_RENAME = "before-part-rename"  # temporary part complete and fsynced, not yet renamed
@@ -120,6 +124,16 @@ def kill_engine() -> None:
             child.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+def rank_step() -> None:
+    """Raise ValueError at the step BATCHINFER_RANK_RAISE names, in a worker of a node after the first."""
+    want = os.environ.get(RANK_RAISE_ENV)
+    if not want or int(os.environ.get(NODE_RANK_ENV, "0")) == 0:
+        return
+    _hits[RANK_RAISE_ENV] += 1
+    if _hits[RANK_RAISE_ENV] == int(want):
+        raise ValueError(f"{RANK_RAISE_ENV}={want}: this rank's step raises")
 
 
 def trace_finished(rows: int) -> None:

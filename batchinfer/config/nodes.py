@@ -9,19 +9,25 @@ one rank per process, and a rank's OpenMP threads take the node's cores)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from batchinfer.errors import ConfigError
 
+# vLLM's worker whose failed step ends its process (engine/vllm_engine.py): a worker that raised and
+# lived on would leave the other nodes waiting on it for ever.
+RANK_WORKER = "batchinfer.engine.vllm_engine.RankWorker"
+
 
 @dataclass(frozen=True)
 class NodeGroup:
-    """Where an engine over several nodes meets: vLLM's nnodes, the head's address and port."""
+    """Where an engine over several nodes meets: vLLM's nnodes, the head's address and port, and the
+    engine arguments the head resolved (vLLM's defaults for them), given to every node alike."""
 
     nnodes: int
     master_addr: str
     master_port: int
+    engine_args: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 def ranks_per_node(cfg: Any) -> int:
@@ -79,10 +85,13 @@ def describe_nodes(cfg: Any) -> str:
 
 def node_kwargs(nodes: Optional[NodeGroup], node_rank: int = 0) -> dict[str, Any]:
     """vLLM's arguments of one node of an engine over several nodes: its node_rank and where the
-    nodes meet, with the mp backend as `vllm serve --headless` runs it (no Ray); {} for one node."""
+    nodes meet, with the mp backend as `vllm serve --headless` runs it (no Ray), the worker whose
+    failed step ends it, and the arguments the head resolved; {} for one node."""
     if nodes is None or nodes.nnodes == 1:
         return {}
     return {
+        **nodes.engine_args,
+        "worker_cls": RANK_WORKER,
         "nnodes": nodes.nnodes,
         "node_rank": node_rank,
         "master_addr": nodes.master_addr,

@@ -3,12 +3,16 @@
 writes the run directory, and runs vLLM's headless executor (vllm_engine.run_headless) until the
 head stops its step, or the job ends.
 
-    python -m batchinfer.engine.headless DIR MASTER_ADDR MASTER_PORT NNODES DTYPE
+    python -m batchinfer.engine.headless DIR MASTER_ADDR MASTER_PORT NNODES DTYPE ENGINE_ARGS
 
+ENGINE_ARGS: the engine arguments the head resolved (JSON), so every node runs with its values.
+It exits when one of its workers has exited (a step that raised ends the worker): its step ends,
+and the head fails its engine.
 Its node rank is its task's rank in the step plus one (the head is node 0)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -29,9 +33,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     from batchinfer.rundir.store import RunDir
 
     setup_logging()
-    run_dir, addr, port, nnodes, dtype = (argv if argv is not None else sys.argv[1:])[:5]
+    run_dir, addr, port, nnodes, dtype, engine_args = (argv if argv is not None else sys.argv[1:])[:6]
     node_rank = int(os.environ.get("SLURM_PROCID", "0")) + 1
-    nodes = NodeGroup(nnodes=int(nnodes), master_addr=addr, master_port=int(port))
+    nodes = NodeGroup(int(nnodes), addr, int(port), engine_args=json.loads(engine_args))
     log.info(
         "node %s: engine ranks of node %d of %d, meeting the head at %s:%s",
         os.environ.get("SLURMD_NODENAME", "?"),
@@ -40,7 +44,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         addr,
         port,
     )
-    run_headless(RunDir(run_dir).config, dtype, nodes, node_rank)
+    if run_headless(RunDir(run_dir).config, dtype, nodes, node_rank):
+        log.error("node %d: a worker of this node's engine ranks died: the engine over the nodes fails", node_rank)
+        sys.exit(1)
     log.info("node %d: the engine's ranks have exited", node_rank)
 
 

@@ -246,8 +246,16 @@ class ShardScheduler:
             if isinstance(e, StorageError):
                 return  # committing again would fail the same way; the log says what to fix
             stopping = isinstance(e, Stopped) or self.worker.stop.signum is not None
+            node = None if stopping else self.worker.node_fault()
             if stopping:
                 self.worker.stop.announce()
+            elif node is not None:  # another node's death: the rows in flight did nothing wrong
+                log.warning(
+                    "shard %d: %s: a node's fault; the %d rows in flight are not suspects",
+                    self.shard.index,
+                    node,
+                    len(in_flight),
+                )
             else:
                 count_suspects(self.record, in_flight)
             if self.pending:

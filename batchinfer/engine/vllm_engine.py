@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any, Optional
 
 from batchinfer import faults
 from batchinfer.config.nodes import NodeGroup, node_kwargs
 from batchinfer.config.schema import POOLING_TASKS, Config, to_config
+from batchinfer.engine.completion import PAIR_SEP, Completion, PairParams, cosine
 from batchinfer.engine.dtype import device_name, engine_dtype
+from batchinfer.engine.environment import engine_environment
+from batchinfer.engine.sampling_args import sampling_kwargs, structured_kwargs
 from batchinfer.engine.watchdog import Watchdog
 from batchinfer.requests.prompts import Prompt, RowError
 from batchinfer.versions import cpu_build
@@ -26,21 +30,6 @@ log = logging.getLogger("batchinfer")
 # AMX too); on 640 chat rows sharing ~34 tokens it served 30% of the prompt tokens from the cache
 # (benchmarks/README.md, "More rows than a window"). GPUs keep vLLM's default (16).
 CPU_BLOCK_SIZE = 32
-
-
-@dataclass
-class Completion:
-    """A finished request: every sample's text and the token counts."""
-
-    request_id: str
-    texts: list[str]
-    finish_reason: Optional[str]
-    prompt_tokens: int
-    output_tokens: int
-    reasoning: Optional[list[Optional[str]]] = None  # per sample, when model.reasoning_parser is set
-    logprob: Optional[float] = None  # first sample's cumulative logprob, when logprobs were asked for
-    cached_tokens: Optional[int] = None  # prompt tokens served from the prefix cache (None: not reported)
-    pooled: Any = None  # a pooling request's float32 vector (numpy): embedding, class probabilities, score
 
 
 def model_key(cfg: Config) -> dict[str, Any]:
@@ -86,57 +75,96 @@ def default_block_size() -> Optional[int]:
     return CPU_BLOCK_SIZE if cpu_build() else None
 
 
-def structured_kwargs(so: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """StructuredOutputsParams arguments; a json value naming a file is read from it (in a run's
-    config, the copy frozen into DIR/files/ when the run was prepared)."""
-    from batchinfer.config.fingerprint import json_schema_path
+def node_engine_args(cfg: Any, dtype: str, nodes: NodeGroup, node_rank: int) -> Any:
+    """vLLM's EngineArgs of one node of an engine over several nodes, as the offline engine (LLM)
+    builds them, with the arguments the head resolved (nodes.engine_args) given explicitly."""
+    from vllm import EngineArgs
+    from vllm.config import AttentionConfig, ProfilerConfig, StructuredOutputsConfig
 
-    kw = {k: v for k, v in (so or {}).items() if v is not None}
-    if not any(kw.get(k) is not None for k in ("choice", "regex", "json", "grammar")):
-        return None
-    path = json_schema_path(kw.get("json"))
-    if path:
-        kw["json"] = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
-    return kw
-
-
-def sampling_kwargs(sampling: dict[str, Any]) -> dict[str, Any]:
-    """vllm.SamplingParams arguments from the sampling config (structured_outputs apart)."""
-    kw = dict(sampling)
-    kw.pop("structured_outputs", None)
-    kw.pop("seed_per_row", None)  # already turned into each row's own seed
-    if kw.get("top_k") == 0:
-        kw["top_k"] = -1  # both mean "all tokens"; older vLLM accepts only -1
-    for key in ("seed", "logprobs"):
-        if kw.get(key) is None:
-            kw.pop(key, None)
-    return kw
+    kw = {"disable_log_stats": True, **llm_kwargs(to_config(cfg)), "dtype": dtype, **node_kwargs(nodes, node_rank)}
+    for key, cls in (
+        ("structured_outputs", StructuredOutputsConfig),
+        ("profiler", ProfilerConfig),
+        ("attention", AttentionConfig),
+    ):
+        if isinstance(kw.get(f"{key}_config"), dict):  # as LLM makes them (EngineArgs takes these dicts as they are)
+            kw[f"{key}_config"] = cls(**kw[f"{key}_config"])
+    return EngineArgs(**kw)
 
 
-def engine_environment() -> None:
-    """The environment vLLM starts in, set where the user did not set it."""
-    if cpu_build() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-        # Without it the CPU backend reserves 90% of the node's memory and may refuse to start.
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "4"
-        log.info("VLLM_CPU_KVCACHE_SPACE unset: using 4 GiB of KV cache on CPU")
-    # Weights come from a local folder or the login node's pre-downloaded cache, never the hub.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def run_headless(cfg: Any, dtype: str, nodes: NodeGroup, node_rank: int) -> None:
-    """Run node node_rank (>= 1) of an engine over several nodes until it is stopped: vLLM's
-    headless multiproc executor, as `vllm serve --headless` runs it (the head, Engine with nodes,
-    schedules; this node's ranks only compute). It writes nothing of the run directory."""
-    from vllm import AsyncEngineArgs
+def head_defaults(cfg: Any, dtype: str, nodes: NodeGroup) -> dict[str, Any]:
+    """The engine arguments vLLM fills in for the head (max_num_batched_tokens, max_num_seqs, ...),
+    for the head and every rank alike: a rank resolving them itself may get others (another usage
+    context, other hardware), and a step beyond a rank's max_num_batched_tokens makes it raise."""
     from vllm.usage.usage_lib import UsageContext
+
+    args = node_engine_args(cfg, dtype, nodes, 0)
+    unset = [f.name for f in dataclasses.fields(args) if getattr(args, f.name) is None and f.name not in PER_NODE]
+    args.create_engine_config(usage_context=UsageContext.LLM_CLASS)
+    plain = (bool, int, float, str)
+    return {name: getattr(args, name) for name in unset if isinstance(getattr(args, name), plain)}
+
+
+# Engine arguments each node resolves for itself (vLLM infers them from the node's rank).
+PER_NODE = frozenset({"node_rank", "data_parallel_rank", "data_parallel_rank_local", "data_parallel_size_local"})
+
+
+def rank_config(cfg: Any, dtype: str, nodes: NodeGroup, node_rank: int) -> tuple[Any, Any]:
+    """(EngineArgs, VllmConfig) of node node_rank (>= 1): the offline engine's usage context, as the head's."""
+    from vllm.usage.usage_lib import UsageContext
+
+    args = node_engine_args(cfg, dtype, nodes, node_rank)
+    return args, args.create_engine_config(usage_context=UsageContext.LLM_CLASS, headless=True)
+
+
+def run_headless(cfg: Any, dtype: str, nodes: NodeGroup, node_rank: int) -> bool:
+    """Run node node_rank (>= 1) of an engine over several nodes until it is stopped or a worker of it
+    exits (True: one died): vLLM's headless executor, as `vllm serve --headless` runs it. Writes nothing of DIR."""
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
-    cfg = to_config(cfg)
     engine_environment()
-    kw = {**llm_kwargs(cfg), "dtype": dtype, **node_kwargs(nodes, node_rank)}
-    config = AsyncEngineArgs(**kw).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER, headless=True)
+    os.environ[faults.NODE_RANK_ENV] = str(node_rank)  # inherited by its workers
+    _, config = rank_config(cfg, dtype, nodes, node_rank)
     executor = MultiprocExecutor(config, monitor_workers=False)
-    executor.start_worker_monitor(inline=True)  # returns when this node's workers have exited
+    executor.start_worker_monitor(inline=True)  # returns when one of this node's workers has exited
+    return bool(executor.is_failed)
+
+
+def __getattr__(name: str) -> Any:
+    """RANK_WORKER (config/nodes.py), made on first use in a worker process."""
+    if name == "RankWorker":
+        return _rank_worker()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def _rank_worker() -> type:
+    """vLLM's worker of this platform whose step that raises ends its process: one that lived on would
+    leave the head waiting on its broadcast for ever; one that exits ends its node's executor and
+    step, and the head fails its engine at once (launch/ranks.py). Checked against vLLM 0.32."""
+    from vllm.platforms import current_platform
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    cpu = current_platform.is_cpu()
+    base = resolve_obj_by_qualname(f"vllm.v1.worker.{'cpu_worker.CPUWorker' if cpu else 'gpu_worker.Worker'}")
+
+    def fatal(method: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                faults.rank_step()
+                return method(self, *args, **kwargs)
+            except Exception:
+                log.exception("engine rank %s: a step raised; this worker exits so the engine fails", self.rank)
+                logging.shutdown()
+                os._exit(RANK_WORKER_EXIT)
+
+        return run
+
+    members = {m: fatal(getattr(base, m)) for m in ("execute_model", "sample_tokens") if hasattr(base, m)}
+    return type("RankWorker", (base,), members)
+
+
+RANK_WORKER_EXIT = 70  # a worker of an engine over several nodes whose step raised
 
 
 class Engine:
@@ -314,7 +342,7 @@ class Engine:
                 pair[side] = pooled
                 if len(pair) == 2:  # both texts embedded: their cosine is the row's score
                     del self._pairs[rid]
-                    done.append(_cosine(rid, pair["0"], pair["1"]))
+                    done.append(cosine(rid, pair["0"], pair["1"]))
                 continue
             samples = out.outputs
             split = [self.split_reasoning(s.text) for s in samples]
@@ -354,33 +382,6 @@ class Engine:
             self.engine.engine_core.shutdown()
         except Exception as e:  # shutting down a dead engine may fail; nothing left to save
             log.debug("engine shutdown: %s", e)
-
-
-PAIR_SEP = "#pair"
-
-
-@dataclass
-class PairParams:
-    """A bi-encoder score: the first `split` token ids are one text, the rest the other."""
-
-    split: int
-    embed: Any  # PoolingParams(task="embed")
-
-
-def _cosine(request_id: str, a: Completion, b: Completion) -> Completion:
-    """A bi-encoder pair's score: the cosine similarity of its two embeddings."""
-    import numpy as np
-
-    va, vb = a.pooled.astype(np.float64), b.pooled.astype(np.float64)
-    cos = float(va @ vb / ((np.linalg.norm(va) * np.linalg.norm(vb)) or 1.0))
-    return Completion(
-        request_id=request_id,
-        texts=[],
-        finish_reason=None,
-        prompt_tokens=a.prompt_tokens + b.prompt_tokens,
-        output_tokens=0,
-        pooled=np.array([cos], dtype=np.float32),
-    )
 
 
 def _pooled(out: Any) -> Completion:

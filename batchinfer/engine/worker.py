@@ -61,6 +61,8 @@ class ShardWorker:
         self.engine_record: Optional[dict[str, Any]] = None
         self._engine_dead: Callable[[], bool] = lambda: False  # the engine's, once it has one
         self._model_checked = False
+        # why the engine failed when another node caused it (an engine over several nodes); None: not
+        self.node_fault: Callable[[], Optional[str]] = lambda: None
 
     @property
     def dataset(self) -> Any:

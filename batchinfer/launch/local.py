@@ -42,8 +42,8 @@ def run_shards(run: RunDir, indices: list[int], engine: Any = None) -> None:
         if n > 1:
             run_engines(run, shards, n)
             return
-        with EngineOutput(run.logs_dir, enabled=engine is None) as output, other_ranks(run) as nodes:
-            run_alone(run, shards, engine, output, nodes)
+        with EngineOutput(run.logs_dir, enabled=engine is None) as output, other_ranks(run) as ranks:
+            run_alone(run, shards, engine, output, ranks)
 
 
 def task_engines(cfg: Config, n_shards: int) -> int:
@@ -59,12 +59,12 @@ def solo_slot(cfg: Config) -> Optional[EngineSlot]:
     return EngineSlot(index=0, of=1, devices=engine_devices())
 
 
-def run_alone(run: RunDir, shards: list[Shard], engine: Any, output: EngineOutput, nodes: Any = None) -> None:
+def run_alone(run: RunDir, shards: list[Shard], engine: Any, output: EngineOutput, ranks: Any = None) -> None:
     """Run shards on one engine, this process deciding for the task: a stop requeues it on USR2
     under Slurm; a failure requeues it while cluster.max_attempts allows, and is raised."""
     total = sum(s.rows for s in shards)
     done = sum(rows_done(run, s.index) for s in shards)
-    with ShardLoop(run, engine, output, run.path.name, solo_slot(run.config), total, done, nodes) as loop:
+    with ShardLoop(run, engine, output, run.path.name, solo_slot(run.config), total, done, ranks) as loop:
         try:
             loop.run(shards)
         except Stopped as e:

@@ -14,7 +14,9 @@ to start, watch and stop inside the allocation."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import json
 import logging
 import os
 import signal
@@ -22,8 +24,8 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
-from typing import Optional
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
 
 from batchinfer import slurm_env
 from batchinfer.config.nodes import NodeGroup
@@ -33,13 +35,14 @@ from batchinfer.launch import slurm
 from batchinfer.rundir.store import RunDir
 
 log = logging.getLogger("batchinfer")
+Resolve = Callable[[Any, str, NodeGroup], dict[str, Any]]  # (config, dtype, group) -> engine arguments
 PORT_BASE = 29500  # + job id % 1000: two tasks sharing nodes start apart
 PORT_TRIES = 50  # ports tried upward from there while the one tried is taken
 STOP_WAIT_S = 30.0  # the ranks get this long to exit after TERM before they are killed
 # A rank step that ends on its own is acted on after this pause: a stop signal delivered to the
 # whole job (scancel) reaches this process too, and decides first.
 RANK_EXIT_GRACE_S = 3.0
-HEADLESS = [sys.executable, "-m", "batchinfer.engine.headless"]  # + DIR ADDR PORT NNODES DTYPE
+HEADLESS = [sys.executable, "-m", "batchinfer.engine.headless"]  # + DIR ADDR PORT NNODES DTYPE ENGINE_ARGS
 
 
 def allocation_nodes() -> list[str]:
@@ -81,11 +84,13 @@ class RankStep:
     stop(), this node's engine processes are killed, so the engine fails here (a failure counted,
     the task requeued while cluster.max_attempts allows) instead of waiting for a rank that is gone."""
 
-    def __init__(self, run: RunDir, nodes: list[str], head: str):
+    def __init__(self, run: RunDir, nodes: list[str], head: str, resolve: Optional[Resolve] = None):
+        """resolve: the engine arguments the head runs with (head_defaults), for every node alike."""
         self.others = [n for n in nodes if n != head]
-        self.group = meeting_point(head, len(nodes))
-        addr = self.group.master_addr
         dtype = settle(run.path, run.config.model.dtype)
+        group = meeting_point(head, len(nodes))
+        self.group = dataclasses.replace(group, engine_args=resolve(run.config, dtype, group) if resolve else {})
+        addr = self.group.master_addr
         n = len(self.others)
         self.cmd = [
             "srun",
@@ -101,6 +106,7 @@ class RankStep:
             str(self.group.master_port),
             str(self.group.nnodes),
             str(dtype),
+            json.dumps(self.group.engine_args),
         ]
         self.proc: Optional[subprocess.Popen] = None
         self.stopping = threading.Event()
@@ -124,9 +130,24 @@ class RankStep:
         rc = self.proc.wait()
         if self.stopping.wait(RANK_EXIT_GRACE_S):
             return
-        self.died = f"the engine ranks on {','.join(self.others)} exited (srun exit status {rc})"
+        self.died = self._exited(rc)
         log.error("%s: stopping this node's engine, so the engine fails here", self.died)
         kill_engine_processes(exclude=self.proc.pid)
+
+    def fault(self) -> Optional[str]:
+        """Why the engine failed when its cause is another node: the ranks' step ended on its own
+        (waiting up to RANK_EXIT_GRACE_S for it: the head's engine may fail first, its worker's
+        collective cut off by the dead rank); None when the ranks live on, or were stopped."""
+        if self.proc is None or self.stopping.is_set():
+            return None
+        try:
+            rc = self.proc.wait(RANK_EXIT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            return None
+        return None if self.stopping.is_set() else self._exited(rc)
+
+    def _exited(self, rc: int) -> str:
+        return f"the engine ranks on {','.join(self.others)} exited (srun exit status {rc})"
 
     def stop(self) -> None:
         """End the step: TERM (srun passes it to every rank), KILL after STOP_WAIT_S."""
@@ -155,9 +176,9 @@ def kill_engine_processes(exclude: int) -> None:
 
 
 @contextlib.contextmanager
-def other_ranks(run: RunDir) -> Iterator[Optional[NodeGroup]]:
-    """With cluster.nodes_per_task > 1: the other nodes' ranks running, their NodeGroup for this
-    node's engine; they are stopped on the way out, however it is left. None for one node."""
+def other_ranks(run: RunDir) -> Iterator[Optional[RankStep]]:
+    """With cluster.nodes_per_task > 1: the other nodes' ranks running (their step; its group is
+    for this node's engine); they are stopped on the way out, however it is left. None for one node."""
     n = run.config.cluster.nodes_per_task
     if n == 1:
         yield None
@@ -169,9 +190,11 @@ def other_ranks(run: RunDir) -> Iterator[Optional[NodeGroup]]:
             f"cluster.nodes_per_task={n}, but this job has {len(nodes)} node(s) ({','.join(nodes)}) and runs on "
             f"{here}: submit it with `batchinfer submit` (or sbatch --nodes={n} --ntasks-per-node=1)"
         )
-    step = RankStep(run, nodes, here)
+    from batchinfer.engine.vllm_engine import head_defaults  # the worker's process runs vLLM anyway
+
+    step = RankStep(run, nodes, here, head_defaults)
     step.start()
     try:
-        yield step.group
+        yield step
     finally:
         step.stop()

@@ -148,19 +148,22 @@ class ShardLoop:
         slot: Optional[EngineSlot],
         total: int = 0,
         done: int = 0,
-        nodes: Any = None,
+        ranks: Any = None,
     ):
+        """ranks: the other nodes' engine ranks (launch/ranks.RankStep) of an engine over several nodes."""
         from batchinfer.engine.stopflag import StopFlag
         from batchinfer.engine.worker import ShardWorker
 
         self.rundir = run
         self.stop = StopFlag()
         self.saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-        self.holder = EngineHolder(run.config, self.stop, engine, run.path, nodes)
+        self.holder = EngineHolder(run.config, self.stop, engine, run.path, ranks.group if ranks else None)
         self.owned = engine is None  # a loop that builds its engine stops it
         self.bar = progress_bar(total, done, desc=desc, file=output.bar_file())
         self.worker = ShardWorker(run, self.holder, self.stop, self.bar)
         self.worker.engine_record = slot
+        if ranks is not None:  # a rank's death is its node's fault, not the rows' in flight
+            self.worker.node_fault = ranks.fault
         self.current: Optional[Shard] = None
 
     def __enter__(self) -> ShardLoop:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from support.fake_engine import prepared
 
-from batchinfer.config.nodes import NodeGroup, node_kwargs
+from batchinfer.config.nodes import RANK_WORKER, NodeGroup, node_kwargs
 from batchinfer.errors import ConfigError
 from batchinfer.launch import ranks
 
@@ -26,15 +26,17 @@ def test_the_port_comes_from_the_job_id_and_a_taken_one_is_passed_over() -> None
 
 
 def test_each_node_gets_its_rank_and_the_head_address() -> None:
-    group = NodeGroup(nnodes=2, master_addr="10.0.0.1", master_port=29510)
+    group = NodeGroup(nnodes=2, master_addr="10.0.0.1", master_port=29510, engine_args={"max_num_batched_tokens": 8192})
     assert node_kwargs(group) == {
+        "max_num_batched_tokens": 8192,  # what the head resolved, on every node alike
+        "worker_cls": RANK_WORKER,  # a worker whose step raised exits: its node's step ends
         "nnodes": 2,
         "node_rank": 0,
         "master_addr": "10.0.0.1",
         "master_port": 29510,
         "distributed_executor_backend": "mp",
     }
-    assert node_kwargs(group, 1)["node_rank"] == 1
+    assert node_kwargs(group, 1)["node_rank"] == 1 and node_kwargs(group, 1)["max_num_batched_tokens"] == 8192
     assert node_kwargs(None) == {} and node_kwargs(NodeGroup(1, "x", 1)) == {}
 
 
@@ -49,9 +51,17 @@ def test_the_rank_step_runs_on_the_other_nodes_only(tmp_path: Path, monkeypatch)
     )
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setattr(socket, "gethostbyname", lambda node: "127.0.0.1")
-    step = ranks.RankStep(run, ["n1", "n2", "n3"], "n2")
+    resolved = {"max_num_batched_tokens": 8192, "max_num_seqs": 768, "enable_chunked_prefill": True}
+    asked = []
+
+    def resolve(cfg, dtype, group):
+        asked.append((dtype, group))
+        return resolved
+
+    step = ranks.RankStep(run, ["n1", "n2", "n3"], "n2", resolve)
     assert step.others == ["n1", "n3"]
     assert step.group == NodeGroup(nnodes=3, master_addr="127.0.0.1", master_port=ranks.PORT_BASE + 77)
+    assert step.group.engine_args == resolved and asked == [(step.cmd[-2], step.group)]
     assert step.cmd[:7] == [
         "srun",
         "--nodes=2",
@@ -61,9 +71,11 @@ def test_the_rank_step_runs_on_the_other_nodes_only(tmp_path: Path, monkeypatch)
         "--kill-on-bad-exit=1",
         "--unbuffered",
     ]
-    # DIR, the head's address and port, the nodes, and the dtype settled for the run (DIR/dtype.json)
-    assert step.cmd[-5:-1] == [str(run.path), "127.0.0.1", str(ranks.PORT_BASE + 77), "3"]
-    assert step.cmd[-1] == json.loads((run.path / "dtype.json").read_text())["dtype"]
+    # DIR, the head's address and port, the nodes, the dtype settled for the run (DIR/dtype.json)
+    # and the engine arguments the head resolved
+    assert step.cmd[-6:-2] == [str(run.path), "127.0.0.1", str(ranks.PORT_BASE + 77), "3"]
+    assert step.cmd[-2] == json.loads((run.path / "dtype.json").read_text())["dtype"]
+    assert json.loads(step.cmd[-1]) == resolved
 
 
 def test_a_job_without_the_nodes_it_asks_for_is_refused(tmp_path: Path, monkeypatch) -> None:

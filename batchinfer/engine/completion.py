@@ -1,0 +1,49 @@
+"""What the engine gives back for a finished request (Completion), and a bi-encoder pair's parts:
+plain records, nothing of vllm imported."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass
+class Completion:
+    """A finished request: every sample's text and the token counts."""
+
+    request_id: str
+    texts: list[str]
+    finish_reason: Optional[str]
+    prompt_tokens: int
+    output_tokens: int
+    reasoning: Optional[list[Optional[str]]] = None  # per sample, when model.reasoning_parser is set
+    logprob: Optional[float] = None  # first sample's cumulative logprob, when logprobs were asked for
+    cached_tokens: Optional[int] = None  # prompt tokens served from the prefix cache (None: not reported)
+    pooled: Any = None  # a pooling request's float32 vector (numpy): embedding, class probabilities, score
+
+
+PAIR_SEP = "#pair"
+
+
+@dataclass
+class PairParams:
+    """A bi-encoder score: the first `split` token ids are one text, the rest the other."""
+
+    split: int
+    embed: Any  # PoolingParams(task="embed")
+
+
+def cosine(request_id: str, a: Completion, b: Completion) -> Completion:
+    """A bi-encoder pair's score: the cosine similarity of its two embeddings."""
+    import numpy as np
+
+    va, vb = a.pooled.astype(np.float64), b.pooled.astype(np.float64)
+    cos = float(va @ vb / ((np.linalg.norm(va) * np.linalg.norm(vb)) or 1.0))
+    return Completion(
+        request_id=request_id,
+        texts=[],
+        finish_reason=None,
+        prompt_tokens=a.prompt_tokens + b.prompt_tokens,
+        output_tokens=0,
+        pooled=np.array([cos], dtype=np.float32),
+    )
