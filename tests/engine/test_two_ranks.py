@@ -47,6 +47,7 @@ def test_a_step_beyond_the_ranks_default_runs_and_a_raising_rank_fails_the_engin
         text=True,
         timeout=1500,
     )
+    (tmp_path / "head.log").write_text(head.stderr)
     assert head.returncode == 0, head.stderr[-3000:]
     seen = json.loads(out.read_text())
     # resolved on the head: the offline engine's 8192 (4096 x 2 ranks on CPU); a rank left to itself took 4096
@@ -54,5 +55,6 @@ def test_a_step_beyond_the_ranks_default_runs_and_a_raising_rank_fails_the_engin
     assert seen["big_step_tokens"] > 4096, seen
     assert "BATCHINFER_RANK_RAISE=6: this rank's step raises" in head.stderr
     assert "a step raised; this worker exits so the engine fails" in head.stderr
-    assert seen["error"] is not None and "engine core died" in seen["error"], seen
+    # the head's engine failed: vLLM's own EngineDeadError, or the watchdog's, whichever saw it first
+    assert seen["error"] is not None and ("EngineDeadError" in seen["error"] or "engine core died" in seen["error"])
     assert seen["died"] == "the engine ranks on other-node exited (srun exit status 1)" and seen["rank_exit"] == 1
