@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchinfer.errors import InputError
+from batchinfer.inputs.compressed import open_text
 from batchinfer.inputs.formats import FORMATS
 from batchinfer.inputs.openai_batch import convert_requests
 from batchinfer.inputs.textfiles import (
@@ -22,7 +23,6 @@ from batchinfer.inputs.textfiles import (
     find_conflict,
     json_type,
     line_chunks,
-    open_text,
     scan_jsonl,
     text_lines,
     unify_types,

@@ -6,8 +6,9 @@ from pathlib import Path
 from typing import Optional
 
 from batchinfer.errors import InputError
+from batchinfer.inputs.compressed import COMPRESSION_SUFFIXES
 from batchinfer.inputs.openai_batch import looks_like_openai_batch
-from batchinfer.inputs.textfiles import COMPRESSION_SUFFIXES, first_line
+from batchinfer.inputs.textfiles import first_line
 
 FORMATS_BY_SUFFIX = {
     ".jsonl": "jsonl",

@@ -14,9 +14,9 @@ from typing import Any, Optional, Union
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from batchinfer.inputs.compressed import COMPRESSION_SUFFIXES
 from batchinfer.inputs.datasets_reader import first_chunk
 from batchinfer.inputs.textfiles import (
-    COMPRESSION_SUFFIXES,
     TypeConflict,
     TypesDiffer,
     count_lines,

@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.errors import InputError
+from batchinfer.inputs.compressed import open_text
 from batchinfer.inputs.openai_batch import request_row
 from batchinfer.inputs.reference import plan_reference
 from batchinfer.inputs.referenced import ReferencedInput
-from batchinfer.inputs.textfiles import csv_header, json_object, open_text, text_lines
+from batchinfer.inputs.textfiles import csv_header, json_object, text_lines
 
 PEEK_BATCH_BYTES = 1 << 20  # a sample needs a row or two of each row group it touches
 

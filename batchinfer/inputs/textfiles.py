@@ -13,8 +13,8 @@ from typing import Any, Optional
 import pyarrow as pa
 
 from batchinfer.errors import InputError
+from batchinfer.inputs.compressed import COMPRESSION_SUFFIXES, open_text
 
-COMPRESSION_SUFFIXES = (".gz", ".zst", ".bz2", ".xz")
 # A newline that ends a line of JSON whitespace only (RapidJSON's: space, tab, CR), the next newline not consumed.
 _BLANK_LINE = re.compile(rb"\n[ \t\r]*(?=\n)")
 # A \uD800-\uDFFF escape: half of a UTF-16 pair (checked further only where one appears).
@@ -31,30 +31,6 @@ def first_line(path: Path) -> str:
     except OSError:
         pass
     return ""
-
-
-def open_text(path: Path) -> Any:
-    """Open a possibly compressed file for binary reading, by its suffix."""
-    name = path.name.lower()
-    if name.endswith(".gz"):
-        import gzip
-
-        return gzip.open(path, "rb")
-    if name.endswith(".bz2"):
-        import bz2
-
-        return bz2.open(path, "rb")
-    if name.endswith(".xz"):
-        import lzma
-
-        return lzma.open(path, "rb")
-    if name.endswith(".zst"):
-        import io
-
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")))
-    return open(path, "rb")
 
 
 def text_lines(path: Path) -> Iterator[tuple[int, str]]:
