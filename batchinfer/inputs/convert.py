@@ -3,6 +3,7 @@ dataset), checked (rows, ids, input.columns), and opened."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Iterable
@@ -13,7 +14,12 @@ import pyarrow as pa
 
 from batchinfer.errors import InputError
 from batchinfer.inputs.columns import column_type
-from batchinfer.inputs.datasets_reader import read_error, read_jsonl_extended, read_with_datasets
+from batchinfer.inputs.datasets_reader import (
+    dates_kept_as_text,
+    read_error,
+    read_jsonl_extended,
+    read_with_datasets,
+)
 from batchinfer.inputs.idcheck import IdChunks, check_ids
 from batchinfer.inputs.jsonl_stream import jsonl_to_arrow
 from batchinfer.inputs.reference import (
@@ -24,7 +30,7 @@ from batchinfer.inputs.reference import (
     write_manifest,
 )
 from batchinfer.inputs.referenced import open_reference
-from batchinfer.inputs.textfiles import TypeConflict
+from batchinfer.inputs.textfiles import TypeConflict, text_lines
 from batchinfer.security import remove_path
 
 
@@ -88,8 +94,12 @@ def convert_input(
                 ds = read_jsonl_extended(files, cache) if fmt == "jsonl" and fast is None else None
                 if ds is None:
                     raise read_error(files, fmt, shown, e) from None
+            if fmt == "jsonl":
+                ds = dates_kept_as_text(ds, files)
             rows, schema = len(ds), ds.data.schema
             ids = lambda: ds.data.column(id_column).chunks  # noqa: E731
+        if fmt == "jsonl" and id_column in schema.names and pa.types.is_floating(schema.field(id_column).type):
+            _refuse_inexact_ids(files, id_column)
         _check_input(shown, rows, schema, id_column, columns, ids, strict_ids)
         if ds is not None:
             ds.save_to_disk(str(tmp))
@@ -121,6 +131,35 @@ def _check_input(
             check_ids(shown, ids, id_column)
     for col in columns or []:
         column_type(schema, col, shown)
+
+
+def _refuse_inexact_ids(files: list[Path], id_column: str) -> None:
+    """JSON lines ids read as floats although some are integers (one beyond 64 bits, or decimals
+    beside them) would not keep their value and type (2 -> 2.0, 2**53 + 1 -> 2**53): InputError
+    naming the line. Only read where the id column came out as floats."""
+    decimal: Optional[str] = None
+    integer: Optional[tuple[str, int]] = None
+    for path in files:
+        for lineno, line in text_lines(path):
+            value = json.loads(line).get(id_column) if line.strip() else None
+            if isinstance(value, float) and decimal is None:
+                decimal = f"{path}:{lineno}"
+            if not isinstance(value, int) or isinstance(value, bool):
+                continue
+            if not -(1 << 63) <= value < 1 << 63:
+                raise InputError(
+                    f"{path}:{lineno}: id {value} is an integer beyond 64 bits, which would make every id a float "
+                    f"(exact only to 2**53, so distinct ids could collide); write the ids as JSON strings "
+                    f'("{value}")'
+                )
+            integer = integer or (f"{path}:{lineno}", value)
+            if decimal is not None:
+                break
+    if integer is not None and decimal is not None:
+        raise InputError(
+            f"{integer[0]}: id {integer[1]} is an integer but the id at {decimal} is a decimal: the column would "
+            f"hold floats ({integer[1]} read as {float(integer[1])}); write every id as an integer, or all as JSON strings"
+        )
 
 
 def _stream_column(path: Path) -> Iterable[pa.Array]:

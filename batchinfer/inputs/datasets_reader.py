@@ -19,6 +19,7 @@ from batchinfer.inputs.textfiles import (
     TypeConflict,
     TypesDiffer,
     csv_header,
+    dates_as_text,
     extend_feature,
     find_conflict,
     json_type,
@@ -55,7 +56,8 @@ def read_with_datasets(files: list[Path], fmt: str, cache_dir: Path, shown: str)
         # Cells are the strings they are: pandas' guesses would make `007` the number 7 (and a
         # duplicate of `7`), `1e3` 1000.0, and the texts NA, null, N/A, nan nulls.
         sep = "\t" if fmt == "tsv" else ","
-        strings = datasets.Features({name: datasets.Value("string") for name in csv_header(files[0], sep)})
+        headers = [csv_header(f, sep) for f in files]  # each file's, for its duplicate names
+        strings = datasets.Features({name: datasets.Value("string") for name in headers[0]})
         return datasets.Dataset.from_csv(
             names,
             cache_dir=cache,
@@ -71,6 +73,33 @@ def read_with_datasets(files: list[Path], fmt: str, cache_dir: Path, shown: str)
     if fmt == "hf_disk":
         return datasets.load_from_disk(names[0])
     raise InputError(f"input.format={fmt!r} is not supported ({', '.join(FORMATS)})")
+
+
+def dates_kept_as_text(ds: Any, files: list[Path]) -> Any:
+    """A JSON lines dataset read by `datasets`, whose columns holding ISO date strings pyarrow made
+    timestamps ("2024-02-29" -> 2024-02-29 00:00:00) read again from the lines as the text they are."""
+    import datasets
+    from datasets.table import InMemoryTable
+
+    table = ds.data.table
+    dated = [f for f in table.schema if not dates_as_text(f.type).equals(f.type)]
+    if not dated:
+        return ds
+    features = dict(ds.features)
+    for field in dated:
+        values = (json.loads(line).get(field.name) for f in files for _, line in text_lines(f) if line.strip())
+        typ = dates_as_text(field.type)
+        try:
+            column = pa.chunked_array([pa.array(list(values), type=typ)], type=typ)
+        except (pa.ArrowException, ValueError, TypeError) as e:
+            raise InputError(
+                f"{files[0]}: column {field.name!r} holds ISO dates inside values whose other parts cannot be "
+                f"read again as text ({e}); write its dates as other text or flatten the column"
+            ) from None
+        table = table.set_column(table.schema.get_field_index(field.name), field.with_type(typ), column)
+        features[field.name] = datasets.features.features.generate_from_arrow_type(typ)
+    info = datasets.DatasetInfo(features=datasets.Features(features))
+    return datasets.Dataset(InMemoryTable(table), info=info)
 
 
 def read_error(files: list[Path], fmt: str, shown: str, e: Exception) -> InputError:

@@ -17,11 +17,14 @@ import pyarrow.compute as pc
 from batchinfer.inputs.compressed import COMPRESSION_SUFFIXES
 from batchinfer.inputs.datasets_reader import first_chunk
 from batchinfer.inputs.textfiles import (
+    ARROW_SAFE_DEPTH,
     TypeConflict,
     TypesDiffer,
     count_lines,
+    dates_as_text,
     find_conflict,
     line_chunks,
+    nests_deeper,
     unify_schemas,
 )
 from batchinfer.security import remove_path
@@ -49,9 +52,11 @@ def jsonl_to_arrow(
     import pyarrow.json as paj
 
     head = first_chunk(files[0])
+    if nests_deeper(head, ARROW_SAFE_DEPTH):
+        return None  # the line-by-line check names the line
     try:
         table = paj.read_json(io.BytesIO(head), read_options=paj.ReadOptions(block_size=max(len(head), 1)))
-        schema = table.schema
+        schema = dates_as_text(table.schema)  # text stays text
     except (pa.ArrowException, UnicodeDecodeError):
         return None
     features = _features_as_datasets_reads(schema)
@@ -66,6 +71,7 @@ def jsonl_to_arrow(
         one = _one_schema(files, features.arrow_schema, rows)
         if not isinstance(one, pa.Schema):
             return one
+        one = dates_as_text(one)
         if one.equals(features.arrow_schema):
             return None  # the types fit: pyarrow refused something else, which the line-by-line check names
         features = _features_as_datasets_reads(one)
@@ -121,6 +127,8 @@ def _one_schema(files: list[Path], schema: pa.Schema, fitted: _Misfit) -> Union[
             # (blank lines make this skip less, never more).
             if line - 1 + chunk.count(b"\n") + (not chunk.endswith(b"\n")) <= fit:
                 continue
+            if nests_deeper(chunk, ARROW_SAFE_DEPTH):
+                return None
             try:
                 options = paj.ReadOptions(block_size=len(chunk) + 1)
                 schema = unify_schemas(schema, paj.read_json(io.BytesIO(chunk), read_options=options).schema)
@@ -224,7 +232,11 @@ def _features_as_datasets_reads(schema: pa.Schema) -> Any:
     JSON builder would give other types (an empty object as JSON text, agent traces)."""
     import datasets
 
-    features = datasets.Features.from_arrow_schema(schema)
+    try:
+        features = datasets.Features.from_arrow_schema(schema)
+        features.arrow_schema  # noqa: B018  (where a type nests deeper than Arrow's schemas hold, this raises)
+    except (pa.ArrowInvalid, RecursionError):
+        return None  # the line-by-line check names the line nested too deep
     if not features.arrow_schema.equals(schema) or any(_empty_objects(f.type) for f in schema):
         return None
     try:

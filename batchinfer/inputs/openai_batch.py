@@ -67,7 +67,7 @@ def looks_like_openai_batch(first_line: str) -> bool:
     """Whether a JSONL line is an OpenAI Batch request."""
     try:
         obj = json.loads(first_line)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON lines of requests: the reading says what it is
         return False
     return isinstance(obj, dict) and {"custom_id", "body"} <= set(obj)
 

@@ -19,6 +19,14 @@ from batchinfer.inputs.compressed import COMPRESSION_SUFFIXES, open_text
 _BLANK_LINE = re.compile(rb"\n[ \t\r]*(?=\n)")
 # A \uD800-\uDFFF escape: half of a UTF-16 pair (checked further only where one appears).
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# Objects and lists nested deeper than this (the row's own object counted) are past what Arrow's
+# schemas hold (pyarrow refuses at 64) and what Python's recursion takes further down.
+MAX_JSON_DEPTH = 63
+# pyarrow's JSON type inference crashes the process (its stack) somewhere past 10,000 levels: lines
+# with more opening brackets than this are measured before it sees them.
+ARROW_SAFE_DEPTH = 1000
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKET = re.compile(r"[\[\]{}]")
 
 
 def first_line(path: Path) -> str:
@@ -28,8 +36,8 @@ def first_line(path: Path) -> str:
             for raw in f:
                 if raw.strip():
                     return raw.decode("utf-8", errors="replace").removeprefix("\ufeff")
-    except OSError:
-        pass
+    except (OSError, InputError):
+        pass  # the reading that follows says what is wrong with the file
     return ""
 
 
@@ -57,14 +65,42 @@ def json_object(path: Path, lineno: int, line: str) -> dict[str, Any]:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
+        # json's words end in "at" where they name a position ("Unterminated string starting at").
+        at = "" if e.msg.endswith(" at") else " at"
         raise InputError(
-            f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); fix or remove the line"
+            f"{path}:{lineno}: not valid JSON ({e.msg}{at} column {e.colno}); fix or remove the line"
         ) from None
+    except RecursionError:
+        obj = None  # nested too deep for Python: said below
+    if obj is None or line.count("[") + line.count("{") > MAX_JSON_DEPTH:
+        deepest = json_depth(line)
+        if deepest > MAX_JSON_DEPTH:
+            raise InputError(
+                f"{path}:{lineno}: objects and lists nested {deepest} levels deep (the row's own object counts "
+                f"as one); at most {MAX_JSON_DEPTH} can be read: flatten the value or write it as JSON text (a quoted string)"
+            )
     if not isinstance(obj, dict):
         raise InputError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
     if _SURROGATE_ESCAPE.search(line):
         _refuse_lone_surrogates(path, lineno, obj)
     return obj
+
+
+def nests_deeper(chunk: bytes, depth: int) -> bool:
+    """Whether a line of JSON lines nests objects and lists deeper than depth; only lines with that
+    many opening brackets are looked at closely."""
+    return any(
+        line.count(b"[") + line.count(b"{") > depth and json_depth(line.decode("utf-8", "replace")) > depth
+        for line in chunk.split(b"\n")
+    )
+
+
+def json_depth(text: str) -> int:
+    """How deep objects and lists nest in a JSON text (brackets inside strings aside)."""
+    from itertools import accumulate
+
+    brackets = _BRACKET.findall(_JSON_STRING.sub("", text))
+    return max(accumulate(1 if b in "[{" else -1 for b in brackets), default=0)
 
 
 def _refuse_lone_surrogates(path: Path, lineno: int, obj: dict[str, Any]) -> None:
@@ -126,13 +162,21 @@ def _lines_with_content(path: Path) -> int:
 
 
 def csv_header(path: Path, sep: str) -> list[str]:
-    """The column names on a CSV/TSV file's first line (a UTF-8 BOM dropped)."""
+    """The column names on a CSV/TSV file's first line (a UTF-8 BOM dropped); a name given twice
+    raises InputError (the readers would keep one of the two columns without a word)."""
     import csv
     import io
 
     with open_text(path) as f:
         head = io.TextIOWrapper(f, encoding="utf-8-sig", errors="replace", newline="")
-        return next(csv.reader(head, delimiter=sep), [])
+        names = next(csv.reader(head, delimiter=sep), [])
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise InputError(
+                f"{path}:1: the header names column {name!r} twice (columns {names.index(name) + 1} and {i + 1}); "
+                "give each column its own name"
+            )
+    return names
 
 
 # ---------------------------------------------------------------- one type per JSON lines column
@@ -174,6 +218,20 @@ def unify_types(before: pa.DataType, found: pa.DataType, path: tuple[str, ...] =
 def unify_schemas(before: pa.Schema, found: pa.Schema) -> pa.Schema:
     """One schema for rows read as `before` and rows read as `found` (columns in order of first sight)."""
     return pa.schema(list(unify_types(pa.struct(before), pa.struct(found))))
+
+
+def dates_as_text(t: Any) -> Any:
+    """A schema or type with the timestamps pyarrow's JSON reader infers for ISO date strings as
+    strings: read under it, such a value keeps its own text ("2024-02-29" stays so)."""
+    if isinstance(t, pa.Schema):
+        return pa.schema([f.with_type(dates_as_text(f.type)) for f in t], metadata=t.metadata)
+    if pa.types.is_timestamp(t):
+        return pa.string()
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(dates_as_text(f.type)) for f in t])
+    if pa.types.is_list(t):
+        return pa.list_(t.value_field.with_type(dates_as_text(t.value_type)))
+    return t
 
 
 def _is_number(t: pa.DataType) -> bool:
