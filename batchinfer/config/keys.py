@@ -32,6 +32,9 @@ def unknown_key_message(key: str) -> str:
     import difflib
 
     section, names = schema_keys(key)
+    while not names and "." in key:  # below a key that is no section: that key is the unknown one
+        key = key.rsplit(".", 1)[0]
+        section, names = schema_keys(key)
     last = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(last, names, n=1)
     hint = f" (did you mean {section + '.' if section else ''}{close[0]}?)" if close else ""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import logging
+import re
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -14,6 +16,7 @@ import pyarrow.compute as pc
 from batchinfer.errors import InputError
 from batchinfer.inputs.compressed import open_text
 from batchinfer.inputs.formats import FORMATS
+from batchinfer.inputs.json_faults import json_document_fault, jsonl_fault
 from batchinfer.inputs.openai_batch import convert_requests
 from batchinfer.inputs.textfiles import (
     TypeConflict,
@@ -28,6 +31,8 @@ from batchinfer.inputs.textfiles import (
     text_lines,
     unify_types,
 )
+
+log = logging.getLogger("batchinfer")
 
 # `datasets`' JSON builder takes its types from the first 10 MB of the first file and casts the rest to
 # them; the fast path reads that chunk first and streams every file with its types. Passed to the
@@ -67,12 +72,32 @@ def read_with_datasets(files: list[Path], fmt: str, cache_dir: Path, shown: str)
             na_filter=False,
         )
     if fmt == "parquet":
-        return datasets.Dataset.from_parquet(names, cache_dir=cache)
+        return datasets.Dataset.from_parquet(names, cache_dir=cache, **_columns_datasets_holds(files[0]))
     if fmt == "arrow":
         return datasets.load_dataset("arrow", data_files=names, split="train", cache_dir=cache)
     if fmt == "hf_disk":
         return datasets.load_from_disk(names[0])
     raise InputError(f"input.format={fmt!r} is not supported ({', '.join(FORMATS)})")
+
+
+def _columns_datasets_holds(path: Path) -> dict[str, Any]:
+    """`from_parquet`'s columns and features for the columns of a Parquet file `datasets` can hold
+    ({}: all of them), the others (maps) left out with a warning: a column no setting uses does not
+    refuse the file; a setting that names one is told the column is not there."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    schema = pq.read_schema(path)
+    kept = []
+    for field in schema:
+        try:
+            datasets.Features.from_arrow_schema(pa.schema([field]))
+            kept.append(field)
+        except (TypeError, ValueError, NotImplementedError, pa.ArrowException):
+            log.warning("%s: column %r (%s) is left out: it has no `datasets` type", path, field.name, field.type)
+    if len(kept) == len(schema):
+        return {}
+    return {"columns": [f.name for f in kept], "features": datasets.Features.from_arrow_schema(pa.schema(kept))}
 
 
 def dates_kept_as_text(ds: Any, files: list[Path]) -> Any:
@@ -111,6 +136,12 @@ def read_error(files: list[Path], fmt: str, shown: str, e: Exception) -> InputEr
     while e.__cause__ is not None and "error occurred while generating" in str(e):
         e = e.__cause__  # datasets wraps the reader's own error in a message that says nothing
     reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    # pyarrow names a row of its block ("row 0"), ujson a character: the line, where it is one of these
+    fault = jsonl_fault(files) if fmt in ("jsonl", "openai") else None
+    if fmt == "json" and re.search(r"Value is too (big|small)", reason):
+        fault = next(filter(None, map(json_document_fault, files)), None)
+    if fault:
+        return InputError(fault)
     if "corresponds to no data" in reason:  # datasets' words for a header-only CSV
         return InputError(f"{shown}: no rows (only a header); there is nothing to run")
     return InputError(f"{shown}: cannot be read as {fmt} ({reason}); check the file or set input.format")

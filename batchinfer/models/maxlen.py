@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.errors import ConfigError
+from batchinfer.models.model_files import read_model_json
 from batchinfer.models.sizing import text_config
 
 # vLLM's keys, smallest wins (ModelArchConfigConvertor.derive_max_model_len_and_key).
@@ -27,7 +27,7 @@ DEFAULT_LEN = 2048  # vLLM's fallback when config.json names no length
 
 
 def _read(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return read_model_json(path) if path.is_file() else {}
 
 
 def rope_parameters(cfg: dict[str, Any]) -> list[dict[str, Any]]:

@@ -3,17 +3,17 @@ whether it scores a pair itself (a cross-encoder) or through two embeddings (a b
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.errors import ConfigError
+from batchinfer.models.model_files import read_model_json
 
 DENSE = "sentence_transformers.models.Dense"
 
 
 def _json(path: Path) -> Any:
-    return json.loads(path.read_text(encoding="utf-8"))
+    return read_model_json(path)
 
 
 def _config(folder: Path) -> dict[str, Any]:

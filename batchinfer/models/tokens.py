@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.errors import ConfigError
+from batchinfer.models.model_files import lfs_pointer_error, read_model_json
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -49,7 +50,7 @@ def find_chat_template(folder: Path, tokenizer_config: dict[str, Any]) -> Option
         return template
     json_file = folder / "chat_template.json"
     if json_file.is_file():
-        return _pick_template(json.loads(json_file.read_text(encoding="utf-8")).get("chat_template"))
+        return _pick_template(read_model_json(json_file).get("chat_template"))
     return None
 
 
@@ -116,13 +117,27 @@ class LoginTokenizer:
                 f"{folder}: no tokenizer.json (a fast tokenizer is needed to count tokens on the login node)"
             )
         cfg_file = folder / "tokenizer_config.json"
-        config = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
-        tok = Tokenizer.from_file(str(tok_file))
+        config = read_model_json(cfg_file) if cfg_file.is_file() else {}
+        try:
+            tok = Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # `tokenizers` raises its own untyped Exception for a file it cannot read
+            raise lfs_pointer_error(tok_file) or ConfigError(
+                f"{tok_file}: not a tokenizer the `tokenizers` library reads ({e}); copy the model folder again"
+            ) from None
         # A tokenizer.json may carry fixed padding and truncation (sentence-transformers folders pad
         # to 128): counts must be of the text itself, as vLLM's tokenizer gives them.
         tok.no_padding()
         tok.no_truncation()
-        return cls(tok, config, find_chat_template(folder, config))
+        import jinja2
+
+        try:
+            return cls(tok, config, find_chat_template(folder, config))
+        except jinja2.TemplateSyntaxError as e:
+            jinja = folder / "chat_template.jinja"
+            where = f"{jinja}:{e.lineno}" if jinja.is_file() else f"{folder}: the chat template's line {e.lineno}"
+            raise ConfigError(
+                f"{where}: the chat template does not compile ({e.message}); fix it or use prompt.mode=raw"
+            ) from None
 
     def render(self, messages: list[dict[str, Any]], chat_template_kwargs: Optional[dict[str, Any]] = None) -> str:
         """The chat template rendered to text with the generation prompt, as apply_chat_template(tokenize=False)."""

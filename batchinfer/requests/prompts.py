@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import string
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -15,6 +16,7 @@ Prompt = Union[str, Messages]
 
 MESSAGES = "messages"  # a row with this field holds its own chat, used as it is
 BRACES_HINT = "a literal { or } in a template is written {{ or }}"
+MAX_FORMAT_WIDTH = 100_000  # characters one field's format spec may ask for
 
 
 class RowError(Exception):
@@ -52,7 +54,14 @@ def load_template(prompt: PromptConfig) -> str:
         p = Path(path).expanduser()
         if not p.is_file():
             raise ConfigError(f"prompt.template_file {path}: no such file")
-        return p.read_text(encoding="utf-8")
+        try:
+            return p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            line = p.read_bytes()[: e.start].count(b"\n") + 1
+            raise ConfigError(
+                f"prompt.template_file {path}:{line}: invalid UTF-8 (byte {e.object[e.start]:#04x}); "
+                "save the file as UTF-8"
+            ) from None
     return prompt.template
 
 
@@ -63,9 +72,10 @@ def template_fields(template: str) -> list[str]:
     except ValueError as e:
         raise ConfigError(f"prompt.template {template!r}: {e}; {BRACES_HINT}") from None
     names = []
-    for _, name, _, _ in parsed:
+    for _, name, spec, _ in parsed:
         if name is None:
             continue
+        _check_spec(template, name, spec or "")
         if name == "" or name.isdigit():
             raise ConfigError(
                 f"prompt.template {template!r}: positional field {{{name}}}; name a row field, e.g. {{text}}; {BRACES_HINT}"
@@ -74,6 +84,17 @@ def template_fields(template: str) -> list[str]:
         if top not in names:
             names.append(top)
     return names
+
+
+def _check_spec(template: str, name: str, spec: str) -> None:
+    """A format spec's width or precision past MAX_FORMAT_WIDTH (`{text:>1000000000000}` would ask
+    for that many characters of memory in every row) raises ConfigError."""
+    for number in re.findall(r"\d+", spec):
+        if int(number) > MAX_FORMAT_WIDTH:
+            raise ConfigError(
+                f"prompt.template {{{name}:{spec}}}: a width or precision of {number} characters; "
+                f"at most {MAX_FORMAT_WIDTH} (a prompt that long fits no model)"
+            )
 
 
 def check_fields(template: str, columns: list[str], source: str) -> None:
@@ -214,7 +235,7 @@ class PromptBuilder:
         """str.format the template over a row's fields (strings, numbers, bools); errors name the field."""
         try:
             text = _FORMATTER.vformat(template, (), {k: _fields(v) for k, v in row.items()})
-        except (IndexError, ValueError, TypeError) as e:  # e.g. a format spec the value's type refuses
+        except (IndexError, ValueError, TypeError, OverflowError, MemoryError) as e:  # e.g. a spec the value refuses
             raise RowError("prompt", f"prompt.template cannot be filled: {e!r}; {BRACES_HINT}") from None
         if not text.strip():
             blank = [n for n in template_fields(template) if isinstance(row.get(n), str) and not row[n].strip()]

@@ -27,6 +27,8 @@ from batchinfer.errors import ConfigError
 
 OPS = {"==": "equal", "!=": "not_equal", "<": "less", "<=": "less_equal", ">": "greater", ">=": "greater_equal"}
 KEYWORDS = {"and", "or", "not", "is", "null", "true", "false"}
+MAX_NESTING = 100  # `not`s and parentheses inside one another
+MAX_TESTS = 1000  # tests joined by `and`/`or` (pyarrow's expressions crash the process at ~10,000)
 _TOKEN = re.compile(
     r"""(?P<space>\s+)
     |(?P<string>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')
@@ -68,8 +70,11 @@ def tokenize(text: str) -> list[Token]:
 
 
 def _error(text: str, pos: int, what: str, hint: str = "") -> WhereError:
-    caret = " " * (pos + 2) + "^"
-    return WhereError(f"--where at character {pos + 1}: {what}{hint}\n  {text}\n{caret}")
+    # A long expression is shown around the character (60 before it at most), on one screen line.
+    start = max(0, pos - 60)
+    shown = ("..." if start else "") + text[start : pos + 60] + ("..." if pos + 60 < len(text) else "")
+    caret = " " * (pos - start + (5 if start else 2)) + "^"
+    return WhereError(f"--where at character {pos + 1}: {what}{hint}\n  {shown}\n{caret}")
 
 
 Value = Union[str, int, float, bool]
@@ -82,6 +87,8 @@ class _Parser:
         self.text, self.schema = text, schema
         self.tokens = tokenize(text)
         self.i = 0
+        self.depth = 0  # `not`s and parentheses open at the current token
+        self.joins = 0  # `and`s and `or`s taken
 
     @property
     def tok(self) -> Token:
@@ -106,29 +113,44 @@ class _Parser:
     def or_(self) -> pc.Expression:
         expr = self.and_()
         while self.tok.text == "or" and self.tok.kind == "keyword":
-            self.take()
+            self.joined()
             expr = expr | self.and_()
         return expr
 
     def and_(self) -> pc.Expression:
         expr = self.not_()
         while self.tok.text == "and" and self.tok.kind == "keyword":
-            self.take()
+            self.joined()
             expr = expr & self.not_()
         return expr
 
+    def joined(self) -> None:
+        """Take an `and`/`or`, refusing one past MAX_TESTS."""
+        self.joins += 1
+        if self.joins >= MAX_TESTS:
+            raise self.fail(f"more than {MAX_TESTS} tests joined by `and`/`or`; write a shorter expression")
+        self.take()
+
     def not_(self) -> pc.Expression:
-        if self.tok.kind == "keyword" and self.tok.text == "not":
-            self.take()
-            return ~self.not_()
-        if self.tok.text == "(":
-            self.take()
-            expr = self.or_()
-            if self.tok.text != ")":
-                raise self.fail("expected `)`")
-            self.take()
-            return expr
+        if self.tok.text in ("not", "(") and self.tok.kind in ("keyword", "paren"):
+            # Each level is a Python call: refused long before the interpreter's recursion limit.
+            self.depth += 1
+            if self.depth > MAX_NESTING:
+                raise self.fail(f"more than {MAX_NESTING} nested `not`s and parentheses; write a simpler expression")
+            try:
+                return self._nested()
+            finally:
+                self.depth -= 1
         return self.test()
+
+    def _nested(self) -> pc.Expression:
+        if self.take().text == "not":
+            return ~self.not_()
+        expr = self.or_()
+        if self.tok.text != ")":
+            raise self.fail("expected `)`")
+        self.take()
+        return expr
 
     def test(self) -> pc.Expression:
         tok = self.take()
