@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.errors import ConfigError
-from batchinfer.models.model_files import read_model_json
 
 GB = 10**9
 GIB = 2**30
@@ -193,7 +192,7 @@ def read_model(folder: Path) -> ModelSize:
     """Shape and size of the model in folder: exact from safetensors headers when present, else from config.json."""
     cfg_file = folder / "config.json"
     try:
-        cfg = read_model_json(cfg_file)
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
         c = text_config(cfg)
         heads = c["num_attention_heads"]
         kv_heads = c.get("num_key_value_heads") or heads
