@@ -214,4 +214,6 @@ def engine_refusal(e: Exception, kind: str, what: str) -> Any:
 
     if isinstance(e, RowError):
         return e
+    if getattr(e, "parameter", None) in RULES:  # vLLM's VLLMValidationError names the sampling key
+        kind = "sampling"
     return RowError(kind, f"{what}: {type(e).__name__}: {e}")
