@@ -123,6 +123,8 @@ def fingerprint_keys(
         "quantization.kv_cache_dtype": q["kv_cache_dtype"],
         "output.format": cfg["output"]["format"],
     }
+    if i.get("sampling_overridden"):  # only when set: runs made before the key keep their fingerprint
+        keys["input.sampling_overridden"] = sorted(i["sampling_overridden"])
     for group in ("prompt", "sampling", "sharding"):
         for k, v in cfg[group].items():
             keys[f"{group}.{k}"] = v

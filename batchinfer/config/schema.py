@@ -21,6 +21,9 @@ class InputConfig:
     columns: Optional[list[str]] = None
     # A column holding each row's own SamplingParams overrides ({temperature: 0.7, max_tokens: 32}).
     sampling_column: Optional[str] = None
+    # Sampling keys whose config value wins over a row's own (input.sampling_column, an OpenAI
+    # request's body): `redo` sets the keys its overrides name. Empty: the row's own values win.
+    sampling_overridden: list[str] = field(default_factory=list)
     # A hub dataset's split (input.path=org/name); local files ignore it.
     split: str = "train"
 

@@ -38,6 +38,7 @@ def pass_records(root: RunDir) -> list[dict[str, Any]]:
                 "shards": len(shards),
                 "shards_done": done,
                 "state": state,
+                "sampling_overridden": list(run.config.input.sampling_overridden) if run.exists() else [],
             }
         )
     return out
@@ -56,6 +57,9 @@ def pass_lines(root: RunDir, records: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"pass {r['pass']}: {r['state']}, {r['rows']} rows, {r['shards_done']} of {r['shards']} shards done ({what})"
         )
+        if r.get("sampling_overridden"):
+            keys = ", ".join(f"sampling.{k}" for k in r["sampling_overridden"])
+            lines.append(f"  its {keys} wins over the rows' own values (input.sampling_column or the request's body)")
         if r["state"] == "half made":
             lines.append("  its redo was stopped while making it: the next redo takes it over and makes it again")
     return lines

@@ -151,6 +151,7 @@ def pass_config(root: RunDir, path: Path, overrides: list[str], config_dir: Opti
     cfg.sharding.rows_per_shard = c["sharding"]["rows_per_shard"] or _rows_per_shard(root)
     keys = [ov for ov in overrides if ov not in chosen]
     apply_overrides(cfg, keys)
+    cfg.input.sampling_overridden = passes.overridden_sampling(c, keys)
     if any(ov.startswith("sharding.num_shards=") for ov in keys):
         cfg.sharding.rows_per_shard = None
     validate(cfg)

@@ -159,6 +159,8 @@ def row_sampling(cfg: Config, row: dict[str, Any], id_: Any) -> str:
         if unknown:
             raise RowError("sampling", f"field {column!r} has unknown sampling keys {unknown}")
         own.update({k: v for k, v in value.items() if v is not None})
+    for key in cfg.input.sampling_overridden:  # the config's value wins (a redo's overrides)
+        own.pop(key, None)
     if cfg.sampling.n == 1 and isinstance(own.get("n"), int) and own["n"] > 1 and not row.get(ROW_SAMPLING):
         raise RowError(
             "sampling",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -52,6 +52,16 @@ class PassRecord:
         """The redo command's arguments after DIR."""
         config_dir = ["--config-dir", self.config_dir] if self.config_dir else []
         return ["--where", self.where, *config_dir, *self.overrides]
+
+
+def overridden_sampling(c: dict[str, Any], overrides: list[str]) -> list[str]:
+    """The sampling keys a redo's overrides name, when DIR's rows carry sampling of their own
+    (input.sampling_column, an OpenAI Batch input): the overrides win over the rows' own values
+    for those keys (input.sampling_overridden), as a user who types them expects."""
+    if not (c["input"].get("sampling_column") or c["input"].get("format") == "openai"):
+        return []
+    named = (ov.lstrip("+~").partition("=")[0].split(".") for ov in overrides)
+    return sorted({parts[1] for parts in named if len(parts) > 1 and parts[0] == "sampling"})
 
 
 def pass_path(root: RunDir, number: int) -> Path:

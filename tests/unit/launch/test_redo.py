@@ -127,3 +127,29 @@ def test_refusals(first: dict[str, Any]) -> None:
     assert not (run.path / "passes" / "1").exists()  # the refused pass left nothing behind
     redo(str(run.path), 'id == "nope"', [])
     assert not (run.path / "passes" / "1").exists()  # nothing matched: no pass
+
+
+def test_redo_overrides_win_over_the_rows_own_sampling_and_status_says_so(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """Rows whose input.sampling_column says max_tokens 4, redone with sampling.max_tokens=24: the pass
+    computes them with 24 (the stand-in answers up to max_tokens tokens), keeps the rows' other own
+    values, and the pass's line in status says which key wins (issue 41)."""
+    from batchinfer.insight.passes import status_section
+
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 40, seed=12)
+    with corpus.open("w") as f:
+        for r in rows:
+            f.write(json.dumps(dict(r, params={"max_tokens": 4, "stop": ["zzz"]})) + "\n")
+    ov = run_overrides(tiny_model_path, corpus, tmp_path / "run", "input.sampling_column=params")
+    cfg = compose(ov)
+    run = run_local(cfg, engine=StandinEngine(cfg))
+    assert max(r["output_tokens"] for r in read_output(run.path)) <= 4
+    redo(str(run.path), "row >= 0", ["sampling.max_tokens=24"], engine=StandinEngine(cfg))
+    after = read_output(run.path)
+    assert all(r["pass"] == 1 for r in after) and max(r["output_tokens"] for r in after) > 4
+    own = RunDir(pass_path(run, 1)).config
+    assert list(own.input.sampling_overridden) == ["max_tokens"]
+    _, text = status_section(run)
+    assert "its sampling.max_tokens wins over the rows' own values" in text
