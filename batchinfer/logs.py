@@ -16,3 +16,8 @@ def setup_logging() -> None:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
+
+
+def plural(count: int, word: str) -> str:
+    """COUNT and WORD, with an s unless COUNT is 1: `1 shard`, `4 shards`, `1,200 rows`."""
+    return f"{count:,} {word}{'' if count == 1 else 's'}"

@@ -19,6 +19,7 @@ from batchinfer.engine.crashes import crash_row
 from batchinfer.engine.generation import GenerationRows
 from batchinfer.engine.pooled import pooling_rows
 from batchinfer.engine.reuse import RowReuse
+from batchinfer.engine.rowbar import RowBar
 from batchinfer.engine.scheduler import EngineLike, ShardScheduler, TaskRows
 from batchinfer.engine.stopflag import StopFlag
 from batchinfer.engine.stream import done_rows
@@ -42,7 +43,7 @@ log = logging.getLogger("batchinfer")
 class ShardWorker:
     """Runs shards of one run directory on one (lazily started) engine."""
 
-    def __init__(self, run: RunDir, get_engine: Callable[[], EngineLike], stop: StopFlag, bar: Any = None):
+    def __init__(self, run: RunDir, get_engine: Callable[[], EngineLike], stop: StopFlag, bar: Optional[RowBar] = None):
         self.run = run
         self.cfg = run.config
         self.get_engine = get_engine
@@ -243,6 +244,8 @@ class ShardWorker:
         record.add_point()
         self.write_progress(shard, record, error=error)
         faults.point(faults.AFTER_PROGRESS)
+        if self.bar is not None:
+            self.bar.committed()  # its rows/s and ETA start here
         # a dead engine ends the hold too: the next step raises, the failure is counted at once
         faults.hold(lambda: self.stop.signum is not None or self._engine_dead())
 

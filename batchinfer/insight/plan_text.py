@@ -6,6 +6,7 @@ import re
 import textwrap
 from typing import Any
 
+from batchinfer.logs import plural
 from batchinfer.models import sizing
 from batchinfer.models.sizing import GB, GIB
 
@@ -16,10 +17,6 @@ def _bin(n: float) -> str:
         if n >= size:
             return f"{n / size:,.1f} {unit}"
     return f"{n:,.0f} B"
-
-
-def _n(count: int, word: str) -> str:
-    return f"{count:,} {word}{'' if count == 1 else 's'}"
 
 
 POOLED = {"embed": "embedding", "classify": "label", "score": "score"}
@@ -49,15 +46,15 @@ def _input_lines(inp: dict[str, Any]) -> list[str]:
     files = f", {inp['files']} files" if inp["files"] > 1 else ""
     return [
         f"input    {inp['path']} ({inp['format']}{files}): {inp['rows']:,} rows",
-        f"shards   {_n(inp['shards'], 'shard')} of up to {inp['max_rows_per_shard']:,} rows; "
-        f"{_n(inp['array_tasks'], 'array task')} at cluster.shards_per_task={inp['shards_per_task']}",
+        f"shards   {plural(inp['shards'], 'shard')} of up to {inp['max_rows_per_shard']:,} rows; "
+        f"{plural(inp['array_tasks'], 'array task')} at cluster.shards_per_task={inp['shards_per_task']}",
     ]
 
 
 def _prompt_lines(inp: dict[str, Any], pt: dict[str, Any], ms: dict[str, Any]) -> list[str]:
     """The sampled prompts' token lengths, the overlong ones, and the tokens the run reads and writes."""
     errs = (
-        f", {_n(pt['row_errors'], 'row')} with prompt errors (first: {pt['first_row_error']})"
+        f", {plural(pt['row_errors'], 'row')} with prompt errors (first: {pt['first_row_error']})"
         if pt["row_errors"]
         else ""
     )
@@ -228,7 +225,7 @@ def _engines_lines(e: Any) -> list[str]:
     if have:
         idle = f", {e['idle_gpus']} idle" if e["idle_gpus"] else ""
         what = (
-            f"{_n(each, 'GPU')} each (model.tensor_parallel_size x pipeline_parallel_size) of "
+            f"{plural(each, 'GPU')} each (model.tensor_parallel_size x pipeline_parallel_size) of "
             f"cluster.gpus_per_task={have}{idle}"
         )
     else:
@@ -243,13 +240,13 @@ def _engines_lines(e: Any) -> list[str]:
     lines = [f"engines  {n} per task ({setting}): {what}"]
     if idle:
         lines.append(
-            f"warning  {_n(shards, 'shard')} per task for {n} engines: {idle} of them get none; raise "
+            f"warning  {plural(shards, 'shard')} per task for {n} engines: {idle} of them get none; raise "
             f"cluster.shards_per_task to {n} or more (the input needs that many shards too)"
         )
     else:
         per = e["shards_per_engine"]
         lines.append(
-            f"         about {per:g} shard{'' if per == 1 else 's'} per engine ({_n(shards, 'shard')} per task, "
+            f"         about {per:g} shard{'' if per == 1 else 's'} per engine ({plural(shards, 'shard')} per task, "
             "cluster.shards_per_task), taken one at a time: a faster engine takes more"
         )
     return lines

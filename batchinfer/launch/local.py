@@ -4,11 +4,14 @@ them in this process (launch/shardloop.py), or cluster.engines_per_task engine p
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from batchinfer import security
 from batchinfer.config.engines import engine_devices, engines_per_task, task_gpus
@@ -26,6 +29,7 @@ from batchinfer.launch.shardloop import EngineSlot, ShardLoop, rows_done
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.passes import output_is_current
 from batchinfer.rundir.prepare import prepare
+from batchinfer.rundir.stats import summary_line
 from batchinfer.rundir.store import RunDir
 
 log = logging.getLogger("batchinfer")
@@ -42,8 +46,18 @@ def run_shards(run: RunDir, indices: list[int], engine: Any = None) -> None:
         if n > 1:
             run_engines(run, shards, n)
             return
-        with EngineOutput(run.logs_dir, enabled=engine is None) as output, other_ranks(run) as ranks:
+        with (
+            bar_aware_logging(),
+            EngineOutput(run.logs_dir, enabled=engine is None) as output,
+            other_ranks(run) as ranks,
+        ):
             run_alone(run, shards, engine, output, ranks)
+
+
+def bar_aware_logging() -> contextlib.AbstractContextManager[None]:
+    """batchinfer's console lines written through tqdm.write, so they never land on the progress bar's
+    line (entered before EngineOutput, which then points the handler at the console)."""
+    return logging_redirect_tqdm(loggers=[log]) if log.handlers else contextlib.nullcontext()
 
 
 def task_engines(cfg: Config, n_shards: int) -> int:
@@ -90,6 +104,7 @@ def run_alone(run: RunDir, shards: list[Shard], engine: Any, output: EngineOutpu
 def run_local(cfg: DictConfig, engine: Any = None, prepared: Optional[Callable[[RunDir], None]] = None) -> RunDir:
     """`batchinfer run`: every shard here with one engine, then merge; prepared (the forecast record,
     tune/budget.py) sees DIR before the engine starts."""
+    t0 = time.monotonic()
     run = prepare(cfg)
     todo = [s.index for s in run.shards() if not run.shard_folder(s.index).is_done()]
     if not todo and output_is_current(run):  # a finished pass (redo) not merged yet is merged below
@@ -104,8 +119,8 @@ def run_local(cfg: DictConfig, engine: Any = None, prepared: Optional[Callable[[
         env = security.task_env(OmegaConf.to_container(cfg.cluster.env)) if engine is None else {}
         with security.applied_env(env):
             run_shards(run, todo, engine)
-    merge(run)
-    print(f"done: {run.output_path}")
+    stats = merge(run)
+    print(summary_line(stats, run.output_path, time.monotonic() - t0))
     return run
 
 

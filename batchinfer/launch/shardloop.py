@@ -6,7 +6,9 @@ answer tried again. What a stop or a failure means for the task is the caller's 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
+import os
 import signal
 import sys
 import time
@@ -19,6 +21,7 @@ from batchinfer.durable import refused_write, storage_error
 from batchinfer.engine.dtype import settle
 from batchinfer.engine.factory import engine_class
 from batchinfer.engine.output import EngineOutput
+from batchinfer.engine.shm import EngineSegments
 from batchinfer.errors import BatchinferError, RunDirError, SlurmUnavailable, Stopped, TransientRunDirError
 from batchinfer.inputs.shards import Shard
 from batchinfer.rundir.progress import read_progress
@@ -43,13 +46,14 @@ class EngineSlot(TypedDict):
     startup_seconds: NotRequired[float]
 
 
-def progress_bar(total: int, initial: int, desc: str, file: Any = None) -> Any:
-    """tqdm on a terminal; plain lines about every 5 s in logs."""
-    from tqdm import tqdm
+def progress_bar(total: int, initial: int, desc: str, file: Any = None, eta_after_commit: bool = False) -> Any:
+    """tqdm on a terminal; plain lines about every 5 s in logs. With eta_after_commit, rows/s and the
+    ETA are left out until the first commit (see RowBar)."""
+    from batchinfer.engine.rowbar import RowBar
 
     file = file or sys.stderr
     tty = file.isatty()
-    return tqdm(
+    return RowBar(
         file=file,
         total=total,
         initial=initial,
@@ -58,6 +62,7 @@ def progress_bar(total: int, initial: int, desc: str, file: Any = None) -> Any:
         mininterval=0.5 if tty else 5.0,
         ascii=not tty,
         dynamic_ncols=tty,
+        eta_after_commit=eta_after_commit,
     )
 
 
@@ -69,6 +74,7 @@ class EngineHolder:
         self.nodes = nodes  # a NodeGroup: this is node 0 of an engine over several nodes (launch/ranks.py)
         self.stop = stop
         self.engine = engine
+        self.segments = EngineSegments()  # the engine's /dev/shm segments, removed when it stops
         # `model.dtype: auto` settled for the whole run in DIR/dtype.json (None: for this machine)
         self.dtype = settle(run_path, c.model.dtype) if run_path is not None else None
         if engine is not None:
@@ -83,7 +89,11 @@ class EngineHolder:
         if self.engine is None:
             engine_cls = engine_class()  # vLLM's (a test may name a stand-in)
 
-            log.info("starting vLLM engine for %s", self.c.model.path)
+            # the folder name: the full path is in run.yaml (and printed once by prepare-model)
+            log.info(
+                "starting vLLM engine for %s",
+                Path(self.c.model.path).name if os.path.isabs(self.c.model.path) else self.c.model.path,
+            )
             # Block stop signals while the engine starts: its processes inherit the mask (a
             # group-wide USR2 cannot kill them) and a signal sent meanwhile stays pending.
             self.stop.block()
@@ -92,12 +102,21 @@ class EngineHolder:
             finally:
                 self.stop.install()
             log.info("engine ready in %.1f s", self.engine.startup_seconds)
+            self.segments.record()
         return self.engine
 
     def close(self, owned: bool) -> None:
-        """Stop the engine if this holder built it."""
+        """Stop the engine if this holder built it, and remove the shared memory its processes left."""
         if owned and self.engine is not None:
-            self.engine.close()
+            self.segments.record()
+            try:
+                self.engine.close()
+            finally:
+                # vLLM's objects unlink the segments they made when collected: collected here, so
+                # only what a stopped engine process left remains for the sweep
+                self.engine = None
+                gc.collect()
+                self.segments.sweep()
 
 
 def rows_done(run: RunDir, index: int) -> int:
@@ -159,7 +178,7 @@ class ShardLoop:
         self.saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
         self.holder = EngineHolder(run.config, self.stop, engine, run.path, ranks.group if ranks else None)
         self.owned = engine is None  # a loop that builds its engine stops it
-        self.bar = progress_bar(total, done, desc=desc, file=output.bar_file())
+        self.bar = progress_bar(total, done, desc=desc, file=output.bar_file(), eta_after_commit=True)
         self.worker = ShardWorker(run, self.holder, self.stop, self.bar)
         self.worker.engine_record = slot
         if ranks is not None:  # a rank's death is its node's fault, not the rows' in flight

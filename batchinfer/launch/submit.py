@@ -22,6 +22,7 @@ from batchinfer.launch import slurm
 from batchinfer.launch.executor import make_executor
 from batchinfer.launch.jobs import all_job_ids, heal_streak, submissions, unrecorded_names
 from batchinfer.launch.node_layout import layout_lines
+from batchinfer.logs import plural
 from batchinfer.rundir.merge import incomplete_shards
 from batchinfer.rundir.model_record import check_model_unchanged
 from batchinfer.rundir.prepare import freeze_paths, prepare
@@ -122,7 +123,7 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False, heal: 
     record.update(arrays=arrays, merge=merge_job.job_id)
     ids = ", ".join(a["job_id"] for a in arrays)
     print(
-        f"submitted {len(indices)} shards of {run.path} as {len(tasks)} array tasks (job {ids}); merge job {merge_job.job_id}"
+        f"submitted {plural(len(indices), 'shard')} of {run.path} as {plural(len(tasks), 'array task')} (job {ids}); merge job {merge_job.job_id}"
     )
     shown = shlex.quote(str(run.path))  # commands to copy into a shell
     print(f"  status:  batchinfer status {shown}")

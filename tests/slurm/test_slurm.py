@@ -123,7 +123,7 @@ def test_failed_task_named_by_status_merge_refuses_then_resume(
     assert not (run_dir / "output.parquet").exists()
     res = run_cli(["resume", str(run_dir), "cluster.env.BATCHINFER_FAULT="], env=standin_env())
     assert res.returncode == 0, res.stderr
-    assert "submitted 1 shards" in res.stdout
+    assert "submitted 1 shard of" in res.stdout
     wait_until_idle(run_dir)
     assert_exactly_once(read_output(run_dir), rows)
     assert status_json(run_dir)["totals"]["states"] == {"done": 1}
