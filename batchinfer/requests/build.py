@@ -12,6 +12,7 @@ from typing import Any
 from batchinfer.config.schema import Config
 from batchinfer.errors import InputError
 from batchinfer.inputs.openai_batch import ROW_SAMPLING, task_mismatch
+from batchinfer.inputs.textfiles import MAX_JSON_DEPTH, json_depth
 from batchinfer.requests.prompts import Messages, Prompt, PromptBuilder, RowError
 from batchinfer.requests.verdict import RULES, Limits, limits, refusal
 
@@ -149,6 +150,11 @@ def row_sampling(cfg: Config, row: dict[str, Any], id_: Any) -> str:
     if column and row.get(column) is not None:
         value = row[column]
         if isinstance(value, str):
+            deep = value.count("[") + value.count("{") > MAX_JSON_DEPTH and json_depth(value) > MAX_JSON_DEPTH
+            if deep:  # Python's recursion would fail the shard further down (hashing, grammar compiling)
+                raise RowError(
+                    "sampling", f"field {column!r} nests objects and lists past {MAX_JSON_DEPTH} levels; flatten it"
+                )
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:

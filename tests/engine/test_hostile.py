@@ -507,3 +507,18 @@ def test_a_parquet_map_column_no_setting_uses_is_left_out(
         f"prompt.template uses {{m}} but {corpus} has no column 'm' (columns: id, text); a literal {{ or }} in a "
         "template is written {{ or }}",
     )
+
+
+def test_sampling_text_nested_too_deep_is_an_error_row(tmp_path: Path, tiny_model_path: Path) -> None:
+    """A row's sampling column holding JSON text nested 100,000 levels (json.loads raised RecursionError,
+    a traceback in validate, the shard failed in the worker) is its row's error row in both."""
+    corpus = tmp_path / "rows.jsonl"
+    deep = '{"stop": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    lines = [{"id": 0, "text": "a", "params": "{}"}, {"id": 1, "text": "b", "params": deep}]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    ov = run_overrides(tiny_model_path, corpus, tmp_path / "run", "input.sampling_column=params")
+    report = validate(compose(ov), jobs=1, progress=False)
+    (example,) = report["error_rows"]["by_kind"]["sampling"]["examples"]
+    assert example["message"] == "row 1: field 'params' nests objects and lists past 63 levels; flatten it"
+    predicted, made = verdicts(ov, StandinEngine(compose(ov)))
+    assert predicted == made == {1: "sampling"}
