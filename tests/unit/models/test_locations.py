@@ -28,22 +28,3 @@ def test_hub_name_pinned_to_cached_revision(tmp_path: Path, monkeypatch) -> None
     ):
         resolve_model("org/missing", None)
 
-
-def test_a_model_prepared_meanwhile_by_another_process_is_kept(tmp_path: Path) -> None:
-    """Two prepares of one model at once (two jobs, two test workers): the second to finish keeps
-    the first one's folder, which a job may be loading, instead of deleting it under that job."""
-    from batchinfer.models.locations import _publish
-
-    out = tmp_path / "model"
-    first, second = tmp_path / "a", tmp_path / "b"
-    for staged in (first, second):
-        staged.mkdir()
-        (staged / "config.json").write_text(staged.name)
-    _publish(first, out, ("config.json",))
-    inode = (out / "config.json").stat().st_ino
-    _publish(second, out, ("config.json",))
-    assert (out / "config.json").read_text() == "a" and (out / "config.json").stat().st_ino == inode
-    # a folder that is not a prepared model (a torn copy) is replaced
-    (out / "config.json").unlink()
-    _publish(second, out, ("config.json",))
-    assert (out / "config.json").read_text() == "b"
