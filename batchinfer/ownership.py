@@ -24,7 +24,10 @@ API (every refusal is a FolderRefused, exit 2, one line naming the folder and it
   maker's contents); DONE is handed over as it is (Claim.existing: never removed, never marked).
   FOREIGN, NOT_A_FOLDER, MAKING and a held lock are refused. A clean exit marks a fresh or
   adopted folder "done"; when the body raises, what this claim made is removed (only while the
-  mark carries its token; the folder itself only when this claim created it).
+  mark carries its token; the folder itself only when this claim created it). A claim of a folder
+  this process already claims is the inner one (Claim.inner: neither fresh, adopted nor existing;
+  it fills the folder, and the outer claim alone marks or removes it): a redo claims its pass
+  folder, writes its selection, then prepares the run directory in it.
 - `hold(path, command, *, mode="auto") -> ContextManager[FileLock]`: a folder's lock alone, for a
   command that changes an existing folder of its own (a redo: check, select, claim the pass). A
   process takes one folder's lock once: never `claim` a folder inside a `hold` of that folder.
@@ -170,7 +173,7 @@ def refusal(found: Found, label: str = "") -> FolderRefused:
         return FolderRefused(f"{where} is {found.why}, not a folder; choose another")
     if found.kind is Kind.MAKING and found.mark is not None:
         return FolderRefused(
-            f"{where} is being made by {found.mark.describe()} ({found.why}); wait for it or choose another folder"
+            f"{where} is being made by {found.mark.describe()}: {found.why}; wait for it or choose another folder"
         )
     if found.kind is Kind.FOREIGN:
         return FolderRefused(
@@ -190,21 +193,22 @@ class Claim:
     found: Found
     token: Optional[str]
     made_dir: bool  # this claim created the folder itself
+    inner: bool = False  # inside a claim of the same folder in this process: the outer one decides
 
     @property
     def fresh(self) -> bool:
         """An empty or new folder, marked by this claim."""
-        return self.token is not None and self.found.kind in (Kind.EMPTY, Kind.ABSENT)
+        return not self.inner and self.token is not None and self.found.kind in (Kind.EMPTY, Kind.ABSENT)
 
     @property
     def adopted(self) -> bool:
         """A half-made folder whose maker is dead, now ours."""
-        return self.token is not None and self.found.kind is Kind.HALF_MADE
+        return not self.inner and self.token is not None and self.found.kind is Kind.HALF_MADE
 
     @property
     def existing(self) -> bool:
         """A finished folder, handed over as it is."""
-        return self.token is None
+        return not self.inner and self.token is None
 
     def ours(self) -> bool:
         """Whether the folder's mark still carries our token."""
@@ -231,6 +235,9 @@ class Claim:
         self.clear()
         (self.path / MARK).unlink(missing_ok=True)
         return True
+
+
+_active: dict[str, Claim] = {}  # this process's claims by real path (a claim inside one is the inner)
 
 
 def _folder_lock(path: Path, command: str, mode: str, label: str) -> FileLock:
@@ -282,6 +289,10 @@ def claim(
 ) -> Iterator[Claim]:
     """Hold path as this command's (see the module docstring)."""
     path = Path(path)
+    outer = _active.get(os.path.realpath(path))
+    if outer is not None:  # this process holds it already: the caller fills it, the outer claim decides
+        yield Claim(path, command, Found(path, Kind.MAKING, read_mark(path)), outer.token, False, inner=True)
+        return
     found = recognise(path, legacy)
     if found.kind in (Kind.NOT_A_FOLDER, Kind.FOREIGN, Kind.MAKING):
         raise refusal(found, label)  # before the lock: nothing is written into another's folder
@@ -294,6 +305,8 @@ def claim(
             except FolderRefused:
                 lock.unlink_held()  # it became another's since the look above: leave nothing of ours
                 raise
+            key = os.path.realpath(path)
+            _active[key] = owned
             try:
                 yield owned
             except BaseException:
@@ -301,6 +314,8 @@ def claim(
                     lock.unlink_held()  # ours too; a contender re-opens it (locks/filesystems.flocked)
                     removed = made
                 raise
+            finally:
+                _active.pop(key, None)
             owned.done()
     finally:
         if removed:

@@ -10,12 +10,12 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pyarrow as pa
 from omegaconf import DictConfig
 
-from batchinfer import __version__
+from batchinfer import __version__, ownership
 from batchinfer.config.checks import check_output_format, check_sampling_column
 from batchinfer.config.compose import require_run_keys
 from batchinfer.config.fingerprint import (
@@ -29,7 +29,7 @@ from batchinfer.config.fingerprint import (
 )
 from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, POOLING_TASKS, to_config, to_dict
 from batchinfer.durable import atomic_write, write_json
-from batchinfer.errors import ConfigError, RunDirError
+from batchinfer.errors import ConfigError, FolderRefused, RunDirError
 from batchinfer.inputs.columns import column_type
 from batchinfer.inputs.convert import convert_input, open_input
 from batchinfer.inputs.fingerprint import file_fingerprint
@@ -40,6 +40,7 @@ from batchinfer.inputs.reference import is_reference
 from batchinfer.inputs.shards import plan_shards
 from batchinfer.locks import flock_works
 from batchinfer.logs import plural
+from batchinfer.models.identity import ModelIdentity
 from batchinfer.models.locations import resolve_model
 from batchinfer.models.pooling import embedding_dim
 from batchinfer.models.tokens import model_dir
@@ -94,6 +95,8 @@ def check_writable(path: Path) -> None:
     """Create and remove a file in path, or in its nearest existing parent; ConfigError naming the reason.
     os.access cannot tell: it says yes to root whatever the mode bits."""
     where = Path(os.path.abspath(path))
+    if where.is_symlink() or (where.exists() and not where.is_dir()):
+        return  # not a folder: ownership.claim refuses it, naming what it is
     while not where.exists() and where != where.parent:
         where = where.parent
     try:
@@ -134,54 +137,54 @@ def _prepare(cfg: DictConfig) -> RunDir:
             run = legacy
     identity = identity_of(c["model"]["path"], c["model"]["revision"])
     c["output"]["reuse"] = checked_reuse(c["output"]["reuse"], run, identity.digest)  # not in the fingerprint
-    if run.exists():
-        old = run.run
-        changes = key_changes(old["fingerprint_keys"], keys)
-        if changes:
-            shown = ", ".join(describe_change(*change) for change in changes)
-            raise RunDirError(
-                f"{run.path} was made with a different config: {shown}. These change outputs, so the "
-                f"run cannot continue in this directory; use another output.dir or restore the old values"
-            )
-        refuse_changed_model(run.path, old, identity)
-        c = freeze_paths(run, c)
-        if old["config"] != c:
-            old["config"] = c  # only settings outside the fingerprint differ (commit intervals, cluster)
-            run.write_run(old)
-        return run
-    refuse_foreign_folder(run.path)
-    created = not run.path.exists()
-    try:
+    check_writable(run.path)
+    # One prepare of a folder at a time, and only of a folder it made (ownership.py): a second
+    # prepare is refused naming the first, and a failure removes only what this one made.
+    with ownership.claim(run.path, PREPARE, mode=c["output"]["lock"], legacy=_made_by_older, label="output.dir") as own:
+        if own.existing:
+            return _reopen(run, c, keys, own.found, identity)
+        if own.adopted and own.found.mark is not None:
+            own.clear()  # a prepare killed half way: its contents, never anyone else's
         _create(run, c, keys, fp, input_record, contents, identity.to_dict())
-    except BaseException:
-        if created:  # a bad input leaves no half-made DIR behind
-            remove_path(run.path, ignore_errors=True)
-        raise
     return run
 
 
+PREPARE = "prepare"
 FILES_DIR = "files"
-# Written first into a folder prepare is making a run directory of, removed once run.yaml is there:
-# a prepare killed half way leaves it, so the next one knows the folder's contents are its own.
+# What a prepare of an older batchinfer wrote first into the folder it was making, removed once
+# run.yaml was there: such a folder is its own, half made.
 PREPARING = ".batchinfer-preparing"
 
 
-def refuse_foreign_folder(path: Path) -> None:
-    """ConfigError unless path is absent, empty, or a run directory prepare left half made: a folder
-    batchinfer did not create is never cleared (its input/ could be the user's corpus)."""
-    if not path.exists() and not path.is_symlink():
-        return
-    if not path.is_dir():
-        raise ConfigError(f"output.dir {path} is a file, not a folder; choose another output.dir")
-    names = sorted(p.name for p in path.iterdir())
-    if not names or PREPARING in names:
-        return
-    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    raise ConfigError(
-        f"output.dir {path} is not empty and is not a batchinfer run directory (it has no run.yaml); "
-        f"it holds {shown}. batchinfer never clears a folder it did not make: choose a new or empty "
-        f"output.dir (a subfolder of it will do)"
-    )
+def _made_by_older(path: Path) -> Optional[ownership.Kind]:
+    """What an unmarked folder an older batchinfer made is: a run directory, or one half made."""
+    if (path / "run.yaml").is_file():
+        return ownership.Kind.DONE
+    return ownership.Kind.HALF_MADE if (path / PREPARING).exists() else None
+
+
+def _reopen(
+    run: RunDir, c: dict[str, Any], keys: dict[str, Any], found: ownership.Found, identity: ModelIdentity
+) -> RunDir:
+    """An existing run directory, unchanged in what makes its outputs (other settings are updated)."""
+    if not run.exists():
+        made = f"batchinfer {found.mark.command}" if found.mark else "batchinfer"
+        raise FolderRefused(f"output.dir {run.path} is a folder {made} made, not a run directory; choose another")
+    old = run.run
+    changes = key_changes(old["fingerprint_keys"], keys)
+    if changes:
+        shown = ", ".join(describe_change(*change) for change in changes)
+        maker = f" (made by {found.mark.describe()})" if found.mark else ""
+        raise RunDirError(
+            f"{run.path}{maker} was made with a different config: {shown}. These change outputs, so the "
+            f"run cannot continue in this directory; use another output.dir or restore the old values"
+        )
+    refuse_changed_model(run.path, old, identity)
+    c = freeze_paths(run, c)
+    if old["config"] != c:
+        old["config"] = c  # only settings outside the fingerprint differ (commit intervals, cluster)
+        run.write_run(old)
+    return run
 
 
 def _pooling_schema(c: dict[str, Any], id_type: pa.DataType, input_type: Any) -> pa.Schema:
@@ -233,7 +236,6 @@ def _create(
     contents: dict[str, bytes],
     identity: dict[str, Any],
 ) -> None:
-    _make_folder(run)
     files = _freeze_files(run, c, contents)
     c = _with_paths(c, {key: str(run.path.absolute() / rec["path"]) for key, rec in files.items()})
     inp = c["input"]
@@ -273,20 +275,8 @@ def _create(
             "config": c,
         }
     )
-    (run.path / PREPARING).unlink()
+    (run.path / PREPARING).unlink(missing_ok=True)  # an older prepare's, or redo's (launch/redo.py)
     log.info("prepared %s: %s in %s", run.path, plural(rows, "row"), plural(len(shards), "shard"))
-
-
-def _make_folder(run: RunDir) -> None:
-    """Create DIR, marked as being prepared (PREPARING) until run.yaml is written."""
-    check_writable(run.path)
-    try:
-        run.path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(
-            f"output.dir {run.path}: cannot create it ({e.strerror}); choose a writable output.dir"
-        ) from None
-    (run.path / PREPARING).touch()
 
 
 def _convert(run: RunDir, inp: dict[str, Any]) -> int:

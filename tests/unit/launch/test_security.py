@@ -17,7 +17,7 @@ from batchinfer import security
 from batchinfer.cli import main
 from batchinfer.config.compose import compose
 from batchinfer.config.schema import to_dict
-from batchinfer.errors import ConfigError, InputError
+from batchinfer.errors import ConfigError, FolderRefused, InputError
 from batchinfer.launch import slurm
 from batchinfer.launch.local import run_shards
 from batchinfer.launch.submit import submit_shards
@@ -309,7 +309,7 @@ def test_symlinked_input_and_temporaries_are_unlinked_never_followed(tmp_path: P
     run_dir.mkdir()
     for name in ("input", "input.tmp", ".hf-cache"):
         (run_dir / name).symlink_to(outside, target_is_directory=True)
-    with pytest.raises(ConfigError, match="is not a batchinfer run directory"):  # not its folder: left alone
+    with pytest.raises(FolderRefused, match="batchinfer did not make it"):  # not its folder: left alone
         prepare(compose(fake_overrides(tmp_path, corpus)))
     (run_dir / PREPARING).touch()  # a folder prepare made and was killed in: its entries are unlinked
     run = prepare(compose(fake_overrides(tmp_path, corpus)))

@@ -13,7 +13,7 @@ from support.procs import run_cli
 from support.runs import fake_model_dir
 
 from batchinfer.config.compose import compose
-from batchinfer.errors import ConfigError
+from batchinfer.errors import ConfigError, FolderRefused
 from batchinfer.rundir.prepare import PREPARING, prepare
 
 
@@ -33,13 +33,13 @@ def test_a_project_folder_holding_the_corpus_is_refused_and_left_alone(tmp_path:
     write_corpus(corpus, 5)
     (proj / "notes.txt").write_text("mine")
     before = tree(proj)
-    with pytest.raises(ConfigError, match=r"output.dir .*proj is not empty and is not a batchinfer run directory") as e:
+    with pytest.raises(FolderRefused, match=r"output.dir .*proj is not empty and batchinfer did not make it") as e:
         prepare(compose(overrides(tmp_path, corpus, proj)))
-    assert "it holds input, notes.txt" in str(e.value) and "never clears a folder it did not make" in str(e.value)
+    assert "it holds input, notes.txt" in str(e.value) and "never writes into or clears a folder" in str(e.value)
     assert tree(proj) == before
     # the command says so and stops with the config-error code, before any engine
     res = run_cli(["run", *overrides(tmp_path, corpus, proj)])
-    assert res.returncode == 2 and "is not a batchinfer run directory" in res.stderr, res.stderr[-2000:]
+    assert res.returncode == 2 and "batchinfer did not make it" in res.stderr, res.stderr[-2000:]
     assert tree(proj) == before
 
 
@@ -70,7 +70,7 @@ def test_an_output_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, 5)
     (tmp_path / "out").write_text("x")
-    with pytest.raises(ConfigError, match="is a file, not a folder"):
+    with pytest.raises(FolderRefused, match="is a file, not a folder"):
         prepare(compose(overrides(tmp_path, corpus, tmp_path / "out")))
     assert (tmp_path / "out").read_text() == "x"
 
