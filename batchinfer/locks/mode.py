@@ -41,5 +41,7 @@ def configured_mode(run_dir: Path) -> str:
                 "written; check the file (and the filesystem) and run again"
             )
         time.sleep(wait)
-    mode = (((run or {}).get("config") or {}).get("output") or {}).get("lock") or "auto"
-    return str(mode)
+    mode: object = run
+    for key in ("config", "output", "lock"):  # another tool's run.yaml may hold anything there
+        mode = mode.get(key) if isinstance(mode, dict) else None
+    return str(mode or "auto")

@@ -27,6 +27,40 @@ class _NoAliasDumper(yaml.SafeDumper):
         return True
 
 
+# What every run.yaml batchinfer writes holds (prepare.py): without them it is not one it can read.
+RUN_KEYS = {"config": dict, "input": dict, "fingerprint_keys": dict, "output_schema": dict}
+
+
+def read_run_yaml(path: Path) -> dict[str, Any]:
+    """A run.yaml batchinfer wrote; RunDirError in one line saying what the file is instead
+    (another tool's, an older format, not YAML) rather than a traceback further on."""
+    try:
+        run = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise RunDirError(
+            f"{path} is not a run.yaml batchinfer wrote: it is not YAML ({str(e).splitlines()[0]})"
+        ) from None
+    except UnicodeDecodeError:
+        raise RunDirError(f"{path} is not a run.yaml batchinfer wrote: it is not text") from None
+    if not isinstance(run, dict):
+        raise RunDirError(
+            f"{path} is not a run.yaml batchinfer wrote: it holds a YAML {type(run).__name__}, not a mapping"
+        )
+    if "batchinfer" not in run:
+        keys = ", ".join(map(str, list(run)[:6])) or "none"
+        raise RunDirError(
+            f"{path} is not a run.yaml batchinfer wrote: it has no `batchinfer` version (its keys: {keys}); "
+            f"another tool's file? Use another folder"
+        )
+    bad = [k for k, kind in RUN_KEYS.items() if not isinstance(run.get(k), kind)]
+    if bad:
+        raise RunDirError(
+            f"{path} was written by batchinfer {run['batchinfer']} in a format this version cannot read "
+            f"(no {', '.join(bad)}); prepare the run again in a new output.dir"
+        )
+    return run
+
+
 class RunDir:
     """Paths and records of one run directory."""
 
@@ -52,7 +86,7 @@ class RunDir:
         if self._run is None:
             if not self.exists():
                 raise RunDirError(f"{self.path}: not a run directory (no run.yaml)")
-            self._run = yaml.safe_load(self.run_yaml.read_text())
+            self._run = read_run_yaml(self.run_yaml)
         return self._run
 
     def write_run(self, record: dict[str, Any]) -> None:
