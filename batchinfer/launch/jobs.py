@@ -4,10 +4,13 @@ Slurm states of a run's jobs."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Optional
 
 from batchinfer.launch import slurm
 from batchinfer.rundir.store import RunDir
+
+log = logging.getLogger("batchinfer")
 
 
 def submissions(run: RunDir) -> list[dict[str, Any]]:
@@ -22,13 +25,14 @@ def submissions(run: RunDir) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     folded: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue  # blank, or the torn last line of a submit killed while writing it
         if not isinstance(rec, dict) or "submission" not in rec:
             continue
+        rec = _checked(rec, f"{path}:{number}")
         sub = folded.setdefault(
             rec["submission"],
             {
@@ -45,14 +49,34 @@ def submissions(run: RunDir) -> list[dict[str, Any]]:
         for key in ("time", "folder", "name", "arrays_planned"):
             if key in rec:
                 sub[key] = rec[key]
-        sub["arrays"] += rec.get("arrays", [])
-        if "job_id" in rec:
-            sub["arrays"].append({"job_id": rec["job_id"], "tasks": rec["tasks"]})
+        sub["arrays"] += [{"job_id": str(a["job_id"]), "tasks": a["tasks"]} for a in rec["arrays"]]
         if rec.get("merge"):
             sub["merge"] = rec["merge"]
     out = [folded[n] for n in sorted(folded)]
     for sub in out:
         sub["complete"] = sub["merge"] is not None
+    return out
+
+
+def _checked(rec: dict[str, Any], where: str) -> dict[str, Any]:
+    """rec without the job ids and names that are not Slurm's (anyone who can write DIR can write
+    this file: a value like `--user=root` must never reach scancel, squeue or sacct)."""
+    out = dict(rec)
+    dropped = []
+    arrays = [rec] if "job_id" in rec else []
+    arrays += [a for a in rec.get("arrays") or [] if isinstance(a, dict)]
+    kept = [a for a in arrays if slurm.is_job_id(a.get("job_id")) and isinstance(a.get("tasks"), dict)]
+    dropped += [repr(a.get("job_id")) for a in arrays if a not in kept]
+    out.pop("job_id", None)
+    out["arrays"] = kept
+    if rec.get("merge") and not slurm.is_job_id(rec["merge"]):
+        dropped.append(repr(rec["merge"]))
+        out["merge"] = None
+    if rec.get("name") and not slurm.is_job_name(rec["name"]):
+        dropped.append(repr(rec["name"]))
+        out.pop("name")
+    if dropped:
+        log.warning("%s: ignored %s: not a Slurm job id or job name", where, ", ".join(dropped))
     return out
 
 

@@ -329,8 +329,28 @@ def job_states(
     return states
 
 
+# What a recorded Slurm job id or job name may be: anything else (`--user=root`, `1,2`, a space)
+# would reach scancel, squeue or sacct as an option or a list, whoever wrote it into DIR.
+JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")
+JOB_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+:@-]*")
+
+
+def is_job_id(value: object) -> bool:
+    """Whether value is a Slurm job id (`123`) or an array task's (`123_4`)."""
+    return isinstance(value, (str, int)) and not isinstance(value, bool) and bool(JOB_ID.fullmatch(str(value)))
+
+
+def is_job_name(value: object) -> bool:
+    """Whether value is a job name batchinfer gives (no option, no list, no space)."""
+    return isinstance(value, str) and bool(JOB_NAME.fullmatch(value))
+
+
 def cancel(job_ids: list[str], names: Iterable[str] = ()) -> None:
     """scancel the given jobs, and this user's jobs of the given names (finished ones are ignored)."""
+    names = list(names)
+    bad = [repr(j) for j in job_ids if not is_job_id(j)] + [repr(n) for n in names if not is_job_name(n)]
+    if bad:  # the readers drop them (launch/jobs.py): this is the last guard before scancel
+        raise ConfigError(f"not a Slurm job id or job name: {', '.join(bad)}; nothing was cancelled")
     if job_ids:
         run_command(["scancel", *job_ids])
     for name in names:
