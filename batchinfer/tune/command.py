@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig
 
+from batchinfer import ownership
 from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, POOLING_TASKS, to_config
-from batchinfer.errors import ConfigError
+from batchinfer.errors import ConfigError, FolderRefused, RunDirError
 from batchinfer.tune import results
 from batchinfer.tune.forecast import Layout, Measured, as_json, forecast, output_distribution
 from batchinfer.tune.halving import Outcome, best, halve, rung_sizes, rungs_for
@@ -25,6 +28,7 @@ from batchinfer.tune.settings import Setting, default_grid, parse_include, parse
 
 log = logging.getLogger("batchinfer")
 TUNE_VERSION = 1
+TUNE = "tune"  # the command a tune folder's mark names (ownership.py)
 MIN_PILOT_ROWS = 8
 
 
@@ -174,13 +178,59 @@ def tune_folder(cfg: DictConfig, opts: Options) -> tuple[Any, str, Path]:
     return c, fp, Path(opts.out or default_folder(c.input.path, fp)).resolve()
 
 
+def _older_tune(path: Path) -> Optional[ownership.Kind]:
+    """A tune folder an older batchinfer made (no mark): a tune.json it wrote, or its job.json."""
+    from batchinfer.tune.job import read_record
+
+    try:
+        result = json.loads((path / "tune.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        result = None
+    ours = isinstance(result, dict) and {"version", "fingerprint", "settings", "best"} <= set(result)
+    try:
+        ours = ours or read_record(path) is not None
+    except RunDirError:
+        pass  # a job.json that is not a tune job's: not ours
+    return ownership.Kind.DONE if ours else None
+
+
+@contextlib.contextmanager
+def owned_folder(folder: Path, opts: Options) -> Iterator[Path]:
+    """The tune folder, this tune's alone while it runs (ownership.py): a folder of the user's or of
+    another command is refused, never written into; a tune running in it is refused naming it; one
+    a killed tune left half made is cleared; a finished tune's is tuned again."""
+    label = "tune --out" if opts.out else "the tune folder"
+    with ownership.claim(folder, TUNE, legacy=_older_tune, label=label) as own:
+        mark = own.found.mark
+        if own.existing and mark is not None and mark.command != TUNE:
+            raise FolderRefused(
+                f"{label} {folder} is a folder batchinfer {mark.command} made, not a tune folder; choose another --out"
+            )
+        if own.adopted and mark is not None:
+            own.clear()
+        yield folder
+
+
+def fresh_trials(folder: Path) -> Path:
+    """This tune's own trial folder, TUNE/trials/<time>-<pid>: a later tune never reopens a trial's
+    run directories (their rates and rows are this tune's)."""
+    trials = folder / "trials" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    trials.mkdir(parents=True)
+    return trials
+
+
 def tune(cfg: DictConfig, opts: Options) -> dict[str, Any]:
     """Run the whole tune and write its folder; the result as tune.json holds it."""
+    c, fp, folder = tune_folder(cfg, opts)
+    with owned_folder(folder, opts):
+        return _tune(cfg, opts, c, fp, folder)
+
+
+def _tune(cfg: DictConfig, opts: Options, c: Any, fp: str, folder: Path) -> dict[str, Any]:
     from batchinfer.insight.cost import hourly_price
 
     price, price_source = hourly_price(opts.price, None)
-    c, fp, folder = tune_folder(cfg, opts)
-    folder.mkdir(parents=True, exist_ok=True)
+    trials = fresh_trials(folder)
     settings = grid(c, opts)
     log.info("tune: drawing a %d-row pilot from %s", opts.rows, c.input.path)
     prompts, pilot = draw(cfg, folder, opts.rows, opts.seed)
@@ -191,7 +241,7 @@ def tune(cfg: DictConfig, opts: Options) -> dict[str, Any]:
     counter = iter(range(len(settings)))
 
     def launch(s: Setting) -> TrialProcess:
-        trial = folder / "trials" / f"{next(counter):02d}"
+        trial = trials / f"{next(counter):02d}"
         spec = {"overrides": [*opts.overrides, *s.overrides], "config_dir": config_dir, "rungs": rung_paths}
         return TrialProcess(s, dict(spec, out=str(trial / "runs")), trial)
 

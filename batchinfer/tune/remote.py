@@ -25,7 +25,7 @@ from batchinfer import security, slurm_states
 from batchinfer.errors import BatchinferError, ConfigError, RunDirError, SlurmUnavailable, Stopped, SubmissionRefused
 from batchinfer.launch import slurm
 from batchinfer.launch.executor import make_executor
-from batchinfer.tune.command import Options, format_result, tune, tune_folder
+from batchinfer.tune.command import Options, format_result, owned_folder, tune, tune_folder
 from batchinfer.tune.job import RESULT_FILE, JobState, TuneJob, job_state, read_record, wait_seconds, write_record
 
 log = logging.getLogger("batchinfer")
@@ -52,8 +52,9 @@ def job_parameters(cluster: Any, minutes: int, name: str) -> dict[str, Any]:
     starts over from nothing, so a requeue would only spend the allocation twice)."""
     params = slurm.array_parameters(cluster, 1)
     params.pop("array_parallelism", None)
-    extra = {k: v for k, v in params.pop("additional_parameters", {}).items() if k != "requeue"}
-    return {**params, "time": minutes, "job_name": name, "additional_parameters": extra}
+    extra = {k: v for k, v in params.pop("additional_parameters", {}).items() if k not in ("requeue", "no_requeue")}
+    # --no-requeue: a node failure or preemption must not run it again (Slurm's JobRequeue default)
+    return {**params, "time": minutes, "job_name": name, "additional_parameters": {**extra, "no_requeue": True}}
 
 
 def _check_folder(folder: Path) -> None:
@@ -95,8 +96,13 @@ def submit_tune(cfg: DictConfig, opts: Options, say: Callable[[str], None] = pri
             "tune a one-node setting (cluster.nodes_per_task=1), the forecast scales it"
         )
     _check_folder(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    _refuse_running(folder)
+    with owned_folder(folder, opts):  # refused: another's folder, or a tune in it now
+        _refuse_running(folder)
+        return _submit(c, opts, fp, folder, say)
+
+
+def _submit(c: Any, opts: Options, fp: str, folder: Path, say: Callable[[str], None]) -> tuple[Path, TuneJob]:
+    cluster = c.cluster
     minutes = job_minutes(cluster.time, opts.minutes)
     name = f"bi-tune-{fp[:8]}-{hashlib.sha256(str(folder).encode()).hexdigest()[:4]}"
     job = TuneJob(name, str(folder / "logs"), time.time(), minutes, request(opts, folder))

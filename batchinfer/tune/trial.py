@@ -31,6 +31,7 @@ TRIAL_KEYS = (
     "input.format",
     "input.split",
     "output.dir",
+    "output.reuse",
     "sharding.num_shards",
     "sharding.rows_per_shard",
 )
@@ -45,6 +46,7 @@ def rung_overrides(overrides: list[str], rung_input: str, out: str, shards: int 
         f"input.path={rung_input}",
         "input.format=parquet",
         f"output.dir={out}",
+        "output.reuse=null",  # reused answers would inflate the measured rate
         f"sharding.num_shards={shards}",
     ]
 

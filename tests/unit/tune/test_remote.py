@@ -155,7 +155,8 @@ def test_a_job_that_ends_without_a_result_is_named_with_its_error(
 ) -> None:
     folder = tmp_path / "T"
     (folder / "logs").mkdir(parents=True)
-    (folder / "tune.json").write_text("{}")  # an earlier tune's: older than this job, not its result
+    earlier = {"version": 1, "fingerprint": "0" * 64, "settings": [], "best": {"name": None}}
+    (folder / "tune.json").write_text(json.dumps(earlier))  # an earlier tune's: older than this job, not its result
     os.utime(folder / "tune.json", (1, 1))
     fake_bin(
         "sbatch",
