@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from batchinfer import ownership
 from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, POOLING_TASKS, to_config
-from batchinfer.errors import ConfigError, FolderRefused, RunDirError
+from batchinfer.errors import ConfigError, FolderRefused
 from batchinfer.tune import results
 from batchinfer.tune.forecast import Layout, Measured, as_json, forecast, output_distribution
 from batchinfer.tune.halving import Outcome, best, halve, rung_sizes, rungs_for
@@ -179,18 +179,17 @@ def tune_folder(cfg: DictConfig, opts: Options) -> tuple[Any, str, Path]:
 
 
 def _older_tune(path: Path) -> Optional[ownership.Kind]:
-    """A tune folder an older batchinfer made (no mark): a tune.json it wrote, or its job.json."""
-    from batchinfer.tune.job import read_record
+    """A tune folder an older batchinfer made (no mark): a tune.json or a job.json it wrote."""
 
-    try:
-        result = json.loads((path / "tune.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        result = None
+    def record(name: str) -> Any:
+        try:
+            return json.loads((path / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+
+    result, job = record("tune.json"), record("job.json")
     ours = isinstance(result, dict) and {"version", "fingerprint", "settings", "best"} <= set(result)
-    try:
-        ours = ours or read_record(path) is not None
-    except RunDirError:
-        pass  # a job.json that is not a tune job's: not ours
+    ours = ours or (isinstance(job, dict) and str(job.get("name", "")).startswith("bi-tune-"))
     return ownership.Kind.DONE if ours else None
 
 

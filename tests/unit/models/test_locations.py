@@ -27,4 +27,3 @@ def test_hub_name_pinned_to_cached_revision(tmp_path: Path, monkeypatch) -> None
         ConfigError, match=r"org/missing: not in the local Hugging Face cache.*huggingface-cli download org/missing"
     ):
         resolve_model("org/missing", None)
-
