@@ -65,7 +65,8 @@ def test_tune_runs_as_one_slurm_job_status_and_cancel_follow_it(
     assert (out / "tune.png").is_file() and (out / "conf" / "tuned" / "best.yaml").is_file()
     # the trial committed its rung without the tune job's identity: a failed rung or a stop signal
     # cannot make it `scontrol requeue` the tune job (the tune job is never requeued)
-    progress = json.loads((out / "trials/00/runs/rung-0/shards/00000/progress.json").read_text())
+    (progress_path,) = (out / "trials").glob("*/00/runs/rung-0/shards/00000/progress.json")  # this tune's trials
+    progress = json.loads(progress_path.read_text())
     assert progress["holder"]["slurm_job"] is None and progress["rows_done"] == 8, progress["holder"]
     assert sacct_state(job) == "COMPLETED"
     st = json.loads(run_cli(["status", str(out), "--json"]).stdout)
