@@ -33,6 +33,20 @@ def run_cli(
     return res
 
 
+def python_child(code: str, *args: str) -> subprocess.Popen:
+    """`python -c code args...` with this test's import path, stdin/stdout/stderr piped as text: the
+    second actor of a concurrency test (it says when it is where the test wants it on stdout)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
 def shm_entries() -> set[str]:
     """vLLM's shared-memory leftovers (psm_*, sem.mp-*)."""
     try:

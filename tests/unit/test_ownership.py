@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from support.procs import python_child
 
 from batchinfer import ownership
 from batchinfer.errors import FolderRefused
@@ -36,14 +37,7 @@ with claim(Path(sys.argv[1]), "holder-test", mode=sys.argv[2]) as c:
 @contextmanager
 def holder(folder: Path, mode: str) -> Iterator[subprocess.Popen]:
     """A live process holding a claim on folder (until killed or told to finish)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(folder), mode],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    proc = python_child(HOLDER, str(folder), mode)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         yield proc

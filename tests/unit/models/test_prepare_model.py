@@ -6,14 +6,11 @@ a small wheel made here (no network)."""
 from __future__ import annotations
 
 import io
-import os
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
-from support.procs import run_cli
+from support.procs import python_child, run_cli
 
 from batchinfer.errors import FolderRefused
 from batchinfer.models import locations
@@ -139,15 +136,7 @@ def test_a_model_another_process_published_meanwhile_is_kept(tmp_path: Path, dow
     """Two prepares at once, for real: the child stops half way, this process publishes, the
     child finishes and keeps this process's model (a job may be loading it)."""
     out = tmp_path / "m"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(out), str(Path(__file__).parent)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    child = python_child(CHILD, str(out), str(Path(__file__).parent))
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "building"
         assert locations.prepare_minilm(out) == out

@@ -6,16 +6,15 @@ its input conversion (a blocked hook) until told to go on, fail, or is killed.""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from support.corpus import write_corpus
+from support.procs import python_child
 from support.runs import fake_model_dir
 
 from batchinfer.config.compose import compose
@@ -50,15 +49,7 @@ def overrides(tmp_path: Path, corpus: Path, out: Path) -> list[str]:
 @contextmanager
 def first_prepare(tmp_path: Path, corpus: Path, out: Path) -> Iterator[subprocess.Popen]:
     """A prepare in another process, stopped inside its input conversion."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", FIRST, json.dumps(overrides(tmp_path, corpus, out))],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    proc = python_child(FIRST, json.dumps(overrides(tmp_path, corpus, out)))
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()

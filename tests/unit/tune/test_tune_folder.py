@@ -7,14 +7,12 @@ successive halving that records the trial folders it is given (no engine)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support.fake_slurm import cli
+from support.procs import python_child
 from support.runs import model_overrides
 
 from batchinfer.config.compose import compose
@@ -118,15 +116,7 @@ def test_two_tunes_of_one_folder_at_once_the_second_is_refused_naming_the_first(
     out = tmp_path / "T"
     ov = overrides(tmp_path, tiny_model_path)
     args = {"overrides": ov, "options": {"overrides": [], "rows": 8, "tries": TRIES, "out": str(out)}}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, json.dumps(args), str(Path(__file__).parent)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    child = python_child(CHILD, json.dumps(args), str(Path(__file__).parent))
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "tuning", child.communicate()[1][-3000:]
         before = {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("*")}
