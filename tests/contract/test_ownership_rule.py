@@ -36,6 +36,7 @@ OWN_FILES = {
     "batchinfer.inputs.jsonl_stream": "DIR/input's temporary, under prepare's claim of DIR",
     "batchinfer.tune.results": "tune.json written whole, under the tune's claim of its folder",
     "batchinfer.tune.job": "job.json written whole, under the tune's claim of its folder",
+    "batchinfer.engine.shm": "the engine's own /dev/shm segments it recorded, once it stopped (no run folder)",
 }
 TREE = ("rmtree", "rmdir", "removedirs")  # remove a folder
 ANY = ("unlink", "remove_path")  # remove a file or (remove_path) a folder
