@@ -94,8 +94,8 @@ def convert_input(
                 ds = read_jsonl_extended(files, cache) if fmt == "jsonl" and fast is None else None
                 if ds is None:
                     raise read_error(files, fmt, shown, e) from None
-            if fmt == "jsonl":
-                ds = dates_kept_as_text(ds, files)
+            if fmt in ("jsonl", "json"):
+                ds = dates_kept_as_text(ds, files, fmt)
             rows, schema = len(ds), ds.data.schema
             ids = lambda: ds.data.column(id_column).chunks  # noqa: E731
         if fmt == "jsonl" and id_column in schema.names and pa.types.is_floating(schema.field(id_column).type):

@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -100,9 +101,9 @@ def _columns_datasets_holds(path: Path) -> dict[str, Any]:
     return {"columns": [f.name for f in kept], "features": datasets.Features.from_arrow_schema(pa.schema(kept))}
 
 
-def dates_kept_as_text(ds: Any, files: list[Path]) -> Any:
-    """A JSON lines dataset read by `datasets`, whose columns holding ISO date strings pyarrow made
-    timestamps ("2024-02-29" -> 2024-02-29 00:00:00) read again from the lines as the text they are."""
+def dates_kept_as_text(ds: Any, files: list[Path], fmt: str) -> Any:
+    """A JSON lines or JSON dataset read by `datasets`, whose columns holding ISO date strings pyarrow
+    made timestamps ("2024-02-29" -> 2024-02-29 00:00:00) read again from the files as the text they are."""
     import datasets
     from datasets.table import InMemoryTable
 
@@ -112,10 +113,10 @@ def dates_kept_as_text(ds: Any, files: list[Path]) -> Any:
         return ds
     features = dict(ds.features)
     for field in dated:
-        values = (json.loads(line).get(field.name) for f in files for _, line in text_lines(f) if line.strip())
         typ = dates_as_text(field.type)
         try:
-            column = pa.chunked_array([pa.array(list(values), type=typ)], type=typ)
+            values = [_field(row, field.name) for row in _json_rows(files, fmt)]
+            column = pa.chunked_array([pa.array(values, type=typ)], type=typ)
         except (pa.ArrowException, ValueError, TypeError) as e:
             raise InputError(
                 f"{files[0]}: column {field.name!r} holds ISO dates inside values whose other parts cannot be "
@@ -125,6 +126,20 @@ def dates_kept_as_text(ds: Any, files: list[Path]) -> Any:
         features[field.name] = datasets.features.features.generate_from_arrow_type(typ)
     info = datasets.DatasetInfo(features=datasets.Features(features))
     return datasets.Dataset(InMemoryTable(table), info=info)
+
+
+def _json_rows(files: list[Path], fmt: str) -> Iterator[Any]:
+    """The rows of JSON lines files (one a line with content) or JSON documents (a list each), parsed."""
+    for path in files:
+        if fmt == "jsonl":
+            yield from (json.loads(line) for _, line in text_lines(path) if line.strip())
+        else:
+            yield from json.loads("".join(line for _, line in text_lines(path)))
+
+
+def _field(row: Any, name: str) -> Any:
+    """A row's value of a column; a JSON document's list of strings is read as a column `text`."""
+    return row.get(name) if isinstance(row, dict) else (row if name == "text" else None)
 
 
 def read_error(files: list[Path], fmt: str, shown: str, e: Exception) -> InputError:

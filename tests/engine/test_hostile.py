@@ -457,18 +457,18 @@ def test_hostile_where_is_one_line(finished: Path, where: str, capsys: pytest.Ca
     assert _tree(finished) == before
 
 
-def _converted(tmp_path: Path, text: bytes, id_column: str = "id") -> list[dict[str, Any]]:
-    corpus = tmp_path / "c.jsonl"
+def _converted(tmp_path: Path, text: bytes, id_column: str = "id", fmt: str = "jsonl") -> list[dict[str, Any]]:
+    corpus = tmp_path / f"c.{fmt}"
     corpus.write_bytes(text)
     dest = tmp_path / "input"
     shutil.rmtree(dest, ignore_errors=True)
-    convert_input([corpus], "jsonl", dest, id_column, None)
+    convert_input([corpus], fmt, dest, id_column, None)
     return open_input(dest).to_list()
 
 
 def test_iso_dates_stay_text(tmp_path: Path) -> None:
     """Strings that look like dates are not turned into timestamps, on the fast path and on
-    `datasets`' own reading (objects whose keys vary take that one)."""
+    `datasets`' own reading (objects whose keys vary take that one, and JSON documents)."""
     plain = b'{"id": "2024-02-29", "text": "2024-02-29"}\n{"id": "2024-03-01", "text": "2024-03-01T10:00:00Z"}\n'
     assert _converted(tmp_path, plain) == [
         {"id": "2024-02-29", "text": "2024-02-29"},
@@ -483,6 +483,8 @@ def test_iso_dates_stay_text(tmp_path: Path) -> None:
         ("2024-02-29", "2024-02-29"),
         ("2024-03-01", "2024-03-01T10:00:00Z"),
     ]
+    document = b"[" + plain.strip().replace(b"\n", b",\n") + b"]\n"  # a JSON document: `datasets` reads it
+    assert _converted(tmp_path, document, fmt="json") == _converted(tmp_path, plain)
 
 
 def test_ids_keep_their_value_and_type(tmp_path: Path) -> None:
