@@ -42,6 +42,10 @@ STOP_WAIT_S = 30.0  # the ranks get this long to exit after TERM before they are
 # A rank step that ends on its own is acted on after this pause: a stop signal delivered to the
 # whole job (scancel) reaches this process too, and decides first.
 RANK_EXIT_GRACE_S = 3.0
+# An engine that failed while its ranks' step is still up waits this long for the step to end before
+# the rows in flight are charged: a lost node often fails the head's engine (its collective cut off)
+# before `srun` has noticed and ended the step.
+NODE_FAULT_WAIT_S = 15.0
 HEADLESS = [sys.executable, "-m", "batchinfer.engine.headless"]  # + DIR ADDR PORT NNODES DTYPE ENGINE_ARGS
 
 
@@ -136,12 +140,11 @@ class RankStep:
 
     def fault(self) -> Optional[str]:
         """Why the engine failed when its cause is another node: the ranks' step ended on its own
-        (waiting up to RANK_EXIT_GRACE_S for it: the head's engine may fail first, its worker's
-        collective cut off by the dead rank); None when the ranks live on, or were stopped."""
+        (waited for up to NODE_FAULT_WAIT_S); None when the ranks live on, or were stopped."""
         if self.proc is None or self.stopping.is_set():
             return None
         try:
-            rc = self.proc.wait(RANK_EXIT_GRACE_S)
+            rc = self.proc.wait(NODE_FAULT_WAIT_S)
         except subprocess.TimeoutExpired:
             return None
         return None if self.stopping.is_set() else self._exited(rc)

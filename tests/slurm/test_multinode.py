@@ -114,6 +114,8 @@ def test_an_engine_over_two_nodes_runs_each_row_once_through_a_dead_rank_and_usr
     failed = re.search(r"shard \d+ failed \((.*?)\), attempt 1 of 3: requeueing", first_run, re.S)
     assert failed and "EngineCore" in failed[1], first_run[-3000:]
     assert "Connection reset by peer" in first_run or "the engine ranks on node2 exited" in first_run
+    # node2's fault, not the rows': none of the rows in flight was charged as a suspect
+    assert "a node's fault; the" in first_run and "rows in flight are not suspects" in first_run
     # then USR2: committed, requeued once more (two requeues in all, by the head each time)
     assert "received SIGUSR2: committing and stopping" in logs
     assert len(re.findall(rf"requeued {job}(_0)?\b", logs)) == 2, logs[-3000:]

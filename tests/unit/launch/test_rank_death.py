@@ -106,7 +106,7 @@ def test_a_dead_rank_charges_no_row_and_two_deaths_make_no_error_row(
 def test_with_the_ranks_alive_an_engine_death_still_charges_the_rows_in_flight(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ranks, "RANK_EXIT_GRACE_S", 0.2)
+    monkeypatch.setattr(ranks, "NODE_FAULT_WAIT_S", 0.2)
     run, rows = two_node_run(tmp_path)
     step = ranks_alive(run, monkeypatch)
     engine = FakeEngine(poison=[rows[5]["text"]])  # the head's own engine dies on a row
