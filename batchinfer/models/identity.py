@@ -102,7 +102,13 @@ def model_identity(folder: Path) -> ModelIdentity:
     """The identity of a model folder (every file under it but hidden ones; symlinks followed, as a
     hub cache's snapshot links its blobs)."""
     files = []
+    seen: set[str] = set()
     for root, dirs, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:  # a link back up the tree: walked already
+            dirs[:] = []
+            continue
+        seen.add(real)
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(names):
             if name.startswith("."):

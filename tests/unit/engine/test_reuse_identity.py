@@ -135,6 +135,7 @@ def test_identity_names_sizes_and_sampled_contents(tmp_path: Path, monkeypatch: 
     (d / ".hidden").write_text("not the model's")
     big = bytearray(range(256)) * 40  # 10,240 bytes: sampled
     (d / "w.bin").write_bytes(big)
+    (d / "sub" / "up").symlink_to(d)  # a link back up the tree is walked once
     one = ident.model_identity(d)
     assert [(f.name, f.size, f.whole) for f in one.files] == [
         ("config.json", 2, True),
