@@ -19,7 +19,7 @@ from batchinfer.errors import ConfigError, RunDirError
 from batchinfer.ownership import Kind
 from batchinfer.rundir import passes
 from batchinfer.rundir.merge import format_indices, incomplete_shards, merge
-from batchinfer.rundir.prepare import PREPARING, prepare
+from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.splice import select_rows, view_schema, write_selection
 from batchinfer.rundir.store import RunDir
 from batchinfer.rundir.where import compile_where
@@ -117,7 +117,6 @@ def new_pass(
         if made.adopted:
             print(f"pass {number} of {root.path} was left half made by a redo that was stopped: made again")
             made.clear()
-        (path / PREPARING).touch()  # prepare fills this folder: a run directory being made
         passes.write_record(path, number, where, overrides, config_dir)
         write_selection(root, rows, path)
         passes.set_rows(path, len(rows))

@@ -275,7 +275,7 @@ def _create(
             "config": c,
         }
     )
-    (run.path / PREPARING).unlink(missing_ok=True)  # an older prepare's, or redo's (launch/redo.py)
+    (run.path / PREPARING).unlink(missing_ok=True)  # an older prepare's, or an older redo's
     log.info("prepared %s: %s in %s", run.path, plural(rows, "row"), plural(len(shards), "shard"))
 
 
