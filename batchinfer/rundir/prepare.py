@@ -97,6 +97,8 @@ def check_writable(path: Path) -> None:
     where = Path(os.path.abspath(path))
     if where.is_symlink() or (where.exists() and not where.is_dir()):
         return  # not a folder: ownership.claim refuses it, naming what it is
+    if where.is_dir() and ownership.recognise(where).kind is ownership.Kind.FOREIGN:
+        return  # not empty and not ours: nothing is written into it, not even a probe
     while not where.exists() and where != where.parent:
         where = where.parent
     try:

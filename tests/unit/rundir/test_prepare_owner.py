@@ -119,3 +119,15 @@ def test_a_prepare_killed_half_way_is_adopted_by_the_next(tmp_path: Path, corpor
     assert found.kind is Kind.HALF_MADE and found.mark is not None and found.mark.maker.pid == first.pid
     run = prepare(compose(overrides(tmp_path, small, out)))
     assert read_json(run.plan_json)["rows"] == 30 and recognise(out).kind is Kind.DONE
+
+
+def test_nothing_is_written_into_a_users_folder_not_even_a_probe(tmp_path: Path, corpora: tuple[Path, Path]) -> None:
+    """The folder's mtime changes with any file made and removed in it (a write probe, a lock)."""
+    big, _ = corpora
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years")
+    stamp = mine.stat().st_mtime_ns
+    with pytest.raises(FolderRefused, match="batchinfer did not make it"):
+        prepare(compose(overrides(tmp_path, big, mine)))
+    assert mine.stat().st_mtime_ns == stamp and [p.name for p in mine.iterdir()] == ["thesis.tex"]
