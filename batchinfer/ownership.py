@@ -1,7 +1,7 @@
 """One owner for every folder: the one place where a command creates a folder it owns, recognises
 it later, adopts a half-made one whose maker is dead, publishes a finished one by renaming it into
 an absent name, and removes only what it made (issue 40). Nothing else removes or renames a run's
-folders (tests/contract/test_ownership.py).
+folders (tests/contract/test_ownership_rule.py).
 
 On disk, a folder batchinfer made holds, beside what its command puts there:
 - `.batchinfer-owner.json` (MARK): who made it and whether it is finished,
@@ -36,7 +36,9 @@ API (every refusal is a FolderRefused, exit 2, one line naming the folder and it
 - `publish(staged, dest) -> bool`: mark the staged folder "done", rename it to dest. False when
   dest is there and not empty (another process published meanwhile, or not ours: recognise it);
   rename replaces only an absent name or an empty folder, never follows a symlink.
-- `sweep(parent, tag)`: remove staged folders of that tag whose maker is provably dead."""
+- `sweep(parent, tag)`: remove staged folders of that tag whose maker is provably dead.
+- `refusal(found, label) -> FolderRefused`: the one-line refusal of what recognise found;
+  `read_mark(folder) -> Mark | None`: the mark alone (`Mark.describe()` names the maker)."""
 
 from __future__ import annotations
 
