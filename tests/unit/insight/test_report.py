@@ -112,3 +112,11 @@ def test_docs_list_the_preset_prices() -> None:
     prices = next(ln for ln in readme.splitlines() if ln.startswith("| assumed $/GPU-hour |"))
     cells = [[c.strip() for c in ln.strip("|").split("|")[1:]] for ln in (names, prices)]
     assert dict(zip(cells[0], map(float, cells[1]), strict=True)) == GPU_HOUR_PRICES
+
+
+def test_docs_show_the_report_table_with_every_column_it_prints() -> None:
+    from batchinfer.rundir.stats import HEADER
+
+    page = (REPO / "docs" / "tune-forecast.md").read_text()
+    header = next(ln for ln in page.splitlines() if ln.startswith("| shard | rows |"))
+    assert header == "| " + " | ".join(HEADER) + " |"
