@@ -30,6 +30,6 @@ for pkg in torchvision torchaudio torchcodec; do
         removed+=("$pkg")
     fi
 done
-echo "torchvision, torchaudio, torchcodec: kept ${kept[*]:-none} (they load with the CPU torch)," \
-    "removed ${removed[*]:-none} (builds that do not load with it)"
+echo "torchvision, torchaudio, torchcodec: kept (they load with the CPU torch): ${kept[*]:-none};" \
+    "removed (builds that do not load with it): ${removed[*]:-none}"
 python -c "import vllm, transformers, torch, batchinfer; print('installed: vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from support.corpus import assert_exactly_once, project, read_output
-from support.procs import group_alive, kill_group, run_cli, spied_rows
+from support.procs import ShmWatch, group_alive, kill_group, run_cli, spied_rows
 from support.runs import (
     ROWS,
     Workload,
@@ -104,6 +104,7 @@ def test_usr2_during_engine_start_is_acted_on(workload: Workload, engine: Any, c
     out = workload.dir / "usr2"
     cmd = [sys.executable, "-m", "batchinfer.cli", "run", *workload.base, f"output.dir={out}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, text=True)
+    watch = ShmWatch(proc.pid)
     log = ""
     while "starting vLLM engine" not in log:
         line = proc.stderr.readline()
@@ -121,4 +122,7 @@ def test_usr2_during_engine_start_is_acted_on(workload: Workload, engine: Any, c
     assert not RunDir(out).shard_folder(0).is_done()
     time.sleep(1)
     assert group_alive(proc.pid) == []
+    # a stopped run leaves nothing in /dev/shm of what its engine's processes held
+    segments = watch.stop()
+    assert segments and not [n for n in segments if os.path.exists(f"/dev/shm/{n}")]
     resume_and_check(workload, out, engine)

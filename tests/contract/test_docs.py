@@ -6,19 +6,16 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import threading
 from pathlib import Path
 
-import psutil
 import pyarrow.parquet as pq
 import pytest
 import yaml
 from markdown.extensions.toc import slugify
 from support import REPO
-from support.procs import group_alive
+from support.procs import ShmWatch, group_alive
 
 from batchinfer.cli import build_parser
-from batchinfer.engine.shm import held_names
 
 DOCS = REPO / "docs"
 
@@ -35,32 +32,6 @@ def test_readme_names_the_two_commands_and_ci_runs_the_second() -> None:
     assert install_and_example == "bash scripts/install-cpu.sh && bash examples/stdlib-topics/run.sh"
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert tests in ci  # exactly the same test command
-
-
-class ShmWatch:
-    """The /dev/shm segments a process group's processes hold, sampled while it runs."""
-
-    def __init__(self, pgid: int):
-        self.pgid, self.names, self.done = pgid, set(), threading.Event()
-        self.thread = threading.Thread(target=self._watch, daemon=True)
-        self.thread.start()
-
-    def _watch(self) -> None:
-        while not self.done.wait(0.5):
-            self.names |= held_names(p.pid for p in psutil.process_iter() if _in_group(p, self.pgid))
-
-    def stop(self) -> set[str]:
-        """What was seen."""
-        self.done.set()
-        self.thread.join()
-        return self.names
-
-
-def _in_group(p: psutil.Process, pgid: int) -> bool:
-    try:
-        return os.getpgid(p.pid) == pgid
-    except OSError:
-        return False
 
 
 def run_example(env: dict[str, str]) -> tuple[subprocess.CompletedProcess, set[str]]:

@@ -7,9 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
+
+from batchinfer.engine.shm import held_names
 
 
 def run_cli(
@@ -186,3 +191,30 @@ class BlockedCli:
     def __exit__(self, *exc: Any) -> None:
         if self.proc.poll() is None:
             kill_group(self.proc)
+
+
+class ShmWatch:
+    """The /dev/shm segments a process group's processes hold, sampled while it runs."""
+
+    def __init__(self, pgid: int):
+        self.pgid, self.names, self.done = pgid, set(), threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.done.wait(0.5):
+            self.names |= held_names(p.pid for p in psutil.process_iter() if _in_group(p, self.pgid))
+
+    def stop(self) -> set[str]:
+        """What was seen."""
+        self.done.set()
+        self.thread.join()
+        return self.names
+
+
+def _in_group(p: psutil.Process, pgid: int) -> bool:
+    """Whether p is in process group pgid (False once it is gone)."""
+    try:
+        return os.getpgid(p.pid) == pgid
+    except OSError:
+        return False
