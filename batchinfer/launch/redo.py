@@ -208,13 +208,14 @@ def resume_pass(root_dir: str, overrides: list[str], force: bool = False, dry_ru
         raise passes.being_made(root, number, found)
     run = RunDir(path)
     print(f"pass {number} of {root.path} ({passes.read_record(path).describe()}) is not finished: resuming it")
-    if run.config.cluster.name == "slurm":
-        resume(str(path), overrides, force=force, dry_run=dry_run)
-    elif dry_run:
+    if dry_run and run.config.cluster.name != "slurm":
         todo = incomplete_shards(run)
         print(f"dry run: shards {format_indices(todo)} of {path} would run here, then merge; nothing started")
-    else:
-        with holding(root, "resume"):
+        return True
+    with holding(root, "resume"):  # not beside a redo of DIR submitting or running this pass
+        if run.config.cluster.name == "slurm":
+            resume(str(path), overrides, force=force, dry_run=dry_run)
+        else:
             run_pass(run)
     return True
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from support.corpus import read_output, write_corpus
 from support.fake_slurm import SUBMITTED, cli
+from support.procs import BlockedCli
 from support.runs import run_overrides
 from support.standin import StandinEngine
 
@@ -92,3 +93,26 @@ def test_the_same_redo_while_its_pass_jobs_are_queued_submits_nothing(
     assert code != 0 and "700_0 PENDING" in err and "701 PENDING" in err
     assert sbatch.with_suffix(".count").read_text().strip() == "2"  # the array and merge job of the first only
     assert len(submissions(RunDir(root.path / "passes" / "1"))) == 1
+
+
+def test_resume_while_a_redo_submits_the_same_pass_is_refused_naming_it(
+    tmp_path: Path, tiny_model_path: Path, fake_bin: Any, capsys: pytest.CaptureFixture
+) -> None:
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 40, seed=12)
+    cfg = compose(run_overrides(tiny_model_path, corpus, tmp_path / "run", "sampling.max_tokens=4"))
+    root = run_local(cfg, engine=StandinEngine(cfg))
+    sbatch = fake_bin("sbatch", f'{SUBMITTED}echo "Submitted batch job $((700 + n))"')
+    args = ["redo", str(root.path), "--where", 'finish_reason == "length"', "cluster=slurm", "cluster.gpus_per_task=0"]
+    code, out, err = cli(args, capsys)
+    assert code == 0 and "(job 700); merge job 701" in out, err
+    # its jobs ended unfinished (squeue lists nothing): the same redo submits the pass again, and
+    # stops right before sbatch; a resume of DIR meanwhile would submit a second array beside it
+    with BlockedCli("batchinfer.launch.submit:submit_shards", args) as second:
+        second.blocked()
+        code, out, err = cli(["resume", str(root.path)], capsys)
+        assert code != 0 and f"pid {second.pid}" in err, err
+        res = second.release()
+    assert res.returncode == 0 and "(job 702); merge job 703" in res.stdout, res.stderr
+    assert sbatch.with_suffix(".count").read_text().strip() == "4"
+    assert len(submissions(RunDir(root.path / "passes" / "1"))) == 2
