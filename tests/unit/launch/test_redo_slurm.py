@@ -77,17 +77,26 @@ def test_redo_on_slurm_status_cancel_resume_and_merge_job(
     assert json.loads(out)["passes"] == {"0": 40 - len(length), "1": len(length)}
 
 
-def test_the_same_redo_while_its_pass_jobs_are_queued_submits_nothing(
-    tmp_path: Path, tiny_model_path: Path, fake_bin: Any, capsys: pytest.CaptureFixture
-) -> None:
+def submitted_pass(
+    tmp_path: Path, model: Path, fake_bin: Any, capsys: pytest.CaptureFixture
+) -> tuple[RunDir, Path, list[str]]:
+    """A finished run of 40 rows and `redo ... cluster=slurm` of it submitted (array 700, merge job
+    701): DIR, the fake sbatch and the redo's arguments."""
     corpus = tmp_path / "c.jsonl"
     write_corpus(corpus, 40, seed=12)
-    cfg = compose(run_overrides(tiny_model_path, corpus, tmp_path / "run", "sampling.max_tokens=4"))
+    cfg = compose(run_overrides(model, corpus, tmp_path / "run", "sampling.max_tokens=4"))
     root = run_local(cfg, engine=StandinEngine(cfg))
     sbatch = fake_bin("sbatch", f'{SUBMITTED}echo "Submitted batch job $((700 + n))"')
     args = ["redo", str(root.path), "--where", 'finish_reason == "length"', "cluster=slurm", "cluster.gpus_per_task=0"]
     code, out, err = cli(args, capsys)
     assert code == 0 and "(job 700); merge job 701" in out, err
+    return root, sbatch, args
+
+
+def test_the_same_redo_while_its_pass_jobs_are_queued_submits_nothing(
+    tmp_path: Path, tiny_model_path: Path, fake_bin: Any, capsys: pytest.CaptureFixture
+) -> None:
+    root, sbatch, args = submitted_pass(tmp_path, tiny_model_path, fake_bin, capsys)
     fake_bin("squeue", 'echo "700_0|700|PENDING|bi-x"; echo "701|701|PENDING|bi-x"')
     code, out, err = cli(args, capsys)
     assert code != 0 and "700_0 PENDING" in err and "701 PENDING" in err
@@ -98,14 +107,7 @@ def test_the_same_redo_while_its_pass_jobs_are_queued_submits_nothing(
 def test_resume_while_a_redo_submits_the_same_pass_is_refused_naming_it(
     tmp_path: Path, tiny_model_path: Path, fake_bin: Any, capsys: pytest.CaptureFixture
 ) -> None:
-    corpus = tmp_path / "c.jsonl"
-    write_corpus(corpus, 40, seed=12)
-    cfg = compose(run_overrides(tiny_model_path, corpus, tmp_path / "run", "sampling.max_tokens=4"))
-    root = run_local(cfg, engine=StandinEngine(cfg))
-    sbatch = fake_bin("sbatch", f'{SUBMITTED}echo "Submitted batch job $((700 + n))"')
-    args = ["redo", str(root.path), "--where", 'finish_reason == "length"', "cluster=slurm", "cluster.gpus_per_task=0"]
-    code, out, err = cli(args, capsys)
-    assert code == 0 and "(job 700); merge job 701" in out, err
+    root, sbatch, args = submitted_pass(tmp_path, tiny_model_path, fake_bin, capsys)
     # its jobs ended unfinished (squeue lists nothing): the same redo submits the pass again, and
     # stops right before sbatch; a resume of DIR meanwhile would submit a second array beside it
     with BlockedCli("batchinfer.launch.submit:submit_shards", args) as second:
