@@ -10,6 +10,7 @@ from batchinfer import faults
 from batchinfer.config.schema import Config
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.inputs.openai_batch import task_mismatch
+from batchinfer.requests.bounded import CharBound
 from batchinfer.requests.build import build_request, sampling_for
 from batchinfer.requests.prompts import PromptBuilder, RowError
 from batchinfer.requests.request import ErrorRow, RequestKey
@@ -33,7 +34,8 @@ class GenerationRows:
             return ErrorRow(dict(error_row(index, base["id"], "unsupported", f"row {index}: {why}"), **base))
         kwargs = self.cfg.prompt.chat_template_kwargs
         try:
-            req = build_request(self.cfg, self.prompts, row, index, lambda p: engine.encode(p, kwargs))
+            bound = CharBound.of(engine.max_model_len, getattr(engine, "max_token_chars", None))
+            req = build_request(self.cfg, self.prompts, row, index, lambda p: engine.encode(p, kwargs), bound)
             ids = req.fit(self.cfg.prompt.overlong, engine.max_model_len)
             self.params(engine, req.own)
         except RowError as e:

@@ -20,6 +20,7 @@ from batchinfer.engine.dtype import device_name, engine_dtype
 from batchinfer.engine.environment import engine_environment
 from batchinfer.engine.sampling_args import sampling_kwargs, structured_kwargs
 from batchinfer.engine.watchdog import Watchdog
+from batchinfer.models.tokens import hf_max_token_chars
 from batchinfer.requests.prompts import Prompt, RowError
 from batchinfer.versions import cpu_build
 
@@ -195,6 +196,7 @@ class Engine:
                 os.environ.pop("VLLM_LOGGING_LEVEL", None)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
+        self.max_token_chars = hf_max_token_chars(self.tokenizer)  # requests/bounded.py
         vc = self.engine.vllm_config
         self.max_model_len: int = vc.model_config.max_model_len
         self.dtype = str(vc.model_config.dtype).removeprefix("torch.")  # what `auto` became

@@ -26,6 +26,7 @@ def check_rows(
     from jinja2.exceptions import TemplateError
 
     from batchinfer.inputs.openai_batch import task_mismatch
+    from batchinfer.requests.bounded import CharBound
     from batchinfer.requests.build import build_request, row_id
     from batchinfer.requests.prompts import PromptBuilder, RowError
 
@@ -35,6 +36,7 @@ def check_rows(
     errors, stops, lengths = found.errors, found.stops, found.lengths
     kwargs = prompt.chat_template_kwargs
     pooled = PooledRows(c, tok, max_len) if c.task.name in POOLING_TASKS else None
+    bound = CharBound.of(max_len, tok.max_token_chars)  # as the worker bounds it (GenerationRows)
     rows = range(len(ds)) if rows is None else rows
     for start in range(0, len(rows), BATCH_ROWS):
         batch = rows[start : start + BATCH_ROWS]
@@ -53,9 +55,9 @@ def check_rows(
                             lengths[sum(pooled.raw)] += 1
                             found.overlong += any(n > max_len for n in pooled.raw)
                     continue
-                req = build_request(c, builder, row, index, lambda p: tok.encode(p, kwargs))
-                lengths[len(req.ids)] += 1
-                found.overlong += len(req.ids) >= max_len
+                req = build_request(c, builder, row, index, lambda p: tok.encode(p, kwargs), bound)
+                lengths[req.tokens] += 1
+                found.overlong += req.tokens >= max_len
                 req.fit(prompt.overlong, max_len)
             except RowError as e:
                 errors.add(e.kind, dict(example, message=f"row {index}: {e.message}"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -93,6 +94,46 @@ def compile_template(template: str) -> Any:
     return env.from_string(template)
 
 
+# Normalizers that never delete a character that is not whitespace (StripAccents, BertNormalizer's
+# clean_text and SentencePiece's Precompiled can): under them each such character of a text stays in
+# some token, so a text of C of them has at least C / (the longest token's characters) tokens.
+KEEP_CHARACTERS = frozenset({"NFC", "NFKC", "NFD", "NFKD", "Lowercase", "Prepend", "Strip", "Sequence", "Replace"})
+
+
+def _keeps_characters(normalizer: Any) -> bool:
+    if normalizer is None:
+        return True
+    kind = normalizer.get("type")
+    if kind not in KEEP_CHARACTERS or (kind == "Replace" and not normalizer.get("content")):
+        return False
+    return all(_keeps_characters(n) for n in normalizer.get("normalizers") or [])
+
+
+def max_token_chars(tokenizer_json: str, vocab: Any) -> Optional[int]:
+    """The most characters of a text one token can stand for, from a fast tokenizer's JSON and its
+    vocabulary (added tokens too); None when no such bound holds: a normalizer that deletes
+    characters, or unknown characters fused into one token (BPE's fuse_unk without byte fallback,
+    Unigram). A WordPiece word it does not know is one [UNK] of up to max_input_chars_per_word."""
+    spec = json.loads(tokenizer_json)
+    model = spec.get("model") or {}
+    if not _keeps_characters(spec.get("normalizer")):
+        return None
+    longest = max((len(t) for t in vocab), default=0)
+    if model.get("type") == "BPE" and (model.get("byte_fallback") or not model.get("fuse_unk")):
+        return longest or None
+    if model.get("type") == "WordPiece":
+        return max(longest, int(model.get("max_input_chars_per_word") or 100))
+    return None
+
+
+def hf_max_token_chars(tokenizer: Any) -> Optional[int]:
+    """max_token_chars of a transformers fast tokenizer (the engine's); None for a slow one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    return max_token_chars(backend.to_str(), backend.get_vocab(with_added_tokens=True))
+
+
 class LoginTokenizer:
     """A model's tokenizer.json and chat template, counting prompt tokens as vLLM does."""
 
@@ -138,6 +179,11 @@ class LoginTokenizer:
             raise ConfigError(
                 f"{where}: the chat template does not compile ({e.message}); fix it or use prompt.mode=raw"
             ) from None
+
+    @functools.cached_property
+    def max_token_chars(self) -> Optional[int]:
+        """The most characters one token stands for (see max_token_chars); None: no bound."""
+        return max_token_chars(self.tokenizer.to_str(), self.tokenizer.get_vocab(with_added_tokens=True))
 
     def render(self, messages: list[dict[str, Any]], chat_template_kwargs: Optional[dict[str, Any]] = None) -> str:
         """The chat template rendered to text with the generation prompt, as apply_chat_template(tokenize=False)."""

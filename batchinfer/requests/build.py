@@ -7,18 +7,20 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from batchinfer.config.schema import Config
 from batchinfer.errors import InputError
 from batchinfer.inputs.openai_batch import ROW_SAMPLING, task_mismatch
 from batchinfer.inputs.textfiles import MAX_JSON_DEPTH, json_depth
+from batchinfer.requests.bounded import CharBound
 from batchinfer.requests.prompts import Messages, Prompt, PromptBuilder, RowError
 from batchinfer.requests.verdict import RULES, Limits, limits, refusal
 
 # The keys a row's own sampling may set: SamplingParams names (not seed_per_row, a run's setting).
 ROW_KEYS = frozenset({*RULES, "structured_outputs"})
 Encode = Callable[[Prompt], list[int]]
+TRUNCATE = ("truncate_left", "truncate_right")
 MAX_RENDERS = 40  # renders of a chat being cut: halving the gap, a million characters take 20
 
 
@@ -32,9 +34,19 @@ class RowRequest:
     prompt: Prompt
     ids: list[int]
     encode: Encode = field(repr=False, compare=False)  # how ids were made: a cut chat is rendered again
+    # The prompt is overlong by its characters alone (requests/bounded.py): at least this many tokens,
+    # not counted; ids are empty (error_row, fail), or of its cut text (truncate_left, truncate_right).
+    at_least: Optional[int] = None
+
+    @property
+    def tokens(self) -> int:
+        """The prompt's tokens: counted, or the fewest it can have."""
+        return self.at_least or len(self.ids)
 
     def fit(self, policy: str, max_model_len: int) -> list[int]:
         """The token ids to send, prompt.overlong applied (see fit_prompt)."""
+        if self.at_least and policy not in TRUNCATE:
+            return overlong_tokens(self.ids, policy, max_model_len, self.sampling["max_tokens"], self.at_least)
         return fit_prompt(self.prompt, self.ids, self.encode, policy, max_model_len, self.sampling["max_tokens"])
 
 
@@ -49,16 +61,28 @@ def sampling_for(cfg: Config, own: str) -> dict[str, Any]:
     return dict(cfg.sampling.params, **json.loads(own)) if own else cfg.sampling.params
 
 
-def build_request(cfg: Config, builder: PromptBuilder, row: dict[str, Any], index: int, encode: Encode) -> RowRequest:
-    """Id, sampling, prompt and token ids of a row; a bad row raises RowError."""
+def build_request(
+    cfg: Config,
+    builder: PromptBuilder,
+    row: dict[str, Any],
+    index: int,
+    encode: Encode,
+    bound: Optional[CharBound] = None,
+) -> RowRequest:
+    """Id, sampling, prompt and token ids of a row; a bad row raises RowError. bound: a prompt
+    overlong by its characters alone is not tokenized whole (requests/bounded.py)."""
     why = task_mismatch(row, cfg.task.name)  # an OpenAI request this run cannot honour
     if why:
         raise RowError("unsupported", why)
     id_ = row_id(cfg, row, index)
     own = row_sampling(cfg, row, id_)
     prompt = builder.build(row)
-    ids = _encode(encode, prompt)
-    return RowRequest(id_, own, sampling_for(cfg, own), prompt, ids, encode)
+    policy = cfg.prompt.overlong
+    at_least = bound.at_least(prompt) if bound is not None else None
+    if at_least is not None and policy in TRUNCATE:
+        prompt = bound.shorten(prompt, from_end=policy == "truncate_left")
+    ids = [] if at_least is not None and policy not in TRUNCATE else _encode(encode, prompt)
+    return RowRequest(id_, own, sampling_for(cfg, own), prompt, ids, encode, at_least)
 
 
 def _encode(encode: Encode, prompt: Prompt) -> list[int]:
@@ -70,11 +94,15 @@ def _encode(encode: Encode, prompt: Prompt) -> list[int]:
         ) from None
 
 
-def overlong_tokens(ids: list[int], policy: str, max_model_len: int, max_tokens: int) -> list[int]:
-    """Apply prompt.overlong to a prompt vLLM would reject (prompt_tokens >= max_model_len)."""
-    if len(ids) < max_model_len:
+def overlong_tokens(
+    ids: list[int], policy: str, max_model_len: int, max_tokens: int, at_least: Optional[int] = None
+) -> list[int]:
+    """Apply prompt.overlong to a prompt vLLM would reject (prompt_tokens >= max_model_len); at_least:
+    the tokens it has at least, known from its characters (ids are then not all of its tokens)."""
+    if at_least is None and len(ids) < max_model_len:
         return ids
-    msg = f"prompt has {len(ids)} tokens; model.max_model_len is {max_model_len}"
+    count = f"at least {at_least} tokens (from its length in characters)" if at_least else f"{len(ids)} tokens"
+    msg = f"prompt has {count}; model.max_model_len is {max_model_len}"
     if policy == "fail":
         raise InputError(
             f"{msg} (prompt.overlong=fail); raise model.max_model_len or choose error_row/truncate_left/truncate_right"

@@ -216,6 +216,27 @@ def test_what_only_vllm_refuses_is_an_error_row_and_no_row_in_flight_is_a_suspec
     assert not progress.get("suspects") and not progress.get("error"), progress
 
 
+def test_a_huge_field_is_the_same_overlong_row_in_validate_and_the_run_and_neither_tokenizes_it(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """A 4 MB field: `validate` and the worker make it the same overlong error row (`at least N
+    tokens`, from its characters), and the engine's tokenizer never sees it (issue 41: the whole
+    text was tokenized, 8.6 GB for 52 MB)."""
+    corpus = tmp_path / "big.jsonl"
+    big = "the quick brown fox jumps over the lazy dog. " * 90_000
+    corpus.write_text("".join(json.dumps({"id": f"r{i}", "text": t}) + "\n" for i, t in enumerate(["hi", big, "yo"])))
+    ov = run_overrides(tiny_model_path, corpus, tmp_path / "run")
+    eng = StandinEngine(compose(ov))
+    sizes: list[int] = []
+    encode = eng.encode
+    eng.encode = lambda prompt, kw=None: sizes.append(len(str(prompt))) or encode(prompt, kw)  # type: ignore[method-assign]
+    predicted, made = verdicts(ov, eng)
+    assert predicted == made == {1: "overlong"}
+    assert sizes and max(sizes) < 1000
+    row = committed_rows(tmp_path / "run")[1]
+    assert "prompt has at least" in row["error"]["message"]
+
+
 # ---------------------------------------------------------------- input files and settings
 
 ROW = b'{"id": 1, "text": "a"}\n'

@@ -25,6 +25,7 @@ from batchinfer.config.schema import to_config
 from batchinfer.config.vllm_names import MAX_LOGPROBS
 from batchinfer.engine.vllm_engine import Completion, Engine, model_key
 from batchinfer.faults import POISON_ENV
+from batchinfer.models.tokens import hf_max_token_chars
 from support import TESTS
 
 ENV_NAME = "BATCHINFER_STANDIN_ENGINE"  # batchinfer.faults.STANDIN_ENV
@@ -96,6 +97,7 @@ class StandinEngine:
         self.max_model_len = cfg.model.max_model_len or 128
         self.max_num_seqs = cfg.model.max_num_seqs or 16
         self.tokenizer = AutoTokenizer.from_pretrained(str(Path(cfg.model.path)))
+        self.max_token_chars = hf_max_token_chars(self.tokenizer)  # as vllm_engine.Engine has it
         self.refuse_every = refuse_every
         self.max_logprobs = (cfg.model.engine_kwargs or {}).get("max_logprobs", MAX_LOGPROBS)
         # a step takes time, so rates, holds and kills at a random moment behave as on an engine
