@@ -116,17 +116,8 @@ def check_sampling(cfg: DictConfig) -> None:
         limits(m.path, m.revision, engine_kwargs),
         in_row=False,
     )
-    if found is None:
-        return
-    fix = FIXES.get(found.key, "")
-    raise ConfigError(found.message("sampling.") + (f"; {fix}" if fix else ""))
-
-
-# What to do about a refused sampling value, beyond what it takes.
-FIXES = {
-    "seed": "choose a seed below 2^63 (9223372036854775808)",
-    "structured_outputs.json": "write the schema inline or name a file holding it",
-}
+    if found is not None:
+        raise ConfigError(found.message("sampling."))
 
 
 def _check_dropped_settings(cfg: DictConfig) -> None:

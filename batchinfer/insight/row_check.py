@@ -36,7 +36,7 @@ def check_rows(
     errors, stops, lengths = found.errors, found.stops, found.lengths
     kwargs = prompt.chat_template_kwargs
     pooled = PooledRows(c, tok, max_len) if c.task.name in POOLING_TASKS else None
-    bound = CharBound.of(max_len, tok.max_token_chars)  # as the worker bounds it (GenerationRows)
+    bound = CharBound.of(max_len, getattr(tok, "max_token_chars", None))  # as the worker bounds it
     rows = range(len(ds)) if rows is None else rows
     for start in range(0, len(rows), BATCH_ROWS):
         batch = rows[start : start + BATCH_ROWS]

@@ -382,6 +382,39 @@ FILE_CASES = {
         "ignore_eos, skip_special_tokens, structured_outputs",
         overrides=("sampling.foo.bar=1",),
     ),
+    "sampling.temperature=inf": FileCase(
+        {"c.jsonl": ROW},
+        "sampling.temperature=inf is not a finite number: vLLM refuses inf and nan; it takes a finite number in "
+        "[0, 2] (0 is greedy)",
+        overrides=("sampling.temperature=inf",),
+        commands=("validate", "plan", "run"),
+    ),
+    "sampling.seed at 2^63": FileCase(
+        {"c.jsonl": ROW},
+        "sampling.seed=9223372036854775808 is out of range: it takes an integer in [-2^63, 2^63)",
+        overrides=("sampling.seed=9223372036854775808",),
+        commands=("validate", "plan", "run"),
+    ),
+    "model.engine_kwargs naming no EngineArgs field": FileCase(
+        {"c.jsonl": ROW},
+        "model.engine_kwargs.max_num_seq is not an argument of vLLM's EngineArgs (did you mean max_num_seqs?): "
+        "vLLM would refuse it at engine start; remove it, or spell it as `vllm serve --help` lists it (with _ for -)",
+        overrides=("+model.engine_kwargs.max_num_seq=4",),
+        commands=("validate", "plan", "run"),
+    ),
+    "a regex vLLM's grammar backends refuse": FileCase(
+        {"c.jsonl": ROW},
+        "sampling.structured_outputs.regex='(?=a)a' is refused by vLLM: it takes a regex without '(?=' "
+        "(lookarounds, backreferences, word boundaries are not supported)",
+        overrides=("sampling.structured_outputs.regex=(?=a)a",),
+        commands=("validate", "run"),
+    ),
+    "top_k above the vocabulary": FileCase(
+        {"c.jsonl": ROW},
+        "sampling.top_k=1000 is out of range: it takes at most the vocabulary's 330 tokens (0 or -1: all of them)",
+        overrides=("sampling.top_k=1000", "sampling.temperature=0.5"),
+        commands=("validate", "plan", "run"),
+    ),
     "config.json not JSON": FileCase(
         {"c.jsonl": ROW},
         "{m}/config.json:1:1: not valid JSON (Expecting value); copy the model folder again or fix the file",
