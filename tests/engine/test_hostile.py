@@ -281,6 +281,11 @@ class FileCase:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _setting(line: str, *overrides: str) -> FileCase:
+    """A setting vLLM would refuse at engine start: one line from validate, plan and run, before DIR."""
+    return FileCase({"c.jsonl": ROW}, line, overrides=overrides, commands=("validate", "plan", "run"))
+
+
 FILE_CASES = {
     "id above int64": FileCase(
         {"c.jsonl": ROW + b'{"id": 18446744073709551616, "text": "b"}\n'},
@@ -382,38 +387,29 @@ FILE_CASES = {
         "ignore_eos, skip_special_tokens, structured_outputs",
         overrides=("sampling.foo.bar=1",),
     ),
-    "sampling.temperature=inf": FileCase(
-        {"c.jsonl": ROW},
+    "sampling.temperature=inf": _setting(
         "sampling.temperature=inf is not a finite number: vLLM refuses inf and nan; it takes a finite number in "
         "[0, 2] (0 is greedy)",
-        overrides=("sampling.temperature=inf",),
-        commands=("validate", "plan", "run"),
+        "sampling.temperature=inf",
     ),
-    "sampling.seed at 2^63": FileCase(
-        {"c.jsonl": ROW},
+    "sampling.seed at 2^63": _setting(
         "sampling.seed=9223372036854775808 is out of range: it takes an integer in [-2^63, 2^63)",
-        overrides=("sampling.seed=9223372036854775808",),
-        commands=("validate", "plan", "run"),
+        "sampling.seed=9223372036854775808",
     ),
-    "model.engine_kwargs naming no EngineArgs field": FileCase(
-        {"c.jsonl": ROW},
+    "model.engine_kwargs naming no EngineArgs field": _setting(
         "model.engine_kwargs.max_num_seq is not an argument of vLLM's EngineArgs (did you mean max_num_seqs?): "
         "vLLM would refuse it at engine start; remove it, or spell it as `vllm serve --help` lists it (with _ for -)",
-        overrides=("+model.engine_kwargs.max_num_seq=4",),
-        commands=("validate", "plan", "run"),
+        "+model.engine_kwargs.max_num_seq=4",
     ),
-    "a regex vLLM's grammar backends refuse": FileCase(
-        {"c.jsonl": ROW},
+    "a regex vLLM's grammar backends refuse": _setting(
         "sampling.structured_outputs.regex='(?=a)a' is refused by vLLM: it takes a regex without '(?=' "
         "(lookarounds, backreferences, word boundaries are not supported)",
-        overrides=("sampling.structured_outputs.regex=(?=a)a",),
-        commands=("validate", "run"),
+        "sampling.structured_outputs.regex=(?=a)a",
     ),
-    "top_k above the vocabulary": FileCase(
-        {"c.jsonl": ROW},
+    "top_k above the vocabulary": _setting(
         "sampling.top_k=1000 is out of range: it takes at most the vocabulary's 330 tokens (0 or -1: all of them)",
-        overrides=("sampling.top_k=1000", "sampling.temperature=0.5"),
-        commands=("validate", "plan", "run"),
+        "sampling.top_k=1000",
+        "sampling.temperature=0.5",
     ),
     "config.json not JSON": FileCase(
         {"c.jsonl": ROW},
