@@ -43,10 +43,14 @@ def input_section(c: Config, files: list[Path], sample_rows: int) -> tuple[dict[
     return section, sample
 
 
-def _counts(c: Config, builder: Any, tok: Any, sample: list[dict[str, Any]]) -> tuple[list[int], list[str]]:
-    """Prompt tokens of each sampled row as the worker builds it (before any cut), and the row errors."""
+def _counts(
+    c: Config, builder: Any, tok: Any, sample: list[dict[str, Any]], max_len: int
+) -> tuple[list[int], list[str]]:
+    """Prompt tokens of each sampled row as the worker builds it (before any cut; a prompt overlong by
+    its characters alone, the fewest it can have: requests/bounded.py), and the row errors."""
     from jinja2.exceptions import TemplateError
 
+    from batchinfer.requests.bounded import CharBound
     from batchinfer.requests.build import build_request
     from batchinfer.requests.pooling import pooling_request, special_tokens
     from batchinfer.requests.prompts import RowError
@@ -57,12 +61,14 @@ def _counts(c: Config, builder: Any, tok: Any, sample: list[dict[str, Any]]) -> 
     around = special_tokens(encode) if pooling else ([], [])
     counts: list[int] = []
     errors: list[str] = []
+    bound = CharBound.of(max_len, tok.max_token_chars)
     for i, row in enumerate(sample):
         try:
             if pooling:  # no limit: the count before prompt.overlong cuts it
                 counts.append(len(pooling_request(c, builder, row, i, encode, 2**62, around)[0]))
             else:
-                counts.append(len(build_request(c, builder, row, i, lambda p: tok.encode(p, kwargs)).ids))
+                req = build_request(c, builder, row, i, lambda p: tok.encode(p, kwargs), bound)
+                counts.append(req.tokens)
         except (RowError, TemplateError) as e:
             errors.append(str(e))  # an error row in a run, not a failed plan
     return counts, errors
@@ -80,7 +86,7 @@ def prompt_section(c: Config, folder: Path, rows: int, sample: list[dict[str, An
     tok = LoginTokenizer.from_model_dir(folder)  # unpadded and uncut, as vLLM (through transformers) counts
     if c.prompt.mode == "chat" and tok.chat_template is None:
         raise ConfigError(f"model.path {c.model.path}: the model has no chat template; use prompt.mode=raw")
-    counts, errors = _counts(c, builder, tok, sample)
+    counts, errors = _counts(c, builder, tok, sample, max_len)
     sampling = c.sampling
     out = {
         "mode": c.prompt.mode,

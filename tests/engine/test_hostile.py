@@ -237,6 +237,26 @@ def test_a_huge_field_is_the_same_overlong_row_in_validate_and_the_run_and_neith
     assert "prompt has at least" in row["error"]["message"]
 
 
+def test_plan_counts_a_huge_field_from_its_characters(
+    tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`plan` samples rows as the worker builds them: a 4 MB field is counted as the fewest tokens it
+    can have, never tokenized whole."""
+    from batchinfer.insight.plan import estimate
+    from batchinfer.models.tokens import LoginTokenizer
+
+    corpus = tmp_path / "big.jsonl"
+    big = "the quick brown fox jumps over the lazy dog. " * 90_000
+    corpus.write_text("".join(json.dumps({"id": f"r{i}", "text": t}) + "\n" for i, t in enumerate(["hi", big])))
+    sizes: list[int] = []
+    encode = LoginTokenizer.encode
+    monkeypatch.setattr(
+        LoginTokenizer, "encode", lambda self, p, kw=None: sizes.append(len(str(p))) or encode(self, p, kw)
+    )
+    report = estimate(compose(run_overrides(tiny_model_path, corpus, tmp_path / "run")))
+    assert max(sizes) < 1000 and report["prompt_tokens"]["tokenized_rows"] == 2, report["prompt_tokens"]
+
+
 # ---------------------------------------------------------------- input files and settings
 
 ROW = b'{"id": 1, "text": "a"}\n'
