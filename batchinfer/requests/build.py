@@ -214,7 +214,8 @@ def check_row_sampling(cfg: Config, own: dict[str, Any], where: str) -> None:
     sampling values on top of the config's (requests/verdict.py holds vLLM's rules)."""
     if not own:
         return  # the config's own values were checked before the run started
-    found = refusal(dict(cfg.sampling.params, **own), row_limits(cfg))
+    # a json schema string is a path only in the config's own structured_outputs (frozen into DIR)
+    found = refusal(dict(cfg.sampling.params, **own), row_limits(cfg), in_row="structured_outputs" in own)
     if found:
         source = where if found.key.split(".")[0] in own else "the row's sampling with the config's"
         raise RowError("sampling", found.message(f"{source}: "))

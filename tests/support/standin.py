@@ -57,7 +57,8 @@ def checked_params(sampling: dict[str, Any]) -> dict[str, Any]:
     structured-output checks refuse them (the rules the contract test holds against vLLM's own)."""
     from batchinfer.requests.verdict import Limits, refusal
 
-    found = refusal(sampling, Limits(max_logprobs=-1))  # the cap is add_request's check
+    # the cap is add_request's check; a json schema file is the run's own (build_request refused a row's)
+    found = refusal(sampling, Limits(max_logprobs=-1), in_row=False)
     if found:
         raise vllm_refusal(found.message(), found.key, found.value)
     return dict(sampling)

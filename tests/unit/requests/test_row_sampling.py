@@ -78,3 +78,14 @@ def test_a_bad_max_tokens_on_an_overlong_row_is_a_sampling_error_row_not_a_faile
         "message": "row 0: field 'params': max_tokens='8' is not an integer",
     }
     assert out[1]["error"] is None and out[1]["prompt_tokens"] == eng.max_model_len - 8  # cut, room for its 8
+
+
+def test_a_row_with_own_values_keeps_the_configs_schema_file(tmp_path: Path) -> None:
+    """The config's structured_outputs.json names a file (frozen into DIR): a row's own max_tokens
+    leaves it the run's constraint; only a schema string in the row's own data is refused (issue 41)."""
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object"}')
+    cfg = to_config(compose(["input.sampling_column=params", f"sampling.structured_outputs.json={schema}"]))
+    assert json.loads(row_sampling(cfg, {"params": {"max_tokens": 3}}, 0)) == {"max_tokens": 3}
+    with pytest.raises(RowError, match=r"structured_outputs.json=.* a JSON schema object written inline"):
+        row_sampling(cfg, {"params": {"structured_outputs": {"json": str(schema)}}}, 0)
