@@ -10,6 +10,7 @@ from typing import Optional
 
 from batchinfer.errors import BatchinferError
 from batchinfer.logs import setup_logging
+from batchinfer.redaction import record_json, redacting_console
 
 log = logging.getLogger("batchinfer")
 
@@ -98,16 +99,12 @@ def _compose(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def _print_cfg(cfg) -> int:  # type: ignore[no-untyped-def]
-    """`--cfg job`: the resolved config, secret cluster.env values shown as <redacted>."""
-    import copy
-
+    """`--cfg job`: the resolved config, redacted as run.yaml is (secrets shown as <redacted>)."""
     from omegaconf import OmegaConf
 
-    from batchinfer.security import redact_env
+    from batchinfer.redaction import record_yaml
 
-    shown = copy.deepcopy(cfg)
-    shown.cluster.env = redact_env(OmegaConf.to_container(cfg.cluster.env))
-    print(OmegaConf.to_yaml(shown), end="")
+    print(record_yaml(OmegaConf.to_container(cfg, resolve=False)), end="")
     return 0
 
 
@@ -137,7 +134,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """`batchinfer plan`."""
-    import json
 
     from batchinfer.insight.plan import estimate
     from batchinfer.insight.plan_text import format_plan
@@ -148,13 +144,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.sample < 1:
         raise BatchinferError(f"--sample {args.sample}: must be at least 1")
     report = estimate(cfg, gpu=args.gpu, sample_rows=args.sample)
-    print(json.dumps(report, indent=2) if args.json else format_plan(report))
+    print(record_json(report, indent=2) if args.json else format_plan(report))
     return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """`batchinfer validate`: exit 0 when every row would run, 1 with error rows, 2 when the run would stop."""
-    import json
 
     from batchinfer.insight.validate import validate
     from batchinfer.insight.validate_report import format_report
@@ -166,13 +161,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise BatchinferError(f"{flag} {value}: must be at least 1")
     report = validate(cfg, jobs=args.jobs, sample=args.sample)
-    print(json.dumps(report, indent=2, default=str) if args.json else format_report(report))
+    print(record_json(report, indent=2, default=str) if args.json else format_report(report))
     return report["exit_code"]
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     """`batchinfer status DIR`."""
-    import json
 
     from batchinfer.insight.status import format_status, shard_status, summarize
     from batchinfer.launch.jobs import slurm_states
@@ -196,7 +190,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         slurm_info = {"note": note, "unrecorded_jobs": unrecorded}
         shown = {"dir": str(run.path), "totals": totals, "shards": records, "slurm": slurm_info}
-        print(json.dumps(dict(shown, **({"passes": pass_records} if pass_records else {})), indent=2))
+        print(record_json(dict(shown, **({"passes": pass_records} if pass_records else {})), indent=2))
     else:
         print(format_status(run, records, totals, note=note, unrecorded=unrecorded))
         if pass_text:
@@ -206,7 +200,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """`batchinfer report DIR`."""
-    import json
 
     from batchinfer.insight.report import write_report
     from batchinfer.rundir.store import RunDir
@@ -214,7 +207,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     run = RunDir(args.dir)
     run.run  # noqa: B018  (refuses a folder without run.yaml)
     rep, text = write_report(run, price=args.gpu_hour_price, gpu=args.gpu, watts=args.gpu_watts)
-    print(json.dumps(rep, indent=2) if args.json else text, end="" if not args.json else "\n")
+    print(record_json(rep, indent=2) if args.json else text, end="" if not args.json else "\n")
     if not args.json:
         print(f"written: {run.path / 'report'}/")
     return 0
@@ -344,6 +337,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # would kill the process by default: hold it pending until the worker installs its handler.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
     _take_over_usr2()
+    redacting_console()  # every line printed, errors and log lines included, goes through the redaction
     parser = build_parser()
     # Overrides may come before and after options (`submit --config-dir D a=1 b=2`).
     args, extra = parser.parse_known_args(argv)

@@ -14,6 +14,7 @@ from typing import Any, BinaryIO, Optional
 
 from batchinfer import faults
 from batchinfer.errors import StorageError
+from batchinfer.redaction import record_json
 
 TMP_PREFIX = ".tmp-"
 
@@ -217,8 +218,8 @@ def _write_failed(tmp: Path, path: Path, e: OSError) -> OSError:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Atomically write a JSON file."""
-    atomic_write(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+    """Atomically write a JSON record, redacted (redaction.record_json)."""
+    atomic_write(path, (record_json(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
 
 
 def read_json(path: Path) -> Any:

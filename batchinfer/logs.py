@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from batchinfer.redaction import RedactingFilter
+
 log = logging.getLogger("batchinfer")
 
 
@@ -13,6 +15,7 @@ def setup_logging() -> None:
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("[batchinfer %(asctime)s] %(message)s", "%H:%M:%S"))
+        handler.addFilter(RedactingFilter())  # a log line with a command line or a config value
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False

@@ -1,4 +1,5 @@
-"""Shared-cluster safety: secret names, the environment secrets travel in, modes of DIR, safe removal."""
+"""Shared-cluster safety: secrets in the config, the environment secrets travel in, modes of DIR, safe
+removal (what a record may hold: redaction.py)."""
 
 from __future__ import annotations
 
@@ -7,56 +8,39 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.errors import ConfigError
-
-# Whole word parts only: `max_tokens`, `sort_keys`, `tokenizer` and `keep` are not secrets.
-SECRET_WORDS = frozenset(
-    {
-        "token",
-        "key",
-        "apikey",
-        "secret",
-        "secrets",
-        "password",
-        "passwords",
-        "passwd",
-        "passphrase",
-        "credential",
-        "credentials",
-        "auth",
-        "authorization",
-    }
+from batchinfer.redaction import (
+    REDACTED,
+    ROW_DATA,
+    carry,
+    env_refs,
+    is_secret_entry,
+    is_secret_name,
+    redact,
+    redact_text,
+    resolve_refs,
 )
-# Word parts of snake_case, kebab-case, dotted and camelCase names (HFToken -> HF, Token).
-_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
-REDACTED = "<redacted>"
-# Config subtrees that hold row data (few-shot examples), not settings: their field names are the user's columns.
-ROW_DATA = ("prompt.examples",)
+
 PRIVATE = {"user": (0o077, 0o700), "group": (0o027, 0o750)}  # umask, DIR mode
-
-
-# Environment variables written as one word (PGPASSWORD, HFTOKEN): a secret word at the end.
-SECRET_SUFFIXES = ("token", "password", "passwd", "passphrase", "secret", "apikey", "credential", "credentials")
-
-
-def is_secret_name(name: str) -> bool:
-    """Whether a config key or environment variable name looks like it holds a secret."""
-    parts = _WORD.findall(str(name))
-    if any(part.lower() in SECRET_WORDS for part in parts):
-        return True
-    return any(part.isupper() and part.lower().endswith(SECRET_SUFFIXES) for part in parts)
 
 
 # NAME=value in a shell line, the value given (not $NAME or ${NAME}): what cluster.setup stores.
 _ASSIGNMENT = re.compile(r"(?<![\w$])([A-Za-z_][A-Za-z0-9_]*)=(?![\s$\"']*\$)([^\s;&|]+)")
 
 
+# Values that become `#SBATCH --key=value` lines: sbatch reads no variable there, so a secret's
+# `${oc.env:NAME}` cannot wait for the task; it would be resolved into the script.
+DIRECTIVE_KEYS = ("partition", "account", "qos", "mem", "constraint", "merge_mem")
+
+
 def check_config_secrets(c: dict[str, Any]) -> None:
-    """Refuse secret-named values outside cluster.env: everything else is stored in DIR/run.yaml."""
+    """Refuse secrets where they would be stored: secret-named values outside cluster.env, secrets
+    set or given literally in cluster.setup, secret interpolations in #SBATCH values; then
+    remember the config's secrets, so that no record of this process holds their values."""
     cluster = c.get("cluster") or {}
     lines = [(f"cluster.setup[{i}]", line) for i, line in enumerate(cluster.get("setup") or [])]
     lines += [(f"cluster.sbatch_extra.{k}", v) for k, v in (cluster.get("sbatch_extra") or {}).items()]
@@ -66,15 +50,43 @@ def check_config_secrets(c: dict[str, Any]) -> None:
                 raise ConfigError(
                     f"{where} sets {name}, which looks like a secret, and the config is stored in DIR/run.yaml "
                     f"(and the sbatch script in DIR/logs) where others may read it. `export {name}=...` before "
-                    f"running batchinfer (Slurm passes your environment to the jobs), or pass it as "
-                    f"cluster.env.{name}=..., which is never stored"
+                    f"running batchinfer and name it in cluster.env_inherit=[{name}] (Slurm passes your "
+                    f"environment to the jobs), or pass it as cluster.env.{name}=..., which is never stored"
                 )
+        if REDACTED in redact_text(str(line)):  # a secret of this environment becomes a reference to it
+            raise ConfigError(
+                f"{where} gives a secret (a password or a token as an argument), and the sbatch script is stored "
+                f"in DIR/logs where others may read it: write $NAME there instead (the task's shell expands it), "
+                f"with NAME set in this shell and named in cluster.env_inherit=[NAME]"
+            )
+    directives = [(f"cluster.{k}", cluster.get(k)) for k in DIRECTIVE_KEYS]
+    directives += [(f"cluster.sbatch_extra.{k}", v) for k, v in (cluster.get("sbatch_extra") or {}).items()]
+    for key, value in directives:
+        secret = [n for n in env_refs(str(value or "")) if is_secret_name(n)]
+        if secret:
+            raise ConfigError(
+                f"{key} takes ${{oc.env:{secret[0]}}}, a secret: it would be written into the #SBATCH lines "
+                f"stored in DIR/logs (sbatch expands no variable there); give {key} a plain value"
+            )
     for key in _secret_keys(c, ""):
         raise ConfigError(
             f"{key} looks like a secret, and the config is stored in DIR/run.yaml where others may read it. "
-            f"Put it in the environment instead (e.g. `export HF_TOKEN=...` before running batchinfer: "
-            f"Slurm passes your environment to the jobs), or as cluster.env.NAME, which is never stored"
+            f"Put it in the environment instead (e.g. `export HF_TOKEN=...` before running batchinfer, with "
+            f"cluster.env_inherit=[HF_TOKEN]: Slurm passes your environment to the jobs), or as "
+            f"cluster.env.NAME, which is never stored"
         )
+    carry_secrets(cluster)
+
+
+def carry_secrets(cluster: dict[str, Any]) -> None:
+    """Remember the secrets of cluster.env and the values of cluster.env_inherit's variables: no
+    record or printed line of this process holds them."""
+    for name, value in (cluster.get("env") or {}).items():
+        if is_secret_entry(name, value):
+            carry(name, value)
+    for name in cluster.get("env_inherit") or []:
+        if name in os.environ:
+            carry(name, os.environ[name])
 
 
 def _secret_keys(node: Any, prefix: str) -> Iterator[str]:
@@ -82,39 +94,40 @@ def _secret_keys(node: Any, prefix: str) -> Iterator[str]:
         return
     for k, v in node.items():
         key = f"{prefix}.{k}" if prefix else str(k)
-        if is_secret_name(k) and v not in (None, "", REDACTED):
+        if is_secret_name(k) and v not in (None, "", REDACTED) and not env_refs(str(v)):
             yield key
         yield from _secret_keys(v, key)
 
 
-def redact_env(env: dict[str, Any]) -> dict[str, Any]:
-    """cluster.env as stored: secret-named values replaced by <redacted> (the name stays)."""
-    return {k: REDACTED if is_secret_name(k) and v not in (None, "") else v for k, v in env.items()}
-
-
 def redact_config(c: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a resolved config safe to store or print."""
-    cluster = c.get("cluster") or {}
-    if not cluster.get("env"):
-        return c
-    return dict(c, cluster=dict(cluster, env=redact_env(cluster["env"])))
+    """A copy of a resolved config safe to store or print (redaction.redact)."""
+    return redact(c)
 
 
-def secret_env(env: dict[str, Any]) -> dict[str, str]:
-    """The secret cluster.env values to pass through the environment of sbatch: given values, or
-    (for <redacted> ones, e.g. at resume) the submitting shell's own."""
-    out = {}
-    for name, value in env.items():
-        if not is_secret_name(name) or value is None:
-            continue
-        if value == REDACTED:
-            if name not in os.environ:
-                raise ConfigError(
-                    f"cluster.env.{name} is a secret, and secrets are not stored in DIR: `export {name}=...` "
-                    f"in this shell (or pass cluster.env.{name}=... again), then run the command again"
-                )
-            value = os.environ[name]
-        out[name] = str(value)
+def _secret_value(name: str, value: Any) -> str:
+    """A secret entry's value to pass on: as given, or (struck in DIR, e.g. at resume) this shell's own."""
+    text = resolve_refs(str(value))
+    if REDACTED not in text and not env_refs(text):
+        return text
+    if name not in os.environ:
+        raise ConfigError(
+            f"cluster.env.{name} is a secret, and secrets are not stored in DIR: `export {name}=...` "
+            f"in this shell (or pass cluster.env.{name}=... again), then run the command again"
+        )
+    return os.environ[name]
+
+
+def secret_env(env: dict[str, Any], inherit: Sequence[str] = ()) -> dict[str, str]:
+    """The secrets to pass through the environment of sbatch: cluster.env's secret entries (given
+    values, or for <redacted> ones, e.g. at resume, the submitting shell's own) and the variables
+    cluster.env_inherit names, which this shell must have."""
+    out = {name: _secret_value(name, value) for name, value in env.items() if is_secret_entry(name, value)}
+    missing = [n for n in inherit if n not in os.environ and n not in out]
+    if missing:
+        raise ConfigError(
+            f"cluster.env_inherit names {missing[0]}, which is not set in this shell: `export {missing[0]}=...` "
+            f"(or read it without echo: `read -rs {missing[0]} && export {missing[0]}`), then run the command again"
+        )
     return out
 
 
@@ -137,27 +150,29 @@ def applied_env(values: dict[str, Optional[str]]) -> Iterator[None]:
                 os.environ[k] = old
 
 
-def submission_env(env: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+def submission_env(env: dict[str, Any], inherit: Sequence[str] = ()) -> contextlib.AbstractContextManager[None]:
     """Put secret cluster.env values into this process's environment while sbatch runs: Slurm's
     --export=ALL hands them to the jobs, and no file (sbatch script, log, pickle) holds them."""
-    return applied_env(dict(secret_env(env)))
+    return applied_env(dict(secret_env(env, inherit)))
 
 
 def task_env(env: dict[str, Any]) -> dict[str, Optional[str]]:
-    """What cluster.env makes of a task's environment, as a Slurm task gets it: values as strings,
-    None unset, secrets given or taken from this shell (see secret_env)."""
-    out: dict[str, Optional[str]] = {k: None if v is None else str(v) for k, v in env.items()}
+    """What cluster.env makes of a task's environment, as a Slurm task gets it: values as strings
+    (references to this environment resolved), None unset, secrets given or taken from this shell."""
+    out: dict[str, Optional[str]] = {k: None if v is None else resolve_refs(str(v)) for k, v in env.items()}
     out.update(secret_env(env))
     return out
 
 
-def export_option(extra: dict[str, Any], env: dict[str, Any]) -> dict[str, Any]:
-    """sbatch_extra with secret names added to a user's own --export list (the default, ALL, has them)."""
-    names = [k for k in env if is_secret_name(k) and env[k] is not None]
+def export_option(extra: dict[str, Any], env: dict[str, Any], inherit: Sequence[str] = ()) -> dict[str, Any]:
+    """sbatch_extra with the secrets' names (cluster.env's, cluster.env_inherit's and those its values
+    refer to) added to a user's own --export list (the default, ALL, has them)."""
+    names = [k for k, v in env.items() if is_secret_entry(k, v)] + list(inherit)
+    names += [n for v in env.values() for n in env_refs(str(v or ""))]
     if "export" not in extra or not names:
         return extra
     listed = str(extra["export"]).split(",")
-    return dict(extra, export=",".join(listed + [n for n in names if n not in listed]))
+    return dict(extra, export=",".join(listed + [n for n in dict.fromkeys(names) if n not in listed]))
 
 
 def private_mode(value: Any) -> Optional[str]:

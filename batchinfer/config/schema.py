@@ -3,6 +3,7 @@ and the conversion of a composed config to a plain dict or the typed `Config`.""
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -193,6 +194,9 @@ class ClusterConfig:
     setup: list[str] = field(default_factory=list)
     sbatch_extra: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    # Variables of the submitting shell passed to the tasks by name (secrets: never on a command
+    # line, never in a file); submit refuses when one is unset. security.secret_env.
+    env_inherit: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -237,5 +241,35 @@ def to_config(cfg: Any) -> Config:
 
 
 def to_dict(cfg: DictConfig) -> dict[str, Any]:
-    """Plain, resolved dict of a config."""
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    """Plain, resolved dict of a config; `${oc.env:NAME}` of a secret-named NAME stays as written
+    (a task resolves it, redaction.resolve_refs): the dict is what run.yaml and the scripts hold."""
+    return OmegaConf.to_container(_secret_refs_kept(cfg), resolve=True)  # type: ignore[return-value]
+
+
+def _secret_refs_kept(cfg: DictConfig) -> DictConfig:
+    """cfg, or a copy whose secret `${oc.env:NAME}` references are escaped (left unresolved)."""
+    from batchinfer.redaction import ENV_REF, is_secret_name
+
+    def escaped(text: str) -> str:
+        return ENV_REF.sub(lambda m: "\\" + m.group(0) if is_secret_name(m.group(1)) else m.group(0), text)
+
+    found: list[tuple[list[Any], str]] = []
+
+    def walk(node: Any, path: list[Any]) -> None:
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for k, v in items:
+            if isinstance(v, str) and escaped(v) != v:
+                found.append(([*path, k], escaped(v)))
+            else:
+                walk(v, [*path, k])
+
+    walk(OmegaConf.to_container(cfg, resolve=False), [])
+    if not found:
+        return cfg
+    out = copy.deepcopy(cfg)
+    for path, value in found:
+        node = out
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = value
+    return out

@@ -10,7 +10,6 @@ node it lands on. The fingerprint keeps the configured value (`auto`).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -21,6 +20,7 @@ from typing import Any, Optional
 
 from batchinfer.config.schema import Config
 from batchinfer.durable import create_once, read_json
+from batchinfer.redaction import record_json
 from batchinfer.versions import cpu_build
 
 log = logging.getLogger("batchinfer")
@@ -97,7 +97,7 @@ def settle(run_path: Path, configured: str) -> str:
             # Made by a version that passed `auto` to vLLM: its parts used vLLM's choice, so keep it.
             mine = {"dtype": "auto", "why": "run directory made before batchinfer resolved auto: vLLM's choice"}
         record = {**mine, "configured": configured, "host": socket.gethostname(), "time": time.time()}
-        if create_once(path, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()):
+        if create_once(path, (record_json(record, indent=2, sort_keys=True) + "\n").encode()):
             log.info("model.dtype auto -> %s (%s); recorded in %s", mine["dtype"], mine["why"], path)
             return str(mine["dtype"])
     record = read_json(path)

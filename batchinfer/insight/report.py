@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 from batchinfer.insight import forecast_check
 from batchinfer.insight.passes import report_lines, rows_per_pass
+from batchinfer.redaction import redact_text
 from batchinfer.rundir.stats import markdown_table, reused_line, shard_stats, totals
 from batchinfer.rundir.store import RunDir
 
@@ -141,6 +142,6 @@ def write_report(run: RunDir, **kw: Any) -> tuple[dict[str, Any], str]:
     folder.mkdir(exist_ok=True)
     charts = write_charts(run, rep["shards"], folder)
     text = format_report(rep, charts)
-    (folder / "report.md").write_text(text)
+    (folder / "report.md").write_text(redact_text(text))
     write_json(folder / "report.json", dict(rep, charts=[str(c) for c in charts]))
     return rep, text

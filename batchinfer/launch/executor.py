@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from batchinfer.launch import slurm
+from batchinfer.redaction import redact_text, shell_refs
 
 # sbatch waits for slurmctld to accept the job (and retries busy answers itself): allow longer
 # than slurm.TIMEOUT_S.
@@ -39,6 +40,12 @@ def make_executor(folder: Path, params: dict[str, Any]) -> Any:
     ex = _timed_executor_class()(folder=folder, python=step_python())
     ex.update_parameters(**params)
     return ex
+
+
+def script_text(text: str) -> str:
+    """An sbatch script as stored in DIR/logs: redacted, a secret's value (or `${oc.env:NAME}`)
+    left to the task's shell as ${NAME}, which --export hands the value."""
+    return shell_refs(redact_text(text))
 
 
 @functools.cache
@@ -70,7 +77,7 @@ def _timed_executor_class() -> type:
             folder = utils.JobPaths.get_first_id_independent_folder(self.folder)
             submission_file_path = folder / f".submission_file_{tmp_uuid}.sh"
             with submission_file_path.open("w") as f:
-                f.write(self._make_submission_file_text(command, tmp_uuid))
+                f.write(script_text(self._make_submission_file_text(command, tmp_uuid)))
             cmd = self._make_submission_command(submission_file_path)
             res = slurm.run_command(cmd, timeout=SBATCH_TIMEOUT_S)
             if res.returncode != 0:

@@ -17,7 +17,8 @@ from typing import Any, Optional
 from batchinfer import slurm_env, slurm_states
 from batchinfer.config.schema import ClusterConfig, Config
 from batchinfer.errors import ConfigError, RequeueFailed, SlurmUnavailable
-from batchinfer.security import export_option, is_secret_name
+from batchinfer.redaction import ENV_REF, is_secret_entry, redact_text, shell_refs
+from batchinfer.security import export_option
 
 log = logging.getLogger("batchinfer")
 
@@ -89,17 +90,35 @@ def check_gpus(cfg: Config) -> int:
 def env_lines(env: dict[str, Any]) -> list[str]:
     """`export K=V` lines, values quoted so no config value reaches the shell unquoted.
 
-    Secret-named variables get no line: the sbatch script lands in DIR/logs, so they travel in
-    the environment of the sbatch call instead (security.submission_env)."""
+    Secrets get no line: the sbatch script lands in DIR/logs, so they travel in the environment of
+    the sbatch call instead (security.submission_env); a value referring to a secret variable
+    (`${oc.env:NAME}`, or a secret's value, which redaction turns into one) reads it in the task."""
     lines = []
     for k, v in env.items():
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(k)):
             raise ConfigError(f"cluster.env: {k!r} is not a valid environment variable name")
         if v is None:
             lines.append(f"unset {k}")
-        elif not is_secret_name(k):
-            lines.append(f"export {k}={shlex.quote(str(v))}")
+        elif not is_secret_entry(k, v):
+            lines.append(f"export {k}={shell_word(redact_text(str(v)))}")
     return lines
+
+
+def shell_word(value: str) -> str:
+    """value quoted for the shell, its `${oc.env:NAME}` references left to the shell as "${NAME}"."""
+    if not ENV_REF.search(value):
+        return shlex.quote(value)
+    out, pos = [], 0
+    for m in ENV_REF.finditer(value):
+        out += [re.sub(r'([\\"$`])', r"\\\1", value[pos : m.start()]), "${" + m.group(1) + "}"]
+        pos = m.end()
+    out.append(re.sub(r'([\\"$`])', r"\\\1", value[pos:]))
+    return '"' + "".join(out) + '"'
+
+
+def setup_lines(cluster: ClusterConfig) -> list[str]:
+    """cluster.setup, then cluster.env's exports: a secret is read from the task's environment."""
+    return [shell_refs(redact_text(line)) for line in cluster.setup] + env_lines(cluster.env)
 
 
 # Values that become `#SBATCH --key=value` lines: a line break would end the block early (the
@@ -141,8 +160,11 @@ def array_parameters(cluster: ClusterConfig, n_tasks: int) -> dict[str, Any]:
         "time": cluster.time,
         "signal_delay_s": cluster.signal_lead_s,
         "array_parallelism": min(cluster.array_parallelism, max(n_tasks, 1)),
-        "setup": [*cluster.setup, *env_lines(cluster.env)],
-        "additional_parameters": {"requeue": True, **export_option(cluster.sbatch_extra or {}, cluster.env)},
+        "setup": setup_lines(cluster),
+        "additional_parameters": {
+            "requeue": True,
+            **export_option(cluster.sbatch_extra or {}, cluster.env, cluster.env_inherit),
+        },
     }
     for key in ("partition", "account", "qos", "cpus_per_task", "mem", "constraint"):
         if getattr(cluster, key) is not None:
@@ -162,7 +184,7 @@ def merge_parameters(cluster: ClusterConfig, after: list[str]) -> dict[str, Any]
     params: dict[str, Any] = {
         "time": cluster.merge_time,
         "cpus_per_task": cluster.merge_cpus,
-        "setup": [*cluster.setup, *env_lines(cluster.env)],
+        "setup": setup_lines(cluster),
         "dependency": "afterany:" + ":".join(after),
     }
     if cluster.merge_mem is not None:

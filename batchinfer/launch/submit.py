@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import pkgutil
@@ -23,6 +22,7 @@ from batchinfer.launch.executor import make_executor
 from batchinfer.launch.jobs import all_job_ids, heal_streak, submissions, unrecorded_names
 from batchinfer.launch.node_layout import layout_lines
 from batchinfer.logs import plural
+from batchinfer.redaction import record_json
 from batchinfer.rundir.merge import incomplete_shards
 from batchinfer.rundir.model_record import check_model_unchanged
 from batchinfer.rundir.prepare import freeze_paths, prepare
@@ -48,7 +48,7 @@ def job_name(run: RunDir, number: int) -> str:
 def _record(run: RunDir, line: dict[str, Any]) -> None:
     """Append one line to DIR/jobs.jsonl and make it durable before the next sbatch."""
     with security.private_umask(run.config.output.private), open(run.path / "jobs.jsonl", "a") as f:
-        f.write(json.dumps(line) + "\n")
+        f.write(record_json(line) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
@@ -92,7 +92,7 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False, heal: 
     # Secrets reach the jobs through sbatch's environment (--export=ALL), never a file; the jobs
     # keep this umask, so with output.private their logs and parts are private too.
     try:
-        with security.submission_env(cluster.env), security.private_umask(c.output.private):
+        with security.submission_env(cluster.env, cluster.env_inherit), security.private_umask(c.output.private):
             for n, chunk in enumerate(chunks):
                 ex = make_executor(folder, {**slurm.array_parameters(cluster, len(chunk)), "job_name": name})
                 jobs = ex.map_array(pkgutil.resolve_name(TASK_FUNCTION), [str(run.path)] * len(chunk), chunk)

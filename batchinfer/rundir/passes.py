@@ -17,6 +17,7 @@ from batchinfer import ownership
 from batchinfer.durable import read_json, write_json
 from batchinfer.errors import RunDirError
 from batchinfer.ownership import Found, Kind
+from batchinfer.redaction import redact
 from batchinfer.rundir.store import RunDir
 
 PASSES_DIR = "passes"
@@ -41,8 +42,8 @@ class PassRecord:
     created: str
 
     def same_command(self, where: str, overrides: list[str], config_dir: Optional[str]) -> bool:
-        """Whether a redo command is the one that made this pass."""
-        return (self.where, list(self.overrides), self.config_dir) == (where, list(overrides), config_dir)
+        """Whether a redo command is the one that made this pass (pass.json holds it redacted)."""
+        return [self.where, list(self.overrides), self.config_dir] == redact([where, list(overrides), config_dir])
 
     def describe(self) -> str:
         """`--where '...' overrides` as typed."""

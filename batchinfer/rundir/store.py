@@ -13,18 +13,21 @@ from batchinfer.config.schema import Config, to_config
 from batchinfer.durable import atomic_write, read_json
 from batchinfer.errors import RunDirError
 from batchinfer.inputs.shards import Shard
+from batchinfer.redaction import record_yaml, resolve_refs
 from batchinfer.rundir.schema import schema_from_text
 from batchinfer.rundir.shard_folder import ShardFolder
-from batchinfer.security import redact_config
 
 OUTPUT_EXT = {"jsonl": "jsonl", "openai": "jsonl", "parquet": "parquet", "hf": "parquet"}
 
 
-class _NoAliasDumper(yaml.SafeDumper):
-    """run.yaml is read by people: no &id001 anchors for repeated values."""
-
-    def ignore_aliases(self, data: Any) -> bool:
-        return True
+def _resolved(obj: Any) -> Any:
+    if isinstance(obj, str):
+        return resolve_refs(obj)
+    if isinstance(obj, dict):
+        return {k: _resolved(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_resolved(v) for v in obj]
+    return obj
 
 
 # What every run.yaml batchinfer writes holds (prepare.py): without them it is not one it can read.
@@ -90,18 +93,19 @@ class RunDir:
         return self._run
 
     def write_run(self, record: dict[str, Any]) -> None:
-        """Write run.yaml atomically; secret cluster.env values are stored as <redacted> (kept in memory)."""
-        stored = dict(record, config=redact_config(record["config"])) if "config" in record else record
-        text = yaml.dump(stored, Dumper=_NoAliasDumper, sort_keys=False, allow_unicode=True)
-        atomic_write(self.run_yaml, text.encode())
+        """Write run.yaml atomically, redacted (redaction.record_yaml); the record as given is kept in memory."""
+        atomic_write(self.run_yaml, record_yaml(record).encode())
         self._run = record
         self._config = None
 
     @property
     def config(self) -> Config:
-        """The run's frozen config, typed (run.yaml's `config`)."""
+        """The run's frozen config, typed (run.yaml's `config`), its references to secret variables
+        (`${oc.env:NAME}`) resolved from this environment: the latest moment, where it is used.
+        The cluster settings keep theirs: the sbatch scripts leave them to the task's shell."""
         if self._config is None:
-            self._config = to_config(self.run["config"])
+            c = self.run["config"]
+            self._config = to_config({k: v if k == "cluster" else _resolved(v) for k, v in c.items()})
         return self._config
 
     @property

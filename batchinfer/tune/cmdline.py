@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
+
+from batchinfer.redaction import record_json
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace, cfg: Any) -> int:
 
         return run_on_slurm(cfg, opts, follow=args.wait, as_json=args.json)
     result = tune(cfg, opts)
-    print(json.dumps(result, indent=2) if args.json else format_result(result))
+    print(record_json(result, indent=2) if args.json else format_result(result))
     if not args.json:
         print(f"written: {result['folder']}/ (tune.md, tune.png, tune.json, conf/)")
     return 0 if result["best"]["name"] is not None else 1

@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from batchinfer import ownership
 from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, POOLING_TASKS, to_config
 from batchinfer.errors import ConfigError, FolderRefused
+from batchinfer.redaction import redact_text
 from batchinfer.tune import results
 from batchinfer.tune.forecast import Layout, Measured, as_json, forecast, output_distribution
 from batchinfer.tune.halving import Outcome, best, halve, rung_sizes, rungs_for
@@ -308,7 +309,7 @@ def finish(
         "price": {"usd_per_gpu_hour": price[0], "source": price[1]},
         "forecast": fc,
     }
-    (folder / "tune.md").write_text(format_result(result) + "\n", encoding="utf-8")
+    (folder / "tune.md").write_text(redact_text(format_result(result)) + "\n", encoding="utf-8")
     results.plot(records, result["best"]["name"], folder / "tune.png")
     results.write_json(folder, result)
     return result

@@ -14,6 +14,7 @@ from typing import Any, Optional
 from batchinfer import slurm_states
 from batchinfer.errors import RunDirError
 from batchinfer.launch import slurm
+from batchinfer.redaction import record_json
 
 JOB_FILE = "job.json"
 RESULT_FILE = "tune.json"
@@ -40,7 +41,7 @@ def write_record(folder: Path, job: TuneJob) -> None:
     """TUNE/job.json, written whole under a temporary name, fsynced and renamed."""
     tmp = folder / f".{JOB_FILE}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(asdict(job), indent=2) + "\n")
+        f.write(record_json(asdict(job), indent=2) + "\n")
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(folder / JOB_FILE)
@@ -137,7 +138,7 @@ def show_status(path: str, as_json: bool) -> int:
     st = job_state(folder)
     result = json.loads((folder / RESULT_FILE).read_text(encoding="utf-8")) if st.done else None
     if as_json:
-        print(json.dumps({"dir": str(folder), "kind": "tune", **asdict(st), "result": result}, indent=2))
+        print(record_json({"dir": str(folder), "kind": "tune", **asdict(st), "result": result}, indent=2))
         return 0
     print(format_state(st))
     if result is not None:

@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
+from batchinfer.redaction import carried, record_json
 from batchinfer.tune.halving import Rung, TrialFailed
 from batchinfer.tune.settings import Setting
 
@@ -22,7 +23,7 @@ def trial_env(setting: Setting) -> dict[str, str]:
     (inside a tune job, a trial's failed rung or a stop signal must not requeue the tune job)."""
     from batchinfer.slurm_env import without_job
 
-    return {**without_job(os.environ), **setting.env}
+    return {**without_job(os.environ), **carried(), **setting.env}  # carried: the secrets the spec leaves out
 
 
 class TrialProcess:
@@ -32,7 +33,7 @@ class TrialProcess:
         self.setting = setting
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "spec.json").write_text(json.dumps(spec, indent=2), encoding="utf-8")
+        (folder / "spec.json").write_text(record_json(spec, indent=2), encoding="utf-8")
         self.proc: Optional[subprocess.Popen[str]] = None
         self.lines: queue.Queue[Optional[str]] = queue.Queue()
 

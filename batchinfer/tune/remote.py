@@ -25,6 +25,7 @@ from batchinfer import security, slurm_states
 from batchinfer.errors import BatchinferError, ConfigError, RunDirError, SlurmUnavailable, Stopped, SubmissionRefused
 from batchinfer.launch import slurm
 from batchinfer.launch.executor import make_executor
+from batchinfer.redaction import record_json
 from batchinfer.tune.command import Options, format_result, owned_folder, tune, tune_folder
 from batchinfer.tune.job import RESULT_FILE, JobState, TuneJob, job_state, read_record, wait_seconds, write_record
 
@@ -107,7 +108,7 @@ def _submit(c: Any, opts: Options, fp: str, folder: Path, say: Callable[[str], N
     name = f"bi-tune-{fp[:8]}-{hashlib.sha256(str(folder).encode()).hexdigest()[:4]}"
     job = TuneJob(name, str(folder / "logs"), time.time(), minutes, request(opts, folder))
     write_record(folder, job)  # before sbatch: `cancel` finds the job by name if sbatch times out
-    with security.submission_env(cluster.env), security.private_umask(c.output.private):
+    with security.submission_env(cluster.env, cluster.env_inherit), security.private_umask(c.output.private):
         ex = make_executor(folder / "logs", job_parameters(cluster, minutes, name))
         try:
             submitted = ex.submit(tune_job, str(folder))
@@ -177,7 +178,7 @@ def run(cfg: DictConfig, opts: Options, follow: bool, as_json: bool) -> int:
             f"{st.error or 'no error line'}; its log: {st.log}"
         )
     result = json.loads((folder / RESULT_FILE).read_text(encoding="utf-8"))
-    print(json.dumps(result, indent=2) if as_json else format_result(result))
+    print(record_json(result, indent=2) if as_json else format_result(result))
     if not as_json:
         print(f"written: {folder}/ (tune.md, tune.png, tune.json, conf/)")
     return 0 if result["best"]["name"] is not None else 1

@@ -3,10 +3,10 @@ overrides as a Hydra config group (conf/tuned/best.yaml) and everything as tune.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
+from batchinfer.redaction import record_json, record_yaml
 from batchinfer.tune.halving import Outcome
 
 GROUP, OPTION = "tuned", "best"
@@ -96,7 +96,7 @@ def write_group(folder: Path, overrides: list[str]) -> Path:
     path = folder / "conf" / GROUP / f"{OPTION}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     dotlist = [o.lstrip("+") for o in overrides]  # a command line's `++key=value` is `key: value` here
-    body = OmegaConf.to_yaml(OmegaConf.from_dotlist(dotlist)) if overrides else "{}\n"
+    body = record_yaml(OmegaConf.to_container(OmegaConf.from_dotlist(dotlist))) if overrides else "{}\n"
     # submit and run find the tune result (its fingerprint and forecast) from this line
     source = f"{TUNE_RESULT_LINE}{(folder / 'tune.json').resolve()}\n"
     path.write_text(
@@ -112,6 +112,6 @@ def write_json(folder: Path, result: dict[str, Any]) -> Path:
     """tune.json, written whole under a temporary name and renamed."""
     path = folder / "tune.json"
     tmp = folder / ".tune.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
+    tmp.write_text(record_json(result, indent=2, default=str) + "\n", encoding="utf-8")
     tmp.replace(path)
     return path

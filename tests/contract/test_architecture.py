@@ -2,7 +2,7 @@
 cycle and never run up the layers, and every login-node module imports without vllm or torch.
 
 Layers, bottom to top (a module imports at module level only its own package or lower ones):
-base modules (errors, security, faults, logs, versions, mounts, durable, locks, ownership) < models < config < inputs < requests
+base modules (errors, security, redaction, faults, logs, versions, mounts, durable, locks, ownership) < models < config < inputs < requests
 < rundir < engine < launch < insight < cli. Only engine/vllm_engine.py imports vllm, inside
 functions. The checkers are plain functions, also run on a small synthetic package to show
 that they report what they look for."""
@@ -30,6 +30,7 @@ LAYERS = {
     "": 0,
     "errors": 0,
     "security": 0,
+    "redaction": 0,
     "faults": 0,
     "logs": 0,
     "versions": 0,
@@ -351,6 +352,72 @@ def layer_violations(graph: dict[str, list[tuple[str, str]]], package: str, laye
     return out
 
 
+# Serializers that write or print a record as JSON or YAML text.
+DUMPS = {("json", "dump"), ("json", "dumps"), ("yaml", "dump"), ("yaml", "safe_dump"), ("OmegaConf", "to_yaml")}
+DUMPS |= {("OmegaConf", "save")}
+# The one redaction: every record derived from a config is written or printed through it.
+REDACTION = "batchinfer/redaction.py"
+# JSON text that is no config-derived record, each with why (module, function -> reason). A new
+# record written with json/yaml directly fails the test: write it with redaction.record_json/record_yaml.
+NOT_RECORDS = {
+    ("batchinfer/config/fingerprint.py", "fingerprint"): "hashed, never written",
+    ("batchinfer/faults.py", "record_engine_start"): "tests' fault log: pid and time",
+    ("batchinfer/inputs/datasets_reader.py", "_projected"): "input rows, one column",
+    ("batchinfer/inputs/jsonl_stream.py", "_write_dataset_state"): "the converted input's file list",
+    ("batchinfer/inputs/openai_batch.py", "request_row"): "an input row's sampling column",
+    ("batchinfer/inputs/openai_batch.py", "chat_turn"): "an input row's content, in an error",
+    ("batchinfer/inputs/reference.py", "reference_fingerprint"): "hashed, never written",
+    ("batchinfer/inputs/reference.py", "write_manifest"): "input file names, sizes, digests",
+    ("batchinfer/inputs/textfiles.py", "_refuse_lone_surrogates"): "an input value, in an error",
+    ("batchinfer/launch/protocol.py", "ExitRecord.to_json"): "a member's exit, on a pipe",
+    ("batchinfer/models/tokens.py", "compile_template.tojson"): "the chat template's tojson filter",
+    ("batchinfer/requests/build.py", "row_sampling"): "an input row's sampling overrides",
+    ("batchinfer/requests/digest.py", "RequestDigests.__init__"): "hashed, never written",
+    ("batchinfer/requests/pooling.py", "pooling_request"): "an engine request's layout",
+    ("batchinfer/rundir/locks/lock.py", "FileLock._write_record"): "a lock holder: host, pid, job",
+    ("batchinfer/rundir/locks/lockfile.py", "ExclFile._write_temp"): "a lock holder: host, pid, job",
+    ("batchinfer/rundir/output_writer.py", "openai_lines.lines"): "output rows",
+    ("batchinfer/rundir/schema.py", "table_to_jsonl"): "output rows",
+    ("batchinfer/tune/sample.py", "prompt_key"): "hashed, never written",
+    ("batchinfer/tune/sample.py", "read_prompts"): "a prompt's length",
+    ("batchinfer/tune/trial.py", "main"): "a trial's messages on a pipe (its parent redacts tune.json)",
+}
+
+
+def serializer_calls(src: Path, package: str) -> Iterator[tuple[str, str, str]]:
+    """(file, enclosing function as Class.name, `json.dumps:LINE`) of each call of a DUMPS serializer."""
+    for path in sorted((src / package).rglob("*.py")):
+        rel = path.relative_to(src).as_posix()
+        stack: list[str] = []
+        found: list[tuple[str, str, str]] = []
+
+        class Visitor(ast.NodeVisitor):
+            def scoped(self, node: ast.AST) -> None:
+                stack.append(node.name)  # type: ignore[attr-defined]
+                self.generic_visit(node)
+                stack.pop()
+
+            visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = scoped
+
+            def visit_Call(self, node: ast.Call) -> None:
+                f = node.func
+                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and (f.value.id, f.attr) in DUMPS:
+                    found.append((rel, ".".join(stack) or "<module>", f"{f.value.id}.{f.attr}:{node.lineno}"))
+                self.generic_visit(node)
+
+        Visitor().visit(ast.parse(path.read_text()))
+        yield from found
+
+
+def unredacted_writes(src: Path, package: str, not_records: dict[tuple[str, str], str]) -> list[str]:
+    """Each JSON/YAML serialization outside the redaction module that is not listed as no record."""
+    return [
+        f"{rel}: {func} calls {call}"
+        for rel, func, call in serializer_calls(src, package)
+        if rel != REDACTION.replace("batchinfer", package, 1) and (rel, func) not in not_records
+    ]
+
+
 # A fresh interpreter in which vllm and torch cannot be imported, as on a login node without
 # them: imports every module of a package (but the excluded ones) and prints what failed.
 IMPORT_ALL = textwrap.dedent(
@@ -420,6 +487,16 @@ def test_every_package_has_a_docstring_saying_what_it_owns() -> None:
     assert "conf" not in names
     missing = undocumented_packages(ROOT, PACKAGE)
     assert not missing, "packages without a docstring:\n" + "\n".join(missing)
+
+
+def test_every_record_is_written_through_the_one_redaction() -> None:
+    """A JSON or YAML record derived from a config is written or printed only by redaction.py
+    (record_json, record_yaml); serializations of other things are listed, each with why."""
+    bad = unredacted_writes(ROOT, PACKAGE, NOT_RECORDS)
+    assert not bad, "records written around redaction.record_json/record_yaml:\n" + "\n".join(bad)
+    listed = {(rel, func) for rel, func, _ in serializer_calls(ROOT, PACKAGE)}
+    stale = sorted(set(NOT_RECORDS) - listed)
+    assert not stale, f"NOT_RECORDS lists serializations that are gone: {stale}"
 
 
 def test_no_import_cycle() -> None:
@@ -591,6 +668,32 @@ def test_checkers_report_deferred_cycles_private_names_and_sizes(tmp_path: Path)
         "pkg/big.py:6: long is 6 lines (at most 5)",
     ]
     assert oversized(tmp_path, "pkg", max_module=11, max_function=6) == []
+
+
+def test_checker_reports_a_record_written_around_the_redaction(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": '"""Synthetic."""\n',
+            "pkg/redaction.py": "import json\ndef record_json(x):\n    return json.dumps(x)\n",
+            "pkg/job.py": """
+                import json, yaml
+                from omegaconf import OmegaConf
+                class Job:
+                    def save(self, path, cfg):
+                        path.write_text(json.dumps(cfg))
+                def show(cfg):
+                    print(OmegaConf.to_yaml(cfg), yaml.safe_dump(cfg))
+                def digest(keys):
+                    return hash(json.dumps(keys))
+                """,
+        },
+    )
+    assert unredacted_writes(tmp_path, "pkg", {("pkg/job.py", "digest"): "hashed"}) == [
+        "pkg/job.py: Job.save calls json.dumps:6",
+        "pkg/job.py: show calls OmegaConf.to_yaml:8",
+        "pkg/job.py: show calls yaml.safe_dump:8",
+    ]
 
 
 def test_import_check_reports_a_module_that_needs_torch(tmp_path: Path) -> None:
