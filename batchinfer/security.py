@@ -230,6 +230,28 @@ def remove_path(path: Path, ignore_errors: bool = False) -> None:
             raise
 
 
+def keep_restriction(made: Path, sources: list[Path]) -> Optional[str]:
+    """What is made from the input (DIR/input) keeps the input's restriction: group or other
+    permissions no input file grants are taken away from it, whatever the umask; says so."""
+    try:
+        granted = 0
+        for src in sources:
+            granted |= src.stat().st_mode
+    except OSError:
+        return None  # a hub dataset or a glob that moved: nothing to compare with
+    taken = 0
+    for who, read in ((0o070, stat.S_IRGRP), (0o007, stat.S_IROTH)):
+        if not granted & read:
+            taken |= who
+    if not sources or not taken or not made.exists():
+        return None
+    paths = [made] if made.is_file() else [made, *made.rglob("*")]
+    for p in paths:
+        if not p.is_symlink():
+            os.chmod(p, stat.S_IMODE(p.stat().st_mode) & ~taken)
+    return f"{made} is made {'user-private' if taken == 0o077 else 'private to your group'} as its input is"
+
+
 def _others_can_reach(path: Path) -> bool:
     """Whether every folder above path lets every user through (o+x)."""
     return all(p.stat().st_mode & stat.S_IXOTH for p in path.parents)

@@ -14,6 +14,7 @@ from batchinfer.config.keys import unknown_key_message, unknown_keys
 from batchinfer.config.schema import escape_interpolation
 from batchinfer.config.store import conf_dir, register_configs
 from batchinfer.errors import ConfigError
+from batchinfer.redaction import REDACTED
 
 # Values typed in a shell that Hydra's grammar would reject or interpolate ({, [, #, ${): taken as typed.
 LITERAL_KEYS = ("prompt.template", "prompt.system", "task.query", "task.document")
@@ -54,6 +55,8 @@ def quote_literals(overrides: list[str]) -> list[str]:
             ov = f"{key}={hydra_literal(value)}"
         elif sep and name in LITERAL_LIST_KEYS and value and not value.startswith("["):
             ov = f"{key}=[{value if quoted else hydra_literal(value)}]"
+        elif sep and REDACTED in value and not quoted:  # a recorded override (pass.json, a trial's spec)
+            ov = f"{key}={hydra_literal(value)}"
         out.append(ov)
     return out
 

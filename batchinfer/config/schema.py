@@ -251,7 +251,11 @@ def _secret_refs_kept(cfg: DictConfig) -> DictConfig:
     from batchinfer.redaction import ENV_REF, is_secret_name
 
     def escaped(text: str) -> str:
-        return ENV_REF.sub(lambda m: "\\" + m.group(0) if is_secret_name(m.group(1)) else m.group(0), text)
+        def one(m: re.Match[str]) -> str:
+            already = m.start() > 0 and text[m.start() - 1] == "\\"  # escaped: text already
+            return m.group(0) if already or not is_secret_name(m.group(1)) else "\\" + m.group(0)
+
+        return ENV_REF.sub(one, text)
 
     found: list[tuple[list[Any], str]] = []
 

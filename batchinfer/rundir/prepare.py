@@ -52,7 +52,7 @@ from batchinfer.rundir.model_record import identity_of, refuse_changed_model
 from batchinfer.rundir.reuse import checked_reuse
 from batchinfer.rundir.schema import output_schema, pooling_schema, schema_summary, schema_to_text
 from batchinfer.rundir.store import RunDir
-from batchinfer.security import make_private, private_umask, remove_path
+from batchinfer.security import exposure_warning, keep_restriction, make_private, private_umask, remove_path
 from batchinfer.versions import installed_versions
 
 log = logging.getLogger("batchinfer")
@@ -243,6 +243,7 @@ def _create(
     c = _with_paths(c, {key: str(run.path.absolute() / rec["path"]) for key, rec in files.items()})
     inp = c["input"]
     rows = _convert(run, inp)
+    _keep_restriction(run, inp)
     ds = open_input(run.input_dir)
     if is_reference(run.input_dir):
         log.info("%s refers to the %s files in place (not copied)", run.input_dir, inp["format"])
@@ -280,6 +281,16 @@ def _create(
     )
     (run.path / PREPARING).unlink(missing_ok=True)  # an older prepare's, or an older redo's
     log.info("prepared %s: %s in %s", run.path, plural(rows, "row"), plural(len(shards), "shard"))
+
+
+def _keep_restriction(run: RunDir, inp: dict[str, Any]) -> None:
+    """DIR/input as private as the input; its answers (shards, output) are not: say so, as status does."""
+    kept = keep_restriction(run.input_dir, input_files(inp["path"], inp["split"]))
+    if kept:
+        log.info("%s", kept)
+        warning = exposure_warning(run.path, inp["path"])
+        if warning:
+            log.warning("%s", warning)
 
 
 def _convert(run: RunDir, inp: dict[str, Any]) -> int:

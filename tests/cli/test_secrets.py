@@ -1,0 +1,114 @@
+"""Secrets planted by name and by value through every command run here (run, status, report,
+resume, redo, tune, cancel, --cfg job): none is in any file of DIR or the tune folder, nor in
+anything printed; the run still gets them where they are used (the stand-in engine: the records
+are what this proves; tests/slurm/test_slurm_secrets.py submits)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import yaml
+from support.corpus import read_output, write_corpus
+from support.procs import run_cli
+from support.runs import run_overrides
+from support.standin import standin_env
+
+pytestmark = [pytest.mark.engine]
+
+# The issue's names, each given on the command line (cluster.env) and set in the environment.
+BY_NAME = {
+    "GITHUB_PAT": "ghp_PLANTEDpat0123456789",
+    "CI_JOB_JWT": "eyJPLANTEDjwt.0123456789",
+    "SLACK_WEBHOOK": "https://hooks.slack.com/services/PLANTEDwebhook",
+    "DB_PASS": "dbPLANTED12",
+    "MYSQL_PWD": "myPLANTED34",
+    "SESSION_COOKIE": "sessPLANTEDcookie0987",
+}
+DB_PASSWORD = "pgPLANTEDurlpw"  # in DATABASE_URL, whose name is no secret's
+HF = "hf_PLANTEDenv0123456789"  # only in the environment, used through ${oc.env:HF_TOKEN}
+BY_VALUE = "PLANTEDvalue-0123456789"  # MY_SERVICE_TOKEN's value, given in keys that are no secret's
+PLANTED = [*BY_NAME.values(), DB_PASSWORD, HF, BY_VALUE]
+
+
+def planted_env() -> dict[str, str]:
+    """The submitting shell: the secrets set (the stand-in engine named)."""
+    return standin_env(dict(os.environ, **BY_NAME, HF_TOKEN=HF, MY_SERVICE_TOKEN=BY_VALUE))
+
+
+def secret_overrides() -> list[str]:
+    """Secrets by name in cluster.env, a URL's password, a secret's value in keys that are not
+    secret-named, ${oc.env:HF_TOKEN} in a few-shot example, a reference in cluster.setup."""
+    return [
+        *(f"+cluster.env.{k}={v}" for k, v in BY_NAME.items()),
+        f"+cluster.env.DATABASE_URL=postgres://app:{DB_PASSWORD}@db.example/app",
+        f"+cluster.env.PLAIN_SETTING={BY_VALUE}",
+        f"cluster.setup=['echo \"{BY_VALUE}\" >/dev/null', 'login --token \"$HF_TOKEN\"']",
+        "prompt.examples=[{text: '${oc.env:HF_TOKEN}', answer: ok}]",
+        "cluster.env_inherit=[HF_TOKEN]",
+    ]
+
+
+def leaks(folders: list[Path], printed: dict[str, str]) -> list[str]:
+    """Each file under the folders, and each command's output, holding a planted secret."""
+    files = [p for d in folders for p in d.rglob("*") if p.is_file() and not p.is_symlink()]
+    hits = [f"{p}: {s}" for p in files for s in PLANTED if s.encode() in p.read_bytes()]
+    hits += [f"`{cmd}`: {s}" for cmd, text in printed.items() for s in PLANTED if s in text]
+    assert len(files) > 20, files
+    return hits
+
+
+@pytest.mark.timeout(900)
+def test_no_command_writes_or_prints_a_secret(tmp_path: Path, tiny_model_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 12, seed=5)
+    corpus.chmod(0o600)  # the corpus is private: what is made from it stays so
+    out, tune = tmp_path / "run", tmp_path / "tune"
+    env = planted_env()
+    printed: dict[str, str] = {}
+
+    def cli(*args: str) -> str:
+        res = run_cli(list(args), env=env, preexec_fn=lambda: os.umask(0o022))
+        assert res.returncode == 0, res.stderr[-3000:]
+        printed[f"{len(printed)}: {args[0]}"] = res.stdout + res.stderr
+        return res.stdout + res.stderr
+
+    ov = run_overrides(tiny_model_path, corpus, out, *secret_overrides())
+    cli("submit", "--cfg", "job", *ov)
+    said = cli("run", *ov)
+    assert "user-private as its input is" in said, said
+    # The task resolved the example's ${oc.env:HF_TOKEN}: the same answers as the value written out
+    # (which run.yaml holds as a reference too).
+    literal = [o for o in ov if not o.startswith("prompt.examples=")]
+    literal += [f"prompt.examples=[{{text: {HF}, answer: ok}}]", f"output.dir={tmp_path / 'literal'}"]
+    cli("run", *literal)
+    assert read_output(out) == read_output(tmp_path / "literal") and len(read_output(out)) == 12
+    stored = yaml.safe_load((out / "run.yaml").read_text())["config"]
+    # secrets by name are struck; a secret's value is a reference to its variable, which a task resolves
+    assert {k: stored["cluster"]["env"][k] for k in BY_NAME} == dict.fromkeys(BY_NAME, "<redacted>")
+    assert stored["cluster"]["env"]["DATABASE_URL"] == "<redacted>"
+    assert stored["cluster"]["env"]["PLAIN_SETTING"] == "${oc.env:MY_SERVICE_TOKEN}"
+    assert stored["cluster"]["setup"][0] == 'echo "${oc.env:MY_SERVICE_TOKEN}" >/dev/null'
+    assert stored["prompt"]["examples"] == [{"text": "${oc.env:HF_TOKEN}", "answer": "ok"}]
+    # the input's own restriction is kept on DIR/input (umask 022 would make it 0644)
+    made = [p for p in (out / "input").rglob("*") if p.is_file()]
+    assert made and all(stat.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in made)
+    cli("status", str(out))
+    cli("status", str(out), "--json")
+    cli("report", str(out))
+    cli("report", str(out), "--json")
+    cli("resume", str(out), "cluster.env.SESSION_COOKIE=" + BY_NAME["SESSION_COOKIE"])
+    cli("redo", str(out), "--where", "row < 4", f"cluster.env.GITHUB_PAT={BY_NAME['GITHUB_PAT']}", "sampling.seed=7")
+    status = cli("status", str(out))
+    # a value the environment holds is shown as a reference to its variable
+    assert "cluster.env.GITHUB_PAT=${oc.env:GITHUB_PAT} sampling.seed=7" in status
+    cli("status", str(out), "--json")
+    cli("cancel", str(out))
+    cli("tune", *ov, "--rows", "8", "--try", "defaults", "--out", str(tune), "--json")
+    cli("status", str(tune))
+    assert (tune / "trials" / "00" / "spec.json").is_file()
+    hits = leaks([out, tmp_path / "literal", tune], printed)
+    print(f"planted secrets searched in the files of {out} and {tune} and {len(printed)} outputs: {len(hits)} hits")
+    assert not hits, hits
