@@ -384,29 +384,33 @@ NOT_RECORDS = {
 }
 
 
+class _Serializers(ast.NodeVisitor):
+    """Calls of a DUMPS serializer in one file, with the function (Class.name) they are in."""
+
+    def __init__(self, rel: str):
+        self.rel, self.stack = rel, []
+        self.found: list[tuple[str, str, str]] = []
+
+    def scoped(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> None:
+        self.stack.append(node.name)
+        self.generic_visit(node)
+        self.stack.pop()
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = scoped
+
+    def visit_Call(self, node: ast.Call) -> None:
+        f = node.func
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and (f.value.id, f.attr) in DUMPS:
+            self.found.append((self.rel, ".".join(self.stack) or "<module>", f"{f.value.id}.{f.attr}:{node.lineno}"))
+        self.generic_visit(node)
+
+
 def serializer_calls(src: Path, package: str) -> Iterator[tuple[str, str, str]]:
     """(file, enclosing function as Class.name, `json.dumps:LINE`) of each call of a DUMPS serializer."""
     for path in sorted((src / package).rglob("*.py")):
-        rel = path.relative_to(src).as_posix()
-        stack: list[str] = []
-        found: list[tuple[str, str, str]] = []
-
-        class Visitor(ast.NodeVisitor):
-            def scoped(self, node: ast.AST) -> None:
-                stack.append(node.name)  # type: ignore[attr-defined]
-                self.generic_visit(node)
-                stack.pop()
-
-            visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = scoped
-
-            def visit_Call(self, node: ast.Call) -> None:
-                f = node.func
-                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and (f.value.id, f.attr) in DUMPS:
-                    found.append((rel, ".".join(stack) or "<module>", f"{f.value.id}.{f.attr}:{node.lineno}"))
-                self.generic_visit(node)
-
-        Visitor().visit(ast.parse(path.read_text()))
-        yield from found
+        visitor = _Serializers(path.relative_to(src).as_posix())
+        visitor.visit(ast.parse(path.read_text()))
+        yield from visitor.found
 
 
 def unredacted_writes(src: Path, package: str, not_records: dict[tuple[str, str], str]) -> list[str]:
