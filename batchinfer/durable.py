@@ -14,7 +14,7 @@ from typing import Any, BinaryIO, Optional
 
 from batchinfer import faults
 from batchinfer.errors import StorageError
-from batchinfer.redaction import record_json
+from batchinfer.redaction import plain_json, record_json
 
 TMP_PREFIX = ".tmp-"
 
@@ -217,9 +217,12 @@ def _write_failed(tmp: Path, path: Path, e: OSError) -> OSError:
     return storage_error(path, e)
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Atomically write a JSON record, redacted (redaction.record_json)."""
-    atomic_write(path, (record_json(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+def write_json(path: Path, obj: Any, redact: bool = True) -> None:
+    """Atomically write a JSON record, redacted (redaction.record_json). redact=False only for a
+    record of batchinfer's own state holding no config value (tests/contract lists them): a
+    field such as an ownership mark's `token` is a name, not a secret."""
+    text = record_json(obj, indent=2, sort_keys=True, default=str) if redact else plain_json(obj)
+    atomic_write(path, (text + "\n").encode())
 
 
 def read_json(path: Path) -> Any:

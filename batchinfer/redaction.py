@@ -216,6 +216,12 @@ def record_json(obj: Any, **dumps: Any) -> str:
     return json.dumps(redact(obj), **dumps)
 
 
+def plain_json(obj: Any) -> str:
+    """A record of batchinfer's own state (no config value in it) as JSON text, not redacted: its
+    callers are listed in tests/contract/test_architecture.py."""
+    return json.dumps(obj, indent=2, sort_keys=True, default=str)
+
+
 class _NoAliasDumper(yaml.SafeDumper):
     """Records are read by people: no &id001 anchors for repeated values."""
 

@@ -381,6 +381,8 @@ NOT_RECORDS = {
     ("batchinfer/tune/sample.py", "prompt_key"): "hashed, never written",
     ("batchinfer/tune/sample.py", "read_prompts"): "a prompt's length",
     ("batchinfer/tune/trial.py", "main"): "a trial's messages on a pipe (its parent redacts tune.json)",
+    ("batchinfer/durable.py", "write_json"): "its redact=False: plain_json, for the callers listed here",
+    ("batchinfer/ownership.py", "_write_mark"): "a folder's maker: command, state, claim token, host, pid",
 }
 
 
@@ -400,8 +402,15 @@ class _Serializers(ast.NodeVisitor):
 
     def visit_Call(self, node: ast.Call) -> None:
         f = node.func
+        where = (self.rel, ".".join(self.stack) or "<module>")
         if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and (f.value.id, f.attr) in DUMPS:
-            self.found.append((self.rel, ".".join(self.stack) or "<module>", f"{f.value.id}.{f.attr}:{node.lineno}"))
+            self.found.append((*where, f"{f.value.id}.{f.attr}:{node.lineno}"))
+        name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+        if name == "plain_json":  # the redaction's own unredacted writer
+            self.found.append((*where, f"plain_json:{node.lineno}"))
+        for kw in node.keywords:  # write_json(..., redact=False)
+            if kw.arg == "redact" and isinstance(kw.value, ast.Constant) and kw.value.value is False:
+                self.found.append((*where, f"{name}(redact=False):{node.lineno}"))
         self.generic_visit(node)
 
 
@@ -690,6 +699,8 @@ def test_checker_reports_a_record_written_around_the_redaction(tmp_path: Path) -
                     print(OmegaConf.to_yaml(cfg), yaml.safe_dump(cfg))
                 def digest(keys):
                     return hash(json.dumps(keys))
+                def mark(path, rec):
+                    write_json(path, rec, redact=False)
                 """,
         },
     )
@@ -697,6 +708,7 @@ def test_checker_reports_a_record_written_around_the_redaction(tmp_path: Path) -
         "pkg/job.py: Job.save calls json.dumps:6",
         "pkg/job.py: show calls OmegaConf.to_yaml:8",
         "pkg/job.py: show calls yaml.safe_dump:8",
+        "pkg/job.py: mark calls write_json(redact=False):12",
     ]
 
 
