@@ -108,7 +108,7 @@ def test_no_command_writes_or_prints_a_secret(tmp_path: Path, tiny_model_path: P
     cli("cancel", str(out))
     cli("tune", *ov, "--rows", "8", "--try", "defaults", "--out", str(tune), "--json")
     cli("status", str(tune))
-    assert list(tune.glob("trials/*/spec.json"))
+    assert list(tune.glob("trials/*/*/spec.json"))
     hits = leaks([out, tmp_path / "literal", tune], printed)
     print(f"planted secrets searched in the files of {out} and {tune} and {len(printed)} outputs: {len(hits)} hits")
     assert not hits, hits

@@ -370,6 +370,7 @@ NOT_RECORDS = {
     ("batchinfer/inputs/reference.py", "write_manifest"): "input file names, sizes, digests",
     ("batchinfer/inputs/textfiles.py", "_refuse_lone_surrogates"): "an input value, in an error",
     ("batchinfer/launch/protocol.py", "ExitRecord.to_json"): "a member's exit, on a pipe",
+    ("batchinfer/launch/ranks.py", "RankStep.__init__"): "engine args for srun (secret-named keys are refused)",
     ("batchinfer/models/tokens.py", "compile_template.tojson"): "the chat template's tojson filter",
     ("batchinfer/requests/build.py", "row_sampling"): "an input row's sampling overrides",
     ("batchinfer/requests/digest.py", "RequestDigests.__init__"): "hashed, never written",
