@@ -94,19 +94,9 @@ def publish_new(folder: Path, name: Callable[[int], str], first: int, data: byte
     return folder / name(n)
 
 
-def create_once(path: Path, data: bytes, points: Optional[faults.WritePoints] = None) -> bool:
+def create_once(path: Path, data: bytes) -> bool:
     """Write data as path unless path exists; True if this call created it (first writer wins)."""
-    tmp = temporary_name(path)
-    try:
-        _write_temporary(tmp, data, points)
-        created = _link_new(tmp, path)
-        _unlink_temporary(tmp)
-        fsync_dir(path.parent)
-    except OSError as e:
-        raise _write_failed(tmp, path, e) from None
-    if points:
-        faults.point(points.after_rename)
-    return created
+    return publish_stream(path, lambda f: f.write(data))
 
 
 def _link_new(tmp: Path, path: Path) -> bool:

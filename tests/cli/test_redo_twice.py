@@ -4,10 +4,12 @@ is refused naming it, and neither removes what the other made."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,14 @@ def redo_args(run: RunDir, *overrides: str, where: str = LENGTH) -> list[str]:
     return ["redo", str(run.path), "--where", where, *overrides]
 
 
+@contextlib.contextmanager
+def first_redo_stopped_in(hook: str, run: RunDir) -> Iterator[BlockedCli]:
+    """`redo --where LENGTH sampling.max_tokens=9` in a subprocess, stopped in redo's function hook."""
+    with BlockedCli(f"batchinfer.launch.redo:{hook}", redo_args(run, "sampling.max_tokens=9"), standin_env()) as first:
+        first.blocked()
+        yield first
+
+
 @pytest.mark.parametrize("how", ["go", "fail"])
 def test_two_identical_redos_the_second_is_refused_naming_the_first(
     done: dict[str, Any], capsys: pytest.CaptureFixture, how: str
@@ -55,10 +65,7 @@ def test_two_identical_redos_the_second_is_refused_naming_the_first(
     run, cfg = done["run"], done["cfg"]
     path = pass_path(run, 1)
     # the first stops after writing pass.json, before its run.yaml: "a pass being made"
-    with BlockedCli(
-        "batchinfer.launch.redo:write_selection", redo_args(run, "sampling.max_tokens=9"), standin_env()
-    ) as first:
-        first.blocked()
+    with first_redo_stopped_in("write_selection", run) as first:
         assert (path / "pass.json").is_file() and not (path / "run.yaml").exists()
         # resume does not advise the same command (which would take the pass from its live maker)
         code, out, err = cli(["resume", str(run.path)], capsys)
@@ -88,10 +95,7 @@ def test_a_redo_does_not_select_from_a_view_another_pass_changes_before_it_makes
 ) -> None:
     run, cfg = done["run"], done["cfg"]
     # the first has selected its rows from the output as it is now, and not yet made its pass
-    with BlockedCli(
-        "batchinfer.launch.redo:select_rows+", redo_args(run, "sampling.max_tokens=9"), standin_env()
-    ) as first:
-        first.blocked()
+    with first_redo_stopped_in("select_rows+", run) as first:
         assert not (run.path / "passes").exists() or not any((run.path / "passes").iterdir())
         # a second redo, of other settings, would make and merge a pass meanwhile that the first
         # one's selection never saw (and the first's pass would then undo its answers)
@@ -134,10 +138,7 @@ def test_a_redo_killed_while_it_selects_leaves_a_half_made_pass_the_next_takes_o
 ) -> None:
     run, cfg = done["run"], done["cfg"]
     path = pass_path(run, 1)
-    with BlockedCli(
-        "batchinfer.launch.redo:write_selection", redo_args(run, "sampling.max_tokens=9"), standin_env()
-    ) as first:
-        first.blocked()
+    with first_redo_stopped_in("write_selection", run) as first:
         os.killpg(first.pid, signal.SIGKILL)
         assert first.proc.wait() == -signal.SIGKILL
     assert (path / "pass.json").is_file() and not (path / "selection.parquet").exists()  # killed there
