@@ -20,7 +20,6 @@ from batchinfer.redaction import (
     env_refs,
     is_secret_entry,
     is_secret_name,
-    redact,
     redact_text,
     resolve_refs,
 )
@@ -97,11 +96,6 @@ def _secret_keys(node: Any, prefix: str) -> Iterator[str]:
         if is_secret_name(k) and v not in (None, "", REDACTED) and not env_refs(str(v)):
             yield key
         yield from _secret_keys(v, key)
-
-
-def redact_config(c: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a resolved config safe to store or print (redaction.redact)."""
-    return redact(c)
 
 
 def _secret_value(name: str, value: Any) -> str:

@@ -21,6 +21,7 @@ from batchinfer.errors import ConfigError, FolderRefused, InputError
 from batchinfer.launch import slurm
 from batchinfer.launch.local import run_shards
 from batchinfer.launch.submit import submit_shards
+from batchinfer.redaction import redact
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.prepare import PREPARING, prepare
 from batchinfer.rundir.store import RunDir
@@ -197,6 +198,8 @@ MODES = """
 import os, sys
 sys.path.insert(0, sys.argv[1])
 from support.fake_engine import FakeEngine, fake_overrides, keyed
+
+from batchinfer.redaction import redact
 from batchinfer.config.compose import compose
 from batchinfer.launch.local import run_shards
 from batchinfer.rundir.merge import merge
@@ -359,7 +362,7 @@ def test_config_dir_and_input_path_are_checked(tmp_path: Path, monkeypatch: pyte
 
 def test_resolved_config_keeps_plain_env_values() -> None:
     c = to_dict(compose(["+cluster.env.A=1", "+cluster.env.API_KEY=s"]))
-    assert security.redact_config(c)["cluster"]["env"] == {"A": "1", "API_KEY": "<redacted>"}
+    assert redact(c)["cluster"]["env"] == {"A": "1", "API_KEY": "<redacted>"}
     assert c["cluster"]["env"]["API_KEY"] == "s"
 
 
