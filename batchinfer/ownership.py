@@ -60,6 +60,7 @@ from batchinfer.errors import FolderRefused
 from batchinfer.locks.holder import Holder, Verdict
 from batchinfer.locks.judge import judge_holder
 from batchinfer.locks.lock import FileLock
+from batchinfer.logs import log
 from batchinfer.security import remove_path
 
 MARK = ".batchinfer-owner.json"
@@ -250,7 +251,7 @@ def _folder_lock(path: Path, command: str, mode: str, label: str) -> FileLock:
         doing = f" (batchinfer {mark.command})" if mark and mark.state is State.MAKING else ""
         return f"{where} is in use by {who}{doing}; wait for it to finish or choose another folder"
 
-    return FileLock(path / LOCK, busy, mode=mode, log=lambda _: None, error=FolderRefused)
+    return FileLock(path / LOCK, busy, mode=mode, log=log.warning, error=FolderRefused)
 
 
 def _make_dir(path: Path, label: str) -> bool:

@@ -212,11 +212,12 @@ def owned_folder(folder: Path, opts: Options) -> Iterator[Path]:
 
 
 def fresh_trials(folder: Path) -> Path:
-    """This tune's own trial folder, TUNE/trials/<time>-<pid>: a later tune never reopens a trial's
-    run directories (their rates and rows are this tune's)."""
-    trials = folder / "trials" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    trials.mkdir(parents=True)
-    return trials
+    """This tune's own trial folder, TUNE/trials/<time>-<pid>-<random>: a later tune never reopens
+    a trial's run directories (their rates and rows are this tune's), even one in the same second."""
+    parent = folder / "trials"
+    parent.mkdir(parents=True, exist_ok=True)
+    # mkdtemp creates an absent name atomically: two tunes in one second (one process) differ.
+    return Path(tempfile.mkdtemp(prefix=f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-", dir=parent))
 
 
 def tune(cfg: DictConfig, opts: Options) -> dict[str, Any]:
