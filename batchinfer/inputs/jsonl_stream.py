@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 
 from batchinfer.inputs.compressed import COMPRESSION_SUFFIXES
 from batchinfer.inputs.datasets_reader import first_chunk
+from batchinfer.inputs.object_lines import Guarded, NotObjectLine, objects_only
 from batchinfer.inputs.textfiles import (
     ARROW_SAFE_DEPTH,
     TypeConflict,
@@ -52,8 +53,8 @@ def jsonl_to_arrow(
     import pyarrow.json as paj
 
     head = first_chunk(files[0])
-    if nests_deeper(head, ARROW_SAFE_DEPTH):
-        return None  # the line-by-line check names the line
+    if not objects_only(head) or nests_deeper(head, ARROW_SAFE_DEPTH):
+        return None  # the line-by-line check names the line (pyarrow would crash on `null`, or go too deep)
     try:
         table = paj.read_json(io.BytesIO(head), read_options=paj.ReadOptions(block_size=max(len(head), 1)))
         schema = dates_as_text(table.schema)  # text stays text
@@ -107,7 +108,7 @@ def _stream_in_blocks(
         except pa.ArrowInvalid as e:
             if "straddl" not in str(e):
                 return None
-        except (pa.ArrowException, UnicodeDecodeError, OSError):
+        except (pa.ArrowException, UnicodeDecodeError, OSError, NotObjectLine):
             return None  # unreadable here: the line-by-line path says why, in the reader's words
     return None
 
@@ -127,7 +128,7 @@ def _one_schema(files: list[Path], schema: pa.Schema, fitted: _Misfit) -> Union[
             # (blank lines make this skip less, never more).
             if line - 1 + chunk.count(b"\n") + (not chunk.endswith(b"\n")) <= fit:
                 continue
-            if nests_deeper(chunk, ARROW_SAFE_DEPTH):
+            if not objects_only(chunk) or nests_deeper(chunk, ARROW_SAFE_DEPTH):
                 return None
             try:
                 options = paj.ReadOptions(block_size=len(chunk) + 1)
@@ -176,6 +177,7 @@ def _stream_jsonl(
             source = _arrow_source(path)
             if source is None:
                 return None
+            stack.enter_context(source)
             file_rows = 0
             try:
                 for batch in paj.open_json(source, read_options=read_options, parse_options=parse_options):
@@ -217,14 +219,15 @@ def _write_batches(pending: list[pa.RecordBatch], data: Any, ids: Any, id_at: in
 
 
 def _arrow_source(path: Path) -> Any:
-    """What pyarrow reads path from, decompressing it natively; None for a compression it lacks."""
+    """What pyarrow reads path from, decompressing it natively, each line checked to start with `{`
+    before pyarrow sees it (`object_lines`); None for a compression it lacks."""
     name = path.name.lower()
     for suffix, codec in ARROW_CODECS.items():
         if name.endswith(suffix):
-            return pa.input_stream(str(path), compression=codec) if pa.Codec.is_available(codec) else None
+            return Guarded(pa.input_stream(str(path), compression=codec)) if pa.Codec.is_available(codec) else None
     if name.endswith(COMPRESSION_SUFFIXES):
         return None
-    return str(path)
+    return Guarded(open(path, "rb", buffering=0))
 
 
 def _features_as_datasets_reads(schema: pa.Schema) -> Any:

@@ -80,10 +80,22 @@ def json_object(path: Path, lineno: int, line: str) -> dict[str, Any]:
                 f"as one); at most {MAX_JSON_DEPTH} can be read: flatten the value or write it as JSON text (a quoted string)"
             )
     if not isinstance(obj, dict):
-        raise InputError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
+        raise InputError(
+            f"{path}:{lineno}: expected a JSON object per line, got {json_kind(obj)}; write the row as one "
+            'object ({"text": ...}) or remove the line'
+        )
     if _SURROGATE_ESCAPE.search(line):
         _refuse_lone_surrogates(path, lineno, obj)
     return obj
+
+
+def json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words: null, true, a number, a string, an array, an object."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {str: "a string", list: "an array", dict: "an object"}[type(value)]
 
 
 def nests_deeper(chunk: bytes, depth: int) -> bool:

@@ -404,7 +404,10 @@ def test_invalid_utf8_that_pyarrow_would_keep_is_named(tmp_path: Path) -> None:
             '{"id": "a",\n "text": "x"}',
             "{p}:3: not valid JSON (Expecting property name enclosed in double quotes at column 1); fix or remove the line",
         ),
-        ('["id", "a"]', "{p}:3: expected a JSON object per line, got list"),
+        (
+            '["id", "a"]',
+            '{p}:3: expected a JSON object per line, got an array; write the row as one object ({{"text": ...}}) or remove the line',
+        ),
         # json.loads reads this, pyarrow refuses it (naming a row of its block): the line is named
         ('{"id": "a", "id": "b"}', "{p}:3: key 'id' appears twice in one object; remove or rename one"),
     ],
