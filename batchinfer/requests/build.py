@@ -189,10 +189,11 @@ def row_sampling(cfg: Config, row: dict[str, Any], id_: Any) -> str:
                 raise RowError("sampling", f"field {column!r} is not a JSON object: {e}") from None
         if not isinstance(value, dict):
             raise RowError("sampling", f"field {column!r} must be an object of SamplingParams, got {value!r}")
+        value = _set_keys(value)
         unknown = sorted(set(value) - ROW_KEYS)
         if unknown:
             raise RowError("sampling", f"field {column!r} has unknown sampling keys {unknown}")
-        own.update({k: v for k, v in value.items() if v is not None})
+        own.update(value)
     for key in cfg.input.sampling_overridden:  # the config's value wins (a redo's overrides)
         own.pop(key, None)
     if cfg.sampling.n == 1 and isinstance(own.get("n"), int) and own["n"] > 1 and not row.get(ROW_SAMPLING):
@@ -207,6 +208,16 @@ def row_sampling(cfg: Config, row: dict[str, Any], id_: Any) -> str:
     if s.seed_per_row and "seed" not in own:
         own["seed"] = row_seed(s.seed, id_)
     return json.dumps(own, sort_keys=True) if own else ""
+
+
+def _set_keys(value: dict[str, Any]) -> dict[str, Any]:
+    """A row's sampling object without its null values, structured_outputs' own included: null is
+    unset for SamplingParams, and where the column is an Arrow struct a key another row has reads as
+    null in this one (its keys are every row's)."""
+    kept = {k: v for k, v in value.items() if v is not None}
+    if isinstance(kept.get("structured_outputs"), dict):
+        kept["structured_outputs"] = {k: v for k, v in kept["structured_outputs"].items() if v is not None}
+    return kept
 
 
 def check_row_sampling(cfg: Config, own: dict[str, Any], where: str) -> None:

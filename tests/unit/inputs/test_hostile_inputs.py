@@ -112,3 +112,30 @@ def test_line_starts_are_checked_across_any_cut_between_reads(data: bytes, fits:
     for cut in range(len(data) + 1):
         starts = LineStarts()
         assert (starts.fits(data[:cut]) and starts.fits(data[cut:])) is fits, cut
+
+
+# ---------------------------------------------------------------- a row's own sampling values
+
+
+def test_keys_other_rows_have_are_no_unknown_sampling_keys(tmp_path: Path) -> None:
+    """Rows of two files with different sampling keys are read as one struct holding every key, null
+    where a row lacks it: those nulls are not the row's keys (only the row that has `foo` is refused)."""
+    from batchinfer.config.compose import compose
+    from batchinfer.config.schema import to_config
+    from batchinfer.requests.build import row_sampling
+    from batchinfer.requests.prompts import RowError
+
+    a = lines(tmp_path / "a.jsonl", {"text": "a", "params": {"temperature": 0.5}})
+    b = lines(
+        tmp_path / "b.jsonl",
+        {"text": "b", "params": {"top_p": 0.5, "structured_outputs": {"choice": ["x", "y"]}}},
+        {"text": "c", "params": {"foo": 1, "structured_outputs": {"regex": "[a-z]+"}}},
+    )
+    rows = convert(tmp_path, [a, b])
+    assert rows[0]["params"]["top_p"] is None and rows[0]["params"]["foo"] is None  # the struct's nulls
+    cfg = to_config(compose(["input.sampling_column=params"]))
+    assert json.loads(row_sampling(cfg, rows[0], 0)) == {"temperature": 0.5}
+    assert json.loads(row_sampling(cfg, rows[1], 1)) == {"top_p": 0.5, "structured_outputs": {"choice": ["x", "y"]}}
+    with pytest.raises(RowError) as e:
+        row_sampling(cfg, rows[2], 2)
+    assert e.value.message == "field 'params' has unknown sampling keys ['foo']"
