@@ -21,7 +21,8 @@ from batchinfer.inputs.datasets_reader import (
     read_with_datasets,
 )
 from batchinfer.inputs.idcheck import IdChunks, check_ids
-from batchinfer.inputs.jsonl_stream import jsonl_to_arrow
+from batchinfer.inputs.json_faults import big_integer_fault, huge_float_rows, non_finite_fault
+from batchinfer.inputs.jsonl_stream import DATA_FILE, jsonl_to_arrow
 from batchinfer.inputs.reference import (
     is_reference,
     manifest_ids,
@@ -100,6 +101,12 @@ def convert_input(
             ids = lambda: ds.data.column(id_column).chunks  # noqa: E731
         if fmt == "jsonl" and id_column in schema.names and pa.types.is_floating(schema.field(id_column).type):
             _refuse_inexact_ids(files, id_column)
+        if fmt in ("jsonl", "json"):
+            batches = ds.data.table.to_batches() if ds is not None else _stream_batches(tmp / DATA_FILE)
+            fault = big_integer_fault(files, fmt, schema, huge_float_rows(batches))
+            fault = fault or (non_finite_fault(files, fmt, ds.features) if ds is not None else None)
+            if fault:
+                raise InputError(fault)
         _check_input(shown, rows, schema, id_column, columns, ids, strict_ids)
         if ds is not None:
             ds.save_to_disk(str(tmp))
@@ -160,6 +167,13 @@ def _refuse_inexact_ids(files: list[Path], id_column: str) -> None:
             f"{integer[0]}: id {integer[1]} is an integer but the id at {decimal} is a decimal: the column would "
             f"hold floats ({integer[1]} read as {float(integer[1])}); write every id as an integer, or all as JSON strings"
         )
+
+
+def _stream_batches(path: Path) -> Iterable[pa.RecordBatch]:
+    """The record batches of an Arrow stream file, memory-mapped: a pass over some of its columns
+    touches only their pages."""
+    with pa.memory_map(str(path)) as f:
+        yield from pa.ipc.open_stream(f)
 
 
 def _stream_column(path: Path) -> Iterable[pa.Array]:

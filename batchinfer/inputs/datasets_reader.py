@@ -17,7 +17,12 @@ import pyarrow.compute as pc
 from batchinfer.errors import InputError
 from batchinfer.inputs.compressed import open_text
 from batchinfer.inputs.formats import FORMATS
-from batchinfer.inputs.json_faults import json_document_fault, jsonl_fault
+from batchinfer.inputs.json_faults import (
+    document_depth_fault,
+    json_document_fault,
+    json_document_shape_fault,
+    jsonl_fault,
+)
 from batchinfer.inputs.openai_batch import convert_requests
 from batchinfer.inputs.textfiles import (
     TypeConflict,
@@ -56,6 +61,10 @@ def read_with_datasets(files: list[Path], fmt: str, cache_dir: Path, shown: str)
         cache_dir.mkdir(parents=True, exist_ok=True)
         convert_requests(files, cache_dir / "requests.parquet", open_text)
         return datasets.Dataset.from_parquet(str(cache_dir / "requests.parquet"), cache_dir=cache)
+    if fmt == "json":  # before the reader: pyarrow, which it hands the items to, crashes on some
+        fault = next(filter(None, map(json_document_shape_fault, files)), None)
+        if fault:
+            raise InputError(fault)
     if fmt in ("jsonl", "json"):
         return datasets.Dataset.from_json(names, cache_dir=cache, chunksize=DATASETS_CHUNK_BYTES)
     if fmt in ("csv", "tsv"):
@@ -155,6 +164,8 @@ def read_error(files: list[Path], fmt: str, shown: str, e: Exception) -> InputEr
     fault = jsonl_fault(files) if fmt in ("jsonl", "openai") else None
     if fmt == "json" and re.search(r"Value is too (big|small)", reason):
         fault = next(filter(None, map(json_document_fault, files)), None)
+    if fmt == "json" and re.search(r"depth limit|[Rr]ecursion|nesting", reason):
+        fault = next(filter(None, map(document_depth_fault, files)), None)
     if fault:
         return InputError(fault)
     if "corresponds to no data" in reason:  # datasets' words for a header-only CSV

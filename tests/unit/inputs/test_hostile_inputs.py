@@ -139,3 +139,130 @@ def test_keys_other_rows_have_are_no_unknown_sampling_keys(tmp_path: Path) -> No
     with pytest.raises(RowError) as e:
         row_sampling(cfg, rows[2], 2)
     assert e.value.message == "field 'params' has unknown sampling keys ['foo']"
+
+
+@pytest.mark.parametrize("literal", ["1e400", "Infinity", "-Infinity", "NaN"])
+def test_a_number_json_text_cannot_hold_in_a_json_text_column_is_refused_not_made_null(
+    tmp_path: Path, literal: str
+) -> None:
+    """Sampling objects whose keys differ are kept as JSON text (`datasets`' Json), which wrote these
+    as null: the row's temperature was dropped without a word."""
+    p = lines(
+        tmp_path / "c.jsonl",
+        {"text": "a", "params": {"top_p": 0.5, "max_tokens": 3}},
+        f'{{"text": "b", "params": {{"temperature": {literal}}}}}',
+    )
+    assert refusal(tmp_path, [p]) == (
+        f"{p}:2: column 'params' (kept as JSON text: its objects' keys differ from row to row) holds the number "
+        f'{literal}, which JSON text cannot hold: it would be read as null; write it as a JSON string ("{literal}") '
+        "or a finite number"
+    )
+
+
+def test_nan_where_a_column_holds_floats_is_kept(tmp_path: Path) -> None:
+    p = lines(tmp_path / "c.jsonl", '{"text": "a", "x": NaN}', '{"text": "b", "x": 0.5}')
+    rows = convert(tmp_path, [p])
+    assert rows[0]["x"] != rows[0]["x"] and rows[1]["x"] == 0.5
+
+
+# ---------------------------------------------------------------- integers beyond 64 bits
+
+BIG = 2**64 + 1
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "column", "value"),
+    [
+        ('{"x": 1}', '{"x": %d}', "x", BIG),
+        ('{"x": {"y": 1}}', '{"x": {"y": %d}}', "x.y", BIG),
+        ('{"x": [1]}', '{"x": [1, %d]}', "x", BIG),
+        ('{"x": 1}', '{"x": %d}', "x", 2**63),  # just past int64: pyarrow reads it as a float too
+        ('{"x": 1}', '{"x": %d}', "x", -(2**63) - 1),
+        ('{"x": %d}', '{"x": 2}', "x", BIG),  # in the first row
+    ],
+)
+def test_an_integer_beyond_64_bits_is_refused_naming_line_and_column(
+    tmp_path: Path, first: str, second: str, column: str, value: int
+) -> None:
+    """pyarrow reads such a column as floats: 1 became 1.0 and the big one lost its digits."""
+    p = lines(tmp_path / "c.jsonl", first.replace("%d", str(value)), second.replace("%d", str(value)))
+    line = 1 if "%d" in first else 2
+    assert refusal(tmp_path, [p]) == (
+        f"{p}:{line}: column {column!r} holds the integer {value}, beyond 64 bits: the column would be read as "
+        f'floats ({value} as {float(value)!r}); write such numbers as JSON strings ("{value}")'
+    )
+
+
+def test_big_floats_and_big_integers_as_text_are_kept(tmp_path: Path) -> None:
+    p = lines(tmp_path / "c.jsonl", {"text": "a", "x": 1e19, "s": str(BIG)}, {"text": "b", "x": -2.5e300, "s": "1"})
+    assert convert(tmp_path, [p]) == [{"text": "a", "x": 1e19, "s": str(BIG)}, {"text": "b", "x": -2.5e300, "s": "1"}]
+
+
+def test_a_json_document_integer_beyond_64_bits_is_refused(tmp_path: Path) -> None:
+    p = tmp_path / "c.json"
+    p.write_text(f'[{{"text": "a", "x": 1}},\n {{"text": "b", "x": {2**63 + 1}}}]\n')
+    assert refusal(tmp_path, [p], "json") == (
+        f"{p}:2: column 'x' holds the integer {2**63 + 1}, beyond 64 bits: the column would be read as floats "
+        f'({2**63 + 1} as {float(2**63 + 1)!r}); write such numbers as JSON strings ("{2**63 + 1}")'
+    )
+
+
+# ---------------------------------------------------------------- JSON documents that are no list of rows
+
+NOT_ROWS = 'not rows: a JSON input is an array (one object per row, [{"text": ...}, ...]) or one object per line'
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("5\n", "{p}:1: the document is a number, " + NOT_ROWS),
+        ('\n  "abc"\n', "{p}:2: the document is a string, " + NOT_ROWS),
+        ("null\n", "{p}:1: the document is null, " + NOT_ROWS),
+        (
+            '[{"id": 1, "text": "a"},\n 5]\n',
+            "{p}:2: item 1 of the array is a number; its items must all be objects (one per row), as the first is: "
+            "fix or remove that item",
+        ),
+        (
+            '[{"text": "a"},\n\n null]\n',
+            "{p}:3: item 1 of the array is null; its items must all be objects (one per row), as the first is: "
+            "fix or remove that item",
+        ),
+        (
+            '["a", {"text": "b"}]',
+            "{p}:1: item 1 of the array is an object; its items must all be strings (the text of each row), as the "
+            "first is: fix or remove that item",
+        ),
+        ('{"text": "a"}\nnull\n', "{p}:2: " + OBJECT_PER_LINE.format("null")),
+        (
+            "[" * 10000 + "]" * 10000,
+            "{p}:1: objects and lists nested more than 63 levels deep (the row's own object counts as one); at most "
+            "63 can be read: flatten the value or write it as JSON text (a quoted string)",
+        ),
+        (
+            '[{"text": "a"},\n{"text": "b", "x": ' + "[" * 100 + "]" * 100 + "}]",
+            "{p}:2: objects and lists nested more than 63 levels deep (the row's own object counts as one); at most "
+            "63 can be read: flatten the value or write it as JSON text (a quoted string)",
+        ),
+        (
+            '[{"text": "a", "x": NaN}]',
+            "{p}:1: the document (whose rows are read through JSON text) holds the number NaN, which JSON text cannot "
+            'hold: it would be read as null; write it as a JSON string ("NaN") or a finite number',
+        ),
+    ],
+)
+def test_a_json_document_that_is_no_list_of_rows_is_refused_by_line(tmp_path: Path, text: str, message: str) -> None:
+    p = tmp_path / "c.json"
+    p.write_text(text)
+    [got] = refusals_in_child(tmp_path, [[p]], "json")  # a null item crashed the process
+    assert got == message.replace("{p}", str(p))
+
+
+def test_json_documents_of_rows_are_read(tmp_path: Path) -> None:
+    p = tmp_path / "c.json"
+    p.write_text('[{"text": "a"},\n {"text": "b"}]')
+    assert convert(tmp_path, [p], "json") == [{"text": "a"}, {"text": "b"}]
+    p.write_text('["a", "b"]')
+    assert convert(tmp_path / "s", [p], "json") == [{"text": "a"}, {"text": "b"}]
+    p.write_text('{"text": "a"}\n{"text": "b"}\n')
+    assert convert(tmp_path / "l", [p], "json") == [{"text": "a"}, {"text": "b"}]
