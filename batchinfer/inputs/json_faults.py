@@ -290,7 +290,7 @@ def _big_integer_message(where: str, column: str, value: int) -> str:
     short = str(value) if len(str(value)) <= 40 else str(value)[:20] + "..."
     return (
         f"{where}: column {column!r} holds the integer {short}, beyond 64 bits: the column would be read as "
-        f"floats ({short} as {float(value)!r}); write such numbers as JSON strings (\"{short}\")"
+        f'floats ({short} as {float(value)!r}); write such numbers as JSON strings ("{short}")'
     )
 
 
