@@ -47,9 +47,7 @@ class _Decompressed(io.RawIOBase):
             import lzma
 
             return lzma.open(path, "rb")
-        import zstandard
-
-        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+        return _Zstd(path)
 
     def readable(self) -> bool:
         return True
@@ -74,3 +72,53 @@ def compressed_error(path: Path, e: BaseException) -> InputError:
         f"{path}: cannot be decompressed as {codec} ({reason}); the file is cut short, corrupt or not {codec} "
         f"data: copy it again, or rename it without {path.suffix} if it is not compressed"
     )
+
+
+class _Zstd(io.RawIOBase):
+    """A zstd file's frames decompressed in turn; a file that ends inside a frame raises ZstdError
+    (zstandard's stream_reader returns what it has as if the file ended there: a corpus cut short
+    in transfer would be read as a shorter one)."""
+
+    def __init__(self, path: Path) -> None:
+        import zstandard
+
+        super().__init__()
+        self.file = open(path, "rb")
+        self.dctx = zstandard.ZstdDecompressor()
+        self.frame = self.dctx.decompressobj()
+        self.inside = False  # bytes of the current frame were fed and its end not seen yet
+        self.out = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        while not len(self.out):
+            data = self.file.read(1 << 20)
+            if not data:
+                if self.inside:
+                    import zstandard
+
+                    raise zstandard.ZstdError("the file ends inside a zstd frame")
+                return 0
+            self.out = memoryview(self._feed(data))
+        n = min(len(buf), len(self.out))
+        buf[:n] = self.out[:n]
+        self.out = self.out[n:]
+        return n
+
+    def _feed(self, data: bytes) -> bytes:
+        parts = []
+        while data:
+            parts.append(self.frame.decompress(data))
+            self.inside = not self.frame.eof
+            if not self.frame.eof:
+                break
+            data = self.frame.unused_data  # the next frame's first bytes, if any
+            self.frame = self.dctx.decompressobj()
+        return b"".join(parts)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.file.close()
+        super().close()

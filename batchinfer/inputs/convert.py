@@ -20,7 +20,7 @@ from batchinfer.inputs.datasets_reader import (
     read_jsonl_extended,
     read_with_datasets,
 )
-from batchinfer.inputs.idcheck import IdChunks, check_ids
+from batchinfer.inputs.idcheck import IdChunks, check_id_type, check_ids
 from batchinfer.inputs.json_faults import big_integer_fault, huge_float_rows, non_finite_fault
 from batchinfer.inputs.jsonl_stream import DATA_FILE, jsonl_to_arrow
 from batchinfer.inputs.reference import (
@@ -86,7 +86,7 @@ def convert_input(
         else:
             remove_path(tmp, ignore_errors=True)
             try:
-                ds = read_with_datasets(files, fmt, cache, shown)
+                ds = read_with_datasets(files, fmt, cache, shown, id_column)
             except InputError:
                 raise
             except Exception as e:  # the readers raise ValueError, OSError, ArrowException, DatasetGenerationError
@@ -134,6 +134,7 @@ def _check_input(
             raise InputError(
                 f"{shown}: input.id_column={id_column!r} is not a column (columns: {', '.join(schema.names)})"
             )
+        check_id_type(shown, schema.field(id_column).type, ids, id_column)
         if strict_ids:
             check_ids(shown, ids, id_column)
     for col in columns or []:

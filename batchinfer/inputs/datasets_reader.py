@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 
 from batchinfer.errors import InputError
 from batchinfer.inputs.compressed import open_text
+from batchinfer.inputs.csv_cells import check_cells
 from batchinfer.inputs.formats import FORMATS
 from batchinfer.inputs.json_faults import (
     document_depth_fault,
@@ -46,8 +47,11 @@ log = logging.getLogger("batchinfer")
 DATASETS_CHUNK_BYTES = 10 << 20
 
 
-def read_with_datasets(files: list[Path], fmt: str, cache_dir: Path, shown: str) -> Any:
-    """The input as `datasets`' builder for its format reads it (its cache in cache_dir)."""
+def read_with_datasets(
+    files: list[Path], fmt: str, cache_dir: Path, shown: str, id_column: Optional[str] = None
+) -> Any:
+    """The input as `datasets`' builder for its format reads it (its cache in cache_dir); a CSV/TSV
+    cell of id_column that is empty is a null id (one that is missing, as in JSON lines)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -69,9 +73,12 @@ def read_with_datasets(files: list[Path], fmt: str, cache_dir: Path, shown: str)
         return datasets.Dataset.from_json(names, cache_dir=cache, chunksize=DATASETS_CHUNK_BYTES)
     if fmt in ("csv", "tsv"):
         # Cells are the strings they are: pandas' guesses would make `007` the number 7 (and a
-        # duplicate of `7`), `1e3` 1000.0, and the texts NA, null, N/A, nan nulls.
+        # duplicate of `7`), `1e3` 1000.0, and the texts NA, null, N/A, nan nulls. Only an empty id
+        # cell is null: an id that is not there.
         sep = "\t" if fmt == "tsv" else ","
         headers = [csv_header(f, sep) for f in files]  # each file's, for its duplicate names
+        for f, header in zip(files, headers, strict=True):
+            check_cells(f, sep, len(header))
         strings = datasets.Features({name: datasets.Value("string") for name in headers[0]})
         return datasets.Dataset.from_csv(
             names,
@@ -79,7 +86,8 @@ def read_with_datasets(files: list[Path], fmt: str, cache_dir: Path, shown: str)
             sep=sep,
             features=strings,
             keep_default_na=False,
-            na_filter=False,
+            na_filter=id_column is not None,
+            na_values={id_column: [""]} if id_column is not None else None,
         )
     if fmt == "parquet":
         return datasets.Dataset.from_parquet(names, cache_dir=cache, **_columns_datasets_holds(files[0]))

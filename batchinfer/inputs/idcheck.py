@@ -3,6 +3,7 @@ named by row."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
@@ -205,3 +206,54 @@ def check_ids(path: Any, ids: Union[pa.ChunkedArray, IdChunks], column: str = "i
     count, shown = id_problems(ids, column, limit=1)
     if count:
         raise InputError(f"{path}: {shown[0]}")
+
+
+def check_id_type(path: Any, id_type: pa.DataType, ids: Union[pa.ChunkedArray, IdChunks], column: str) -> None:
+    """Ids must be single values (strings, numbers, dates, ...): an id column of true/false values,
+    objects or lists (or JSON text holding one) raises InputError naming the first such row. The ids
+    are read only where their type (id_type) may hold such values."""
+    kind = _compound_kind(id_type)
+    if kind is None and not isinstance(id_type, pa.BaseExtensionType):
+        return
+    chunks: IdChunks = (lambda: ids.chunks) if isinstance(ids, pa.ChunkedArray) else ids  # type: ignore[union-attr]
+    row = 0
+    for chunk in _grouped(chunks()):
+        bad = chunk.is_valid() if kind else _json_compound(chunk)
+        if pc.any(bad).as_py():
+            at = pc.index(bad, True).as_py()
+            value = chunk[at].as_py()
+            shown = json.dumps(value) if not isinstance(value, str) else value
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise InputError(
+                f"{path}: row {row + at}: input.id_column {column!r} is {kind or _JSON_KINDS[shown[:1]]} ({shown}); "
+                "an id is one string or number: give every row such an id, or set input.id_column to another "
+                "column (unset, rows are numbered)"
+            )
+        row += len(chunk)
+
+
+_JSON_KINDS = {"{": "an object", "[": "an array", "t": "true/false", "f": "true/false"}
+
+
+def _compound_kind(t: pa.DataType) -> Any:
+    """What an id of type t is where it is no single value, in JSON's words; else None."""
+    if pa.types.is_dictionary(t):
+        return _compound_kind(t.value_type)
+    if pa.types.is_boolean(t):
+        return "true/false"
+    if pa.types.is_struct(t):
+        return "an object"
+    if pa.types.is_map(t):
+        return "a map"
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return "an array"
+    return None
+
+
+def _json_compound(chunk: pa.Array) -> pa.Array:
+    """For ids kept as JSON text (ints beside strings): whether each is an object, array or bool."""
+    storage = chunk.storage if isinstance(chunk, pa.ExtensionArray) else chunk
+    if not (pa.types.is_string(storage.type) or pa.types.is_large_string(storage.type)):
+        return pa.array([False] * len(chunk))
+    first = pc.utf8_slice_codeunits(pc.utf8_ltrim_whitespace(storage), 0, 1)
+    return pc.is_in(first, value_set=pa.array(list(_JSON_KINDS))).fill_null(False)

@@ -175,7 +175,8 @@ def _lines_with_content(path: Path) -> int:
 
 def csv_header(path: Path, sep: str) -> list[str]:
     """The column names on a CSV/TSV file's first line (a UTF-8 BOM dropped); a name given twice
-    raises InputError (the readers would keep one of the two columns without a word)."""
+    raises InputError (the readers would keep one of the two columns without a word), as does one
+    left empty."""
     import csv
     import io
 
@@ -183,6 +184,9 @@ def csv_header(path: Path, sep: str) -> list[str]:
         head = io.TextIOWrapper(f, encoding="utf-8-sig", errors="replace", newline="")
         names = next(csv.reader(head, delimiter=sep), [])
     for i, name in enumerate(names):
+        if not name.strip():
+            end = f" (a header ending in {sep!r} makes an empty last one)" if i == len(names) - 1 else ""
+            raise InputError(f"{path}:1: column {i + 1} of the header has no name{end}; name every column")
         if name in names[:i]:
             raise InputError(
                 f"{path}:1: the header names column {name!r} twice (columns {names.index(name) + 1} and {i + 1}); "

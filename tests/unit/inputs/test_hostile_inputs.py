@@ -266,3 +266,114 @@ def test_json_documents_of_rows_are_read(tmp_path: Path) -> None:
     assert convert(tmp_path / "s", [p], "json") == [{"text": "a"}, {"text": "b"}]
     p.write_text('{"text": "a"}\n{"text": "b"}\n')
     assert convert(tmp_path / "l", [p], "json") == [{"text": "a"}, {"text": "b"}]
+
+
+# ---------------------------------------------------------------- ids
+
+ID_HINT = "an id is one string or number: give every row such an id, or set input.id_column to another column (unset, rows are numbered)"
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        ([{"a": 1}, {"a": 2}], "row 0: input.id_column 'id' is an object ({\"a\": 1})"),
+        ([[1], [2]], "row 0: input.id_column 'id' is an array ([1])"),
+        ([None, False, True], "row 1: input.id_column 'id' is true/false (false)"),
+        (["a", 2, {"b": 1}], "row 2: input.id_column 'id' is an object ({\"b\":1})"),  # kept as JSON text
+        (["a", 2, [3]], "row 2: input.id_column 'id' is an array ([3])"),
+    ],
+)
+def test_an_id_that_is_no_single_value_is_refused_naming_the_row(tmp_path: Path, ids: list, message: str) -> None:
+    p = lines(tmp_path / "c.jsonl", *({"id": i, "text": "t"} for i in ids))
+    assert refusal(tmp_path, [p], id_column="id") == f"{p}: {message}; {ID_HINT}"
+
+
+def test_ids_of_strings_beside_integers_are_kept(tmp_path: Path) -> None:
+    p = lines(tmp_path / "c.jsonl", {"id": "a", "text": "t"}, {"id": 2, "text": "u"})
+    assert [r["id"] for r in convert(tmp_path, [p], id_column="id")] == ["a", 2]
+
+
+def test_a_bool_id_column_of_parquet_is_refused(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"id": [True, False], "text": ["a", "b"]}), p)
+    assert (
+        refusal(tmp_path, [p], "parquet", "id") == f"{p}: row 0: input.id_column 'id' is true/false (true); {ID_HINT}"
+    )
+
+
+# ---------------------------------------------------------------- CSV
+
+
+@pytest.mark.parametrize("sep", [",", "\t"])
+def test_an_empty_csv_id_cell_is_a_null_id(tmp_path: Path, sep: str) -> None:
+    p = tmp_path / ("c.tsv" if sep == "\t" else "c.csv")
+    p.write_text(f"id{sep}text\n1{sep}a\n{sep}b\n")
+    fmt = "tsv" if sep == "\t" else "csv"
+    assert (
+        refusal(tmp_path, [p], fmt, "id")
+        == f"{p}: row 1: input.id_column 'id' is null or missing; every row needs an id"
+    )
+
+
+def test_empty_cells_elsewhere_and_null_like_ids_stay_text(tmp_path: Path) -> None:
+    p = tmp_path / "c.csv"
+    p.write_text("id,text\nNA,\nnull,b\n")
+    assert convert(tmp_path, [p], "csv", "id") == [{"id": "NA", "text": ""}, {"id": "null", "text": "b"}]
+
+
+CELLS = "(a record must have one cell per column); quote a cell holding ',' or a newline, or fix the record"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # pandas took the first column as an index: every value one column left, without a word
+        ("id,text\n1,a,b\n2,c,d\n", "{p}:2: 3 cells but the header names 2 columns " + CELLS),
+        ("id,text\n1,a\n2,b,c\n", "{p}:3: 3 cells but the header names 2 columns " + CELLS),
+        ('id,text\n1,"a\nb"\n\n2,c,d\n', "{p}:5: 3 cells but the header names 2 columns " + CELLS),
+        # pandas filled the missing cell with ''
+        ("id,text\n1,a\n2\n", "{p}:3: 1 cell but the header names 2 columns " + CELLS),
+        (
+            "id,text,\n1,a,b\n",
+            "{p}:1: column 3 of the header has no name (a header ending in ',' makes an empty last one); name every column",
+        ),
+        ("id,,text\n1,a,b\n", "{p}:1: column 2 of the header has no name; name every column"),
+    ],
+)
+def test_a_csv_record_that_does_not_fit_the_header_is_refused_by_line(tmp_path: Path, text: str, message: str) -> None:
+    p = tmp_path / "c.csv"
+    p.write_text(text)
+    assert refusal(tmp_path, [p], "csv") == message.replace("{p}", str(p))
+
+
+def test_csv_records_with_quoted_separators_and_newlines_are_read(tmp_path: Path) -> None:
+    p = tmp_path / "c.csv"
+    p.write_bytes(b'\xef\xbb\xbfid,text\r\n1,"a, b"\r\n\r\n2,"c\nd"\r\n')
+    assert convert(tmp_path, [p], "csv", "id") == [{"id": "1", "text": "a, b"}, {"id": "2", "text": "c\nd"}]
+
+
+# ---------------------------------------------------------------- compressed files cut short
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "json"])
+def test_a_zstd_file_cut_short_is_refused_not_read_as_a_shorter_corpus(tmp_path: Path, fmt: str) -> None:
+    """zstandard's stream reader ended quietly where the bytes did: whole lines, a shorter corpus."""
+    import zstandard
+
+    rows = [{"id": i, "text": f"row {i} " + "word " * 20} for i in range(20000)]
+    if fmt == "jsonl":
+        data = "".join(json.dumps(r) + "\n" for r in rows)
+    elif fmt == "csv":
+        data = "id,text\n" + "".join(f"{r['id']},{r['text']}\n" for r in rows)
+    else:
+        data = json.dumps(rows)
+    packed = zstandard.ZstdCompressor().compress(data.encode())
+    p = tmp_path / f"c.{fmt}.zst"
+    p.write_bytes(packed[: len(packed) // 2])
+    assert refusal(tmp_path, [p], fmt, "id") == (
+        f"{p}: cannot be decompressed as zst (the file ends inside a zstd frame); the file is cut short, corrupt or "
+        "not zst data: copy it again, or rename it without .zst if it is not compressed"
+    )
