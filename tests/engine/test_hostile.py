@@ -337,7 +337,7 @@ FILE_CASES = {
     ),
     "corrupt zst": FileCase(
         {"c.jsonl.zst": _zst_corrupt()},
-        "{d}/c.jsonl.zst: cannot be decompressed as zst (zstd decompress error: Data corruption detected); the "
+        "{d}/c.jsonl.zst: cannot be decompressed as zst (zstd decompressor error: Data corruption detected); the "
         "file is cut short, corrupt or not zst data: copy it again, or rename it without .zst if it is not compressed",
         commands=("validate", "plan", "run"),
     ),
