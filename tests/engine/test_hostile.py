@@ -268,6 +268,13 @@ def _zst_corrupt() -> bytes:
     return z[:10] + b"\0" * 20 + z[30:]
 
 
+def _zst_cut_at_a_line() -> bytes:
+    """The first 500 of 1000 distinct rows of a zstd frame, flushed as a block and cut there: whole lines."""
+    rows = b"".join(b'{"id": %d, "text": "a"}\n' % i for i in range(1000))
+    z = zstandard.ZstdCompressor().compressobj()
+    return z.compress(rows[: rows.index(b'{"id": 500,')]) + z.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+
+
 def _gz_cut() -> bytes:
     z = gzip.compress(ROW * 1000)
     return z[: len(z) // 2]
@@ -321,6 +328,69 @@ FILE_CASES = {
         {"c.csv": b"id,text,text\n1,a,b\n"},
         "{d}/c.csv:1: the header names column 'text' twice (columns 2 and 3); give each column its own name",
         commands=("validate", "plan"),
+    ),
+    "a null first line (pyarrow crashed the process)": FileCase(
+        {"c.jsonl": b"null\n" + ROW},
+        '{d}/c.jsonl:1: expected a JSON object per line, got null; write the row as one object ({{"text": ...}}) or '
+        "remove the line",
+        commands=("validate", "run"),
+    ),
+    "a null line (read as a row of nulls)": FileCase(
+        {"c.jsonl": ROW + b"null\n"},
+        '{d}/c.jsonl:2: expected a JSON object per line, got null; write the row as one object ({{"text": ...}}) or '
+        "remove the line",
+        commands=("validate", "run"),
+    ),
+    "an integer beyond 64 bits in a column (made it floats)": FileCase(
+        {"c.jsonl": b'{"id": 1, "text": "a", "n": 1}\n{"id": 2, "text": "b", "n": 18446744073709551617}\n'},
+        "{d}/c.jsonl:2: column 'n' holds the integer 18446744073709551617, beyond 64 bits: the column would be read "
+        'as floats (18446744073709551617 as 1.8446744073709552e+19); write such numbers as JSON strings ("18446744073709551617")',
+        commands=("validate", "run"),
+    ),
+    "Infinity in a sampling column kept as JSON text (read as null)": FileCase(
+        {
+            "c.jsonl": b'{"id": 1, "text": "a", "p": {"top_p": 0.5}}\n{"id": 2, "text": "b", "p": {"temperature": Infinity}}\n'
+        },
+        "{d}/c.jsonl:2: column 'p' (kept as JSON text: its objects' keys differ from row to row) holds the number "
+        'Infinity, which JSON text cannot hold: it would be read as null; write it as a JSON string ("Infinity") or '
+        "a finite number",
+        overrides=("input.sampling_column=p",),
+        commands=("validate", "run"),
+    ),
+    "an id that is an object": FileCase(
+        {"c.jsonl": b'{"id": {"a": 1}, "text": "a"}\n'},
+        "{d}/c.jsonl: row 0: input.id_column 'id' is an object ({{\"a\": 1}}); an id is one string or number: give "
+        "every row such an id, or set input.id_column to another column (unset, rows are numbered)",
+        commands=("validate", "run"),
+    ),
+    "an empty CSV id cell (was the id '')": FileCase(
+        {"c.csv": b"id,text\n1,a\n,b\n"},
+        "{d}/c.csv: row 1: input.id_column 'id' is null or missing; every row needs an id",
+        commands=("run",),  # validate lists it among the stops of its report
+    ),
+    "a CSV record with a cell more than the header (pandas shifted every value)": FileCase(
+        {"c.csv": b"id,text\n1,a,b\n2,c,d\n"},
+        "{d}/c.csv:2: 3 cells but the header names 2 columns (a record must have one cell per column); quote a cell "
+        "holding ',' or a newline, or fix the record",
+        commands=("validate", "run"),
+    ),
+    "a .json document that is null (pyarrow crashed the process)": FileCase(
+        {"c.json": b"null\n"},
+        '{d}/c.json:1: the document is null, not rows: a JSON input is an array (one object per row, [{{"text": ...}}, '
+        "...]) or one object per line",
+        commands=("validate", "run"),
+    ),
+    "a .json array with a number among its rows": FileCase(
+        {"c.json": b'[{"id": 1, "text": "a"},\n 5]\n'},
+        "{d}/c.json:2: item 1 of the array is a number; its items must all be objects (one per row), as the first "
+        "is: fix or remove that item",
+        commands=("validate", "run"),
+    ),
+    "a .zst cut inside a frame at a line's end (read as a shorter corpus)": FileCase(
+        {"c.jsonl.zst": _zst_cut_at_a_line()},
+        "{d}/c.jsonl.zst: cannot be decompressed as zst (the file ends inside a zstd frame); the file is cut short, "
+        "corrupt or not zst data: copy it again, or rename it without .zst if it is not compressed",
+        commands=("validate", "run"),
     ),
     "truncated gz": FileCase(
         {"c.jsonl.gz": _gz_cut()},
