@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from batchinfer.config.json_schema import schema_problem
 from batchinfer.config.vllm_names import MAX_LOGPROBS
+from batchinfer.requests.schemas import schema_problem
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature samples greedily
 MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
