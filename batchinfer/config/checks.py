@@ -3,6 +3,7 @@ names vLLM would refuse; refused before anything is submitted, with the key name
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -75,9 +76,6 @@ def validate(cfg: DictConfig) -> None:
     check_sampling(cfg)
     _check_vllm_names(cfg)
     check_output_format(cfg.task.name, cfg.output.format, cfg.input.format)
-    from batchinfer.config.json_schema import check_json_schema
-
-    check_json_schema(cfg.sampling.structured_outputs.json)
     from batchinfer.config.engines import check_engines_value
 
     check_engines_value(cfg.cluster.engines_per_task)
@@ -106,17 +104,23 @@ def check_sampling(cfg: DictConfig) -> None:
     """ConfigError naming the key when vLLM would refuse the config's sampling on every request
     (requests/verdict.py holds vLLM's rules, the same every row's own values are held to; the
     model's vocabulary from its config.json when the folder is here)."""
+    from batchinfer.config.json_schema import load_json_schema
     from batchinfer.requests.verdict import limits, refusal
 
     m = cfg.model
     sampling = OmegaConf.to_container(cfg.sampling)
+    so = sampling["structured_outputs"]
+    if so.get("json") is not None:  # judged as vLLM gets it: the schema itself, inline or from its file
+        so["json"] = load_json_schema(so["json"])
     engine_kwargs = OmegaConf.to_container(m.engine_kwargs) if m.engine_kwargs else None
     found = refusal(
         {k: v for k, v in sampling.items() if k != "seed_per_row"},
-        limits(m.path, m.revision, engine_kwargs),
+        limits(m.path, m.revision, engine_kwargs, m.compact_json),
         in_row=False,
     )
     if found is not None:
+        if found.key == "structured_outputs.json":  # name the schema as the config does, not its whole content
+            found = dataclasses.replace(found, value=cfg.sampling.structured_outputs.json)
         raise ConfigError(found.message("sampling."))
 
 

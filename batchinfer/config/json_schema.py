@@ -42,12 +42,10 @@ def read_json_schema(path: str) -> bytes:
         raise ConfigError(f"{KEY} {path}: cannot read it ({e.strerror or e}; resolved to {p.absolute()})") from None
 
 
-def check_json_schema(value: Optional[str]) -> None:
-    """sampling.structured_outputs.json, inline or the file it names, is a readable JSON schema."""
-    if value is None:
-        return
+def load_json_schema(value: str) -> Any:
+    """The schema sampling.structured_outputs.json names, inline or in a file; ConfigError naming
+    the key (and file) when it cannot be read or is no JSON schema."""
     path = json_schema_path(value)
     if path is None:
-        parse_json_schema(value, f"{KEY} (inline)")
-    else:
-        parse_json_schema(read_json_schema(path), f"{KEY} {path}")
+        return parse_json_schema(value, f"{KEY} (inline)")
+    return parse_json_schema(read_json_schema(path), f"{KEY} {path}")

@@ -14,7 +14,7 @@ def structured_kwargs(so: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     from batchinfer.config.fingerprint import json_schema_path
 
     kw = {k: v for k, v in (so or {}).items() if v is not None}
-    if not any(kw.get(k) is not None for k in ("choice", "regex", "json", "grammar")):
+    if not any(kw.get(k) is not None for k in ("choice", "regex", "json", "grammar", "json_object")):
         return None
     path = json_schema_path(kw.get("json"))
     if path:

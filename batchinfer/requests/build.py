@@ -235,7 +235,7 @@ def check_row_sampling(cfg: Config, own: dict[str, Any], where: str) -> None:
 def row_limits(cfg: Config) -> Limits:
     """The limits a run's model sets on each request (see requests/verdict.py)."""
     m = cfg.model
-    return limits(m.path, m.revision, m.engine_kwargs)
+    return limits(m.path, m.revision, m.engine_kwargs, m.compact_json)
 
 
 def row_seed(seed: int, id_: Any) -> int:

@@ -45,6 +45,13 @@ from batchinfer.rundir.prepare import prepare
 SECRET = "the private file's content must not reach any output"
 
 
+SCHEMA_BAD_PATTERN = {"type": "string", "pattern": "("}
+SCHEMA_REQUIRED_STR = {"type": "object", "properties": {"a": {"type": "string"}}, "required": "a"}
+SCHEMA_MISSING_REF = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
+SCHEMA_EMPTY_LENGTH = {"type": "string", "minLength": 5, "maxLength": 2}
+SCHEMA_REF = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "$defs": {"x": {"type": "integer"}}}
+
+
 class Case(NamedTuple):
     """A hostile row: its own sampling values and the error kind it must make (None: it runs)."""
 
@@ -70,6 +77,33 @@ ROW_CASES = [
     Case("top_k above the vocabulary", {"top_k": 100_000, "temperature": 0.5}, "sampling"),
     Case("an unknown sampling key", {"best_of": 2}, "sampling"),
     Case("a fine choice", {"structured_outputs": {"choice": ["yes", "no"]}}, None),
+    # what vLLM's grammar backends refuse (xgrammar: model.compact_json, the default)
+    Case("a regex comment group", {"structured_outputs": {"regex": "(?#c)a"}}, "sampling"),
+    Case("a regex Unicode class (xgrammar)", {"structured_outputs": {"regex": "\\p{L}+"}}, "sampling"),
+    Case("a regex inline flag (xgrammar)", {"structured_outputs": {"regex": "(?i)abc"}}, "sampling"),
+    Case("a schema pattern that does not compile", {"structured_outputs": {"json": SCHEMA_BAD_PATTERN}}, "sampling"),
+    Case("a schema whose required is no list", {"structured_outputs": {"json": SCHEMA_REQUIRED_STR}}, "sampling"),
+    Case("a schema $ref to nothing", {"structured_outputs": {"json": SCHEMA_MISSING_REF}}, "sampling"),
+    Case("a schema minLength above maxLength", {"structured_outputs": {"json": SCHEMA_EMPTY_LENGTH}}, "sampling"),
+    Case("a grammar that is none", {"structured_outputs": {"grammar": "this is not a grammar"}}, "sampling"),
+    Case("an empty grammar rule (xgrammar)", {"structured_outputs": {"grammar": "root ::= "}}, "sampling"),
+    Case(
+        "a structured flag that is no bool",
+        {"structured_outputs": {"choice": ["a"], "disable_additional_properties": 5}},
+        "sampling",
+    ),
+    Case("json_object false", {"structured_outputs": {"json_object": False}}, "sampling"),
+    # values the engine core cannot decode (its input thread dies, the engine hangs)
+    Case("max_tokens a decimal", {"max_tokens": 4.0}, "sampling"),
+    Case("max_tokens true", {"max_tokens": True}, "sampling"),
+    Case("ignore_eos 1", {"ignore_eos": 1}, "sampling"),
+    Case("logprobs false", {"logprobs": False}, "sampling"),
+    # what vLLM takes, and so does batchinfer
+    Case("stop one string", {"stop": "###", "max_tokens": 3}, None),
+    Case("logprobs true", {"logprobs": True, "max_tokens": 3}, None),
+    Case("json_object true", {"structured_outputs": {"json_object": True}, "max_tokens": 3}, None),
+    Case("a fine grammar", {"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}}, None),
+    Case("a fine schema with a $ref", {"structured_outputs": {"json": SCHEMA_REF}, "max_tokens": 3}, None),
 ]
 
 OPENAI_CASES = [
@@ -495,6 +529,32 @@ FILE_CASES = {
         "sampling.structured_outputs.regex='(?=a)a' is refused by vLLM: it takes a regex without '(?=' "
         "(lookarounds, backreferences, word boundaries are not supported)",
         "sampling.structured_outputs.regex=(?=a)a",
+    ),
+    "a regex flag vLLM's xgrammar backend refuses": _setting(
+        "sampling.structured_outputs.regex='(?i)abc' is refused by vLLM: it takes a regex without '(?i)' under "
+        "vLLM's xgrammar backend (inline flags and (?P<name> groups are not supported; write (?<name>...) or "
+        "(?:...), or set model.compact_json=false: vLLM then falls back to guidance, which takes them)",
+        "sampling.structured_outputs.regex=(?i)abc",
+    ),
+    "a grammar that does not parse": _setting(
+        "sampling.structured_outputs.grammar='this is not a grammar' is refused by vLLM: it takes a valid Lark "
+        "grammar (line 1 is neither a rule (`name: ...`) nor an alternative starting with |)",
+        "sampling.structured_outputs.grammar=this is not a grammar",
+    ),
+    "a schema file whose required is no list": FileCase(
+        {"c.jsonl": ROW, "s.json": b'{"type": "object", "required": "a"}'},
+        "sampling.structured_outputs.json {d}/s.json: not a JSON schema: the schema has \"required\": 'a'; it "
+        'takes a list of property names, e.g. ["name"]',
+        overrides=("sampling.structured_outputs.json={d}/s.json",),
+        commands=("validate", "plan", "run"),
+    ),
+    "a schema file vLLM's xgrammar backend refuses": FileCase(
+        {"c.jsonl": ROW, "s.json": b'{"type": "integer", "multipleOf": 2}'},
+        "sampling.structured_outputs.json='{d}/s.json' is refused by vLLM: it takes a JSON schema: the schema uses "
+        "multipleOf, which vLLM's xgrammar backend does not support (model.compact_json=true); set "
+        "model.compact_json=false (vLLM then falls back to guidance) or simplify the schema",
+        overrides=("sampling.structured_outputs.json={d}/s.json",),
+        commands=("validate", "plan", "run"),
     ),
     "top_k above the vocabulary": _setting(
         "sampling.top_k=1000 is out of range: it takes at most the vocabulary's 330 tokens (0 or -1: all of them)",

@@ -31,8 +31,10 @@ CFG = to_config(compose(["input.sampling_column=params"]))
         ('{"max_tokens": 0}', "field 'params': max_tokens=0 is out of range: it takes an integer >= 1"),
         ({"temperature": "hot"}, "field 'params': temperature='hot' is not a number"),
         ({"top_p": 1.5}, "field 'params': top_p=1.5 is out of range: it takes a number in (0, 1]"),
-        ({"stop": "###"}, "field 'params': stop='###' is not a list of strings"),
-        ({"ignore_eos": 1}, "field 'params': ignore_eos=1 is not true or false"),
+        ({"stop": ["###", 1]}, "field 'params': stop=['###', 1] is not a string or a list of strings"),
+        ({"stop": ""}, "field 'params': stop='' has an empty string"),
+        ({"ignore_eos": 1}, "field 'params': ignore_eos=1 is not true or false: vLLM's engine takes no 1 or 0"),
+        ({"max_tokens": True}, "field 'params': max_tokens=True is not an integer: true and false are not numbers"),
         ({"n": 3}, "field 'params' asks for n=3 samples, but this run keeps one per row (sampling.n=1)"),
     ],
 )
@@ -45,6 +47,9 @@ def test_wrong_row_sampling_values_are_sampling_error_rows(params: object, messa
 def test_good_row_sampling_values_pass_as_canonical_json() -> None:
     own = row_sampling(CFG, {"text": "x", "params": {"max_tokens": 3, "temperature": 1, "stop": ["\n"]}}, 0)
     assert json.loads(own) == {"max_tokens": 3, "temperature": 1, "stop": ["\n"]}
+    # as vLLM's SamplingParams takes them: one stop string, logprobs true (1)
+    own = row_sampling(CFG, {"text": "x", "params": {"stop": "###", "logprobs": True}}, 0)
+    assert json.loads(own) == {"stop": "###", "logprobs": True}
     many = to_config(compose(["input.sampling_column=params", "sampling.n=2", "sampling.temperature=0.8"]))
     assert json.loads(row_sampling(many, {"params": {"n": 4}}, 0)) == {"n": 4}  # kept: a samples column
     # an OpenAI request may ask for n samples: its rows have a samples column
