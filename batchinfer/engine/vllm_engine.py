@@ -83,11 +83,8 @@ def node_engine_args(cfg: Any, dtype: str, nodes: NodeGroup, node_rank: int) -> 
     from vllm.config import AttentionConfig, ProfilerConfig, StructuredOutputsConfig
 
     kw = {"disable_log_stats": True, **llm_kwargs(to_config(cfg)), "dtype": dtype, **node_kwargs(nodes, node_rank)}
-    for key, cls in (
-        ("structured_outputs", StructuredOutputsConfig),
-        ("profiler", ProfilerConfig),
-        ("attention", AttentionConfig),
-    ):
+    configs = {"structured_outputs": StructuredOutputsConfig, "profiler": ProfilerConfig, "attention": AttentionConfig}
+    for key, cls in configs.items():
         if isinstance(kw.get(f"{key}_config"), dict):  # as LLM makes them (EngineArgs takes these dicts as they are)
             kw[f"{key}_config"] = cls(**kw[f"{key}_config"])
     return EngineArgs(**kw)
@@ -237,15 +234,16 @@ class Engine:
         """SamplingParams for a sampling config (cached; one object per distinct config)."""
         key = repr(sorted(sampling.items()))
         if key not in self._params:
+            from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+            from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
             kw = sampling_kwargs(sampling)  # what this raises is the row's error row (GenerationRows.params)
             so = structured_kwargs(sampling.get("structured_outputs"))
             if so:
-                from vllm.sampling_params import StructuredOutputsParams
-
                 kw["structured_outputs"] = StructuredOutputsParams(**so)
             params = self._sampling_cls(**kw)
-            from vllm.sampling_params import RequestOutputKind
-
+            # SamplingParams keeps max_tokens=4.0 or ignore_eos=1, whose decoding kills the core's input thread
+            MsgpackDecoder(self._sampling_cls).decode(MsgpackEncoder().encode(params))
             # As LLM.generate does: one output per request when it is done, with all n samples
             # (the default, CUMULATIVE, streams every step and reports n > 1 sample by sample).
             params.output_kind = RequestOutputKind.FINAL_ONLY

@@ -228,24 +228,29 @@ def test_what_only_vllm_refuses_is_an_error_row_and_no_row_in_flight_is_a_suspec
     tmp_path: Path, tiny_model_path: Path, engine: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With batchinfer's own check of the rows' sampling switched off, vLLM itself refuses a row's
-    logprobs above its cap (VLLMValidationError at add_request, no ValueError) and a structured_outputs
-    that is no object (AttributeError building the params): each is its row's error row, the shard
-    finishes, and the rows in flight meanwhile are answered, none charged as a suspect."""
+    logprobs above its cap (VLLMValidationError at add_request, no ValueError), a structured_outputs
+    that is no object (AttributeError building the params) and max_tokens=4.0 (which SamplingParams
+    keeps, and the engine core could not decode: its input thread would die, the engine hang; the
+    engine checks the decoding first): each is its row's error row, the shard finishes, and the rows
+    in flight meanwhile are answered, none charged as a suspect."""
     from batchinfer.requests import build
 
     monkeypatch.setattr(build, "check_row_sampling", lambda *a: None)
     cases = [Case("fine", {}, None)] * 6 + [
         Case("logprobs above the cap", {"logprobs": 50}, "sampling"),
         Case("structured_outputs not an object", {"structured_outputs": "junk"}, "sampling"),
+        # SamplingParams keeps 4.0; the engine core's decoder refuses it and its input thread dies
+        Case("max_tokens a decimal", {"max_tokens": 4.0}, "sampling"),
     ]
     corpus = _row_corpus(tmp_path / "rows.jsonl", [*cases, *cases[:6]], tmp_path / "none.json")
     ov = run_overrides(tiny_model_path, corpus, tmp_path / "run", "input.sampling_column=params")
     run = run_local(compose(ov), engine=engine)
     rows = committed_rows(run.path)
     errors = {row: r["error"] for row, r in rows.items() if r["error"]}
-    assert {row: e["kind"] for row, e in errors.items()} == {6: "sampling", 7: "sampling"}
+    assert {row: e["kind"] for row, e in errors.items()} == {6: "sampling", 7: "sampling", 8: "sampling"}
     assert "VLLMValidationError" in errors[6]["message"] and "AttributeError" in errors[7]["message"]
-    assert all(r["text"] for row, r in rows.items() if row not in errors) and len(rows) == 14
+    assert "ValidationError: Expected `int | null`, got `float`" in errors[8]["message"]
+    assert all(r["text"] for row, r in rows.items() if row not in errors) and len(rows) == 15
     progress = json.loads((run.shard_folder(0).path / "progress.json").read_text())
     assert not progress.get("suspects") and not progress.get("error"), progress
 
