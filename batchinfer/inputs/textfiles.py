@@ -92,7 +92,7 @@ def json_object(path: Path, lineno: int, line: str) -> dict[str, Any]:
 def json_kind(value: Any) -> str:
     """What a parsed JSON value is, in JSON's words: null, true, a number, a string, an array, an object."""
     if value is None or isinstance(value, bool):
-        return json.dumps(value)
+        return {None: "null", True: "true", False: "false"}[value]
     if isinstance(value, (int, float)):
         return "a number"
     return {str: "a string", list: "an array", dict: "an object"}[type(value)]

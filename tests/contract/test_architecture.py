@@ -363,6 +363,7 @@ NOT_RECORDS = {
     ("batchinfer/config/fingerprint.py", "fingerprint"): "hashed, never written",
     ("batchinfer/faults.py", "record_engine_start"): "tests' fault log: pid and time",
     ("batchinfer/inputs/datasets_reader.py", "_projected"): "input rows, one column",
+    ("batchinfer/inputs/idcheck.py", "check_id_type"): "an input row's id, in an error",
     ("batchinfer/inputs/jsonl_stream.py", "_write_dataset_state"): "the converted input's file list",
     ("batchinfer/inputs/openai_batch.py", "request_row"): "an input row's sampling column",
     ("batchinfer/inputs/openai_batch.py", "chat_turn"): "an input row's content, in an error",
