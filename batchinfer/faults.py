@@ -22,6 +22,9 @@ HOLD_ENV = "BATCHINFER_HOLD"
 # Tests: append one JSON line per engine start to this file (pid, Slurm job, seconds), so a test
 # run can say how many engines it started in-process, in subprocesses and in Slurm tasks.
 ENGINE_LOG_ENV = "BATCHINFER_ENGINE_LOG"
+# Tests and benchmarks: append one JSON line per gated engine start to this file: how it used vLLM's
+# cache (wrote it, read it, a private one and why) and how long it waited for the cache lock.
+CACHE_LOG_ENV = "BATCHINFER_CACHE_LOG"
 # Tests: "module:Class" of a stand-in engine that workers build instead of vLLM's (tests/support/standin.py),
 # for Slurm-mechanics and launcher tests in other processes that need the worker, not vLLM.
 STANDIN_ENV = "BATCHINFER_STANDIN_ENGINE"
@@ -159,3 +162,15 @@ def record_engine_start(seconds: float, model: object) -> None:
     }
     with open(path, "a") as f:  # one short O_APPEND write per line: concurrent starts do not interleave
         f.write(json.dumps(rec) + "\n")
+
+
+def record_cache_start(record: dict[str, object]) -> None:
+    """Append how an engine start used vLLM's cache (engine/compile_cache.py) to BATCHINFER_CACHE_LOG."""
+    path = os.environ.get(CACHE_LOG_ENV)
+    if not path:
+        return
+    from batchinfer.redaction import record_json  # a reason quotes an engine error
+
+    rec = {"pid": os.getpid(), "slurm_job": slurm_env.current().job, "at": round(time.time(), 3), **record}
+    with open(path, "a") as f:  # one short O_APPEND write per line: concurrent starts do not interleave
+        f.write(record_json(rec) + "\n")

@@ -42,6 +42,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "cluster.shards_per_task": (lambda v: v >= 1, "an integer >= 1"),
     "cluster.signal_lead_s": (lambda v: v >= 0, "an integer number of seconds >= 0"),
     "cluster.max_attempts": (lambda v: v >= 1, "an integer >= 1"),
+    "cluster.cache_wait_s": (lambda v: v >= 0, "an integer number of seconds >= 0"),
     "cluster.merge_time": (lambda v: v >= 1, "an integer number of minutes >= 1"),
     "cluster.merge_cpus": (lambda v: v >= 1, "an integer >= 1"),
     "task.dimensions": (lambda v: v >= 1, "an integer >= 1"),
@@ -82,6 +83,12 @@ def validate(cfg: DictConfig) -> None:
     from batchinfer.config.nodes import check_nodes
 
     check_nodes(cfg)
+    cache_dir = cfg.cluster.cache_dir
+    if cache_dir is not None and not str(cache_dir).startswith(("/", "~", "$")):
+        raise ConfigError(
+            f"cluster.cache_dir={cache_dir!r} is relative: tasks run in other folders; give an absolute "
+            "path (~ and $VAR are expanded in the task), e.g. cluster.cache_dir=/scratch/$USER/vllm-cache"
+        )
     if cfg.sampling.seed_per_row and cfg.sampling.seed is None:
         raise ConfigError("sampling.seed_per_row=true needs sampling.seed (the base the row seeds derive from)")
     from batchinfer.security import check_config_secrets, private_mode

@@ -186,6 +186,11 @@ class ClusterConfig:
     nodes_per_task: int = 1
     signal_lead_s: int = 120
     max_attempts: int = 3
+    # vLLM's cache folder (VLLM_CACHE_ROOT) the tasks share, `~` and `$VAR` expanded in the task; None:
+    # the task's VLLM_CACHE_ROOT, else ~/.cache/vllm. The first start of a model writes it under a lock
+    # while the others wait at most cache_wait_s, then start on a private cache (engine/compile_cache.py).
+    cache_dir: Optional[str] = None
+    cache_wait_s: int = 900
     # The merge job (no GPU): minutes, memory (None: the partition's default) and CPUs. Merge streams
     # shard by shard, so its memory does not grow with the run; its time does (see benchmarks/results/merge.md).
     merge_time: int = 60

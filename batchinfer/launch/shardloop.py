@@ -18,12 +18,14 @@ from typing import Any, NotRequired, Optional, TypedDict
 
 from batchinfer.config.schema import Config
 from batchinfer.durable import refused_write, storage_error
+from batchinfer.engine.compile_cache import CacheGate, cache_key, cache_site
 from batchinfer.engine.dtype import settle
 from batchinfer.engine.factory import engine_class
 from batchinfer.engine.output import EngineOutput
 from batchinfer.engine.shm import EngineSegments
 from batchinfer.errors import BatchinferError, RunDirError, SlurmUnavailable, Stopped, TransientRunDirError
 from batchinfer.inputs.shards import Shard
+from batchinfer.locks.mode import configured_mode
 from batchinfer.rundir.progress import read_progress
 from batchinfer.rundir.store import RunDir
 from batchinfer.stopsignals import STOP_SIGNALS
@@ -75,6 +77,8 @@ class EngineHolder:
         self.stop = stop
         self.engine = engine
         self.segments = EngineSegments()  # the engine's /dev/shm segments, removed when it stops
+        self.cache: Optional[CacheGate] = None  # how the engine it built used vLLM's cache
+        self.run_path = run_path
         # `model.dtype: auto` settled for the whole run in DIR/dtype.json (None: for this machine)
         self.dtype = settle(run_path, c.model.dtype) if run_path is not None else None
         if engine is not None:
@@ -94,13 +98,24 @@ class EngineHolder:
                 "starting vLLM engine for %s",
                 Path(self.c.model.path).name if os.path.isabs(self.c.model.path) else self.c.model.path,
             )
-            # Block stop signals while the engine starts: its processes inherit the mask (a
-            # group-wide USR2 cannot kill them) and a signal sent meanwhile stays pending.
-            self.stop.block()
-            try:
-                self.engine = engine_cls(self.c, self.dtype, **({"nodes": self.nodes} if self.nodes else {}))
-            finally:
-                self.stop.install()
+
+            def build() -> Any:
+                # Block stop signals while the engine starts: its processes inherit the mask (a
+                # group-wide USR2 cannot kill them) and a signal sent meanwhile stays pending.
+                self.stop.block()
+                try:
+                    return engine_cls(self.c, self.dtype, **({"nodes": self.nodes} if self.nodes else {}))
+                finally:
+                    self.stop.install()
+
+            # On vLLM's cache folder the first start of the model writes it and the others wait for
+            # it (a stop signal while waiting stops); a start the cache fails is tried on a private
+            # one. The cache lock's mechanism is the run's own (output.lock), as for its shard locks.
+            mode = configured_mode(self.run_path) if self.run_path is not None else "auto"
+            if self.cache is not None:
+                self.cache.close()  # an earlier start that failed: its private cache
+            self.cache = CacheGate(cache_site(self.c), cache_key(self.c, self.dtype), mode=mode)
+            self.engine = self.cache.start(build, self.stop.check)
             log.info("engine ready in %.1f s", self.engine.startup_seconds)
             self.segments.record()
         return self.engine
@@ -117,6 +132,8 @@ class EngineHolder:
                 self.engine = None
                 gc.collect()
                 self.segments.sweep()
+        if self.cache is not None:
+            self.cache.close()  # the private cache it started on (or tried to), if any
 
 
 def rows_done(run: RunDir, index: int) -> int:

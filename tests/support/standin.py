@@ -10,11 +10,19 @@ It finishes requests out of order, a few per step, and with `refuse_every` refus
 (vLLM's own VLLMValidationError, as vLLM refuses a request), which the worker turns into error rows;
 sampling values vLLM refuses raise that too, where vLLM raises it. A request whose
 text holds BATCHINFER_POISON's marker makes its next step fail as a dead engine core does.
+
+With `model.enforce_eager=false` it uses a compile cache as vLLM 0.32 does (`compile_cache`): in
+VLLM_CACHE_ROOT's torch_compile_cache it loads its artifact, or compiles and saves it (write to a
+temporary, rename; a damaged artifact is compiled again, as vLLM does), and a cache folder it cannot
+make raises what vLLM's client raises for any failed engine-core start (checked with real vLLM on a
+torch_compile_cache that is a file: RuntimeError "Engine core initialization failed. See root cause
+above. Failed core proc(s): {}", the NotADirectoryError only in the engine-core process's log).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from collections.abc import Iterable
@@ -31,6 +39,12 @@ from support import TESTS
 ENV_NAME = "BATCHINFER_STANDIN_ENGINE"  # batchinfer.faults.STANDIN_ENV
 STEP_ENV = "BATCHINFER_STANDIN_STEP_SECONDS"  # how long a step takes (default 0.002 s)
 CLASS_PATH = "support.standin:StandinEngine"
+# Compile-cache events (compiling, compiled, loaded, failed) appended to this file, one JSON line each.
+COMPILE_LOG_ENV = "BATCHINFER_STANDIN_COMPILE_LOG"
+# "ROOT:FILE": compiling into cache folder ROOT waits until FILE exists (a test holds a compile,
+# and with it the cache lock; a compile into another folder, a private cache, does not wait).
+COMPILE_HOLD_ENV = "BATCHINFER_STANDIN_COMPILE_HOLD"
+ENGINE_CORE_FAILED = "Engine core initialization failed. See root cause above. Failed core proc(s): {}"
 
 
 def standin_env(base: Optional[dict[str, str]] = None) -> dict[str, str]:
@@ -71,6 +85,45 @@ def check_logprobs(params: dict[str, Any], cap: int) -> None:
         raise vllm_refusal(f"Requested sample logprobs of {asked}, which is greater than max allowed: {cap}")
 
 
+def _compile_event(event: str, root: str, **more: Any) -> None:
+    path = os.environ.get(COMPILE_LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "event": event, "root": root, **more}) + "\n")
+
+
+def compile_cache(key: Any) -> str:
+    """Load this model's artifact from VLLM_CACHE_ROOT's compile cache, or compile and save it; what
+    it did ("loaded" or "compiled"). Raises vLLM's engine-core start failure where the cache folder
+    cannot be made."""
+    root = os.environ.get("VLLM_CACHE_ROOT") or os.path.expanduser("~/.cache/vllm")
+    name = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    folder = Path(root) / "torch_compile_cache" / f"standin-{name}" / "rank_0_0"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _compile_event("failed", root, error=f"{type(e).__name__}: {e}")
+        raise RuntimeError(ENGINE_CORE_FAILED) from None  # the cause stays in the engine's process
+    artifact = folder / "model"
+    whole = f"compiled {name}\n"
+    try:
+        if artifact.read_text() == whole:
+            _compile_event("loaded", root)
+            return "loaded"
+    except OSError:
+        pass  # absent (or damaged: compiled again, as vLLM does)
+    _compile_event("compiling", root)
+    held_root, _, hold = os.environ.get(COMPILE_HOLD_ENV, "").rpartition(os.pathsep)
+    deadline = time.monotonic() + 300
+    while held_root == root and not os.path.exists(hold) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    tmp = artifact.with_name(f"model.{os.getpid()}.tmp")
+    tmp.write_text(whole)
+    os.replace(tmp, artifact)
+    _compile_event("compiled", root)
+    return "compiled"
+
+
 class StandinEngine:
     """Tokenizes like vllm_engine.Engine, answers from the request's own token ids, in no fixed order."""
 
@@ -107,6 +160,7 @@ class StandinEngine:
         self.steps = 0
         self.dead = False  # a poisoned request was added: the next step fails as vLLM's would
         self.device = "stand-in engine"
+        self.compiled = compile_cache(self.key) if not cfg.model.enforce_eager else None
         self.startup_seconds = time.monotonic() - start
 
     def sampling_params(self, sampling: dict[str, Any]) -> Any:
