@@ -23,9 +23,8 @@ from batchinfer.inputs.shards import Shard
 from batchinfer.launch import slurm
 from batchinfer.launch.protocol import ExitRecord, LineReader, Message, Status, answer, decode, send
 from batchinfer.launch.requeue import earns_another_attempt, requeue_for_another_attempt, requeue_on_stop
-from batchinfer.launch.shardloop import EngineSlot
 from batchinfer.locks import ShardLock, configured_mode
-from batchinfer.rundir.progress import count_failure
+from batchinfer.rundir.progress import EngineSlot, count_failure
 from batchinfer.rundir.store import RunDir
 from batchinfer.stopsignals import STOP_SIGNALS
 

@@ -25,10 +25,11 @@ from batchinfer.launch import slurm
 from batchinfer.launch.engines import run_engines
 from batchinfer.launch.ranks import other_ranks
 from batchinfer.launch.requeue import earns_another_attempt, requeue_for_another_attempt, requeue_on_stop
-from batchinfer.launch.shardloop import EngineSlot, ShardLoop, rows_done
+from batchinfer.launch.shardloop import ShardLoop, rows_done
 from batchinfer.rundir.merge import merge
 from batchinfer.rundir.passes import output_is_current
 from batchinfer.rundir.prepare import prepare
+from batchinfer.rundir.progress import EngineSlot
 from batchinfer.rundir.stats import summary_line
 from batchinfer.rundir.store import RunDir
 

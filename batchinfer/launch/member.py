@@ -19,8 +19,9 @@ from batchinfer.engine.output import EngineOutput
 from batchinfer.errors import BatchinferError, Stopped
 from batchinfer.inputs.shards import Shard
 from batchinfer.launch.protocol import ExitRecord, LineReader, Message, Status, encode, parse_answer, send
-from batchinfer.launch.shardloop import EngineSlot, ShardLoop
+from batchinfer.launch.shardloop import ShardLoop
 from batchinfer.logs import setup_logging
+from batchinfer.rundir.progress import EngineSlot
 from batchinfer.rundir.store import RunDir
 
 log = logging.getLogger("batchinfer")

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, NotRequired, Optional, TypedDict
+from typing import Any, Optional
 
 from batchinfer.config.schema import Config
 from batchinfer.durable import refused_write, storage_error
@@ -26,7 +26,7 @@ from batchinfer.engine.shm import EngineSegments
 from batchinfer.errors import BatchinferError, RunDirError, SlurmUnavailable, Stopped, TransientRunDirError
 from batchinfer.inputs.shards import Shard
 from batchinfer.locks.mode import configured_mode
-from batchinfer.rundir.progress import read_progress
+from batchinfer.rundir.progress import EngineSlot, read_progress
 from batchinfer.rundir.store import RunDir
 from batchinfer.stopsignals import STOP_SIGNALS
 
@@ -34,18 +34,6 @@ log = logging.getLogger("batchinfer")
 # A shard lock refused because Slurm did not answer about its holder is tried again after these
 # waits (seconds); the last refusal is raised as any other.
 LOCK_RETRY_WAITS = (10.0, 30.0, 60.0)
-
-
-class EngineSlot(TypedDict):
-    """Which of its task's engines runs the shards (cluster.engines_per_task), as progress.json
-    records it: engine `index` of `of`, on `devices` (GPU indices, or `cpu:` and cores)."""
-
-    index: int
-    of: int
-    devices: str
-    # the engine's start-up seconds: it starts before it takes a shard, so its shards' own start-up
-    # phase (seconds.startup) is about 0 (tune/trial.py reads it)
-    startup_seconds: NotRequired[float]
 
 
 def progress_bar(total: int, initial: int, desc: str, file: Any = None, eta_after_commit: bool = False) -> Any:

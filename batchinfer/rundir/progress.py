@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, NotRequired, Optional, TypedDict
 
 from batchinfer import slurm_env
 from batchinfer.durable import read_json, write_json
@@ -18,6 +18,18 @@ SCHEMA = 2
 PHASES = ("startup", "prepare", "generate", "commit")  # seconds a task holds its GPUs, by what it does
 SERIES_POINTS = 500  # a record keeps at most this many {t, rows_done, output_tokens} points
 RATE_KEYS = ("output_tokens_per_s", "total_tokens_per_s", "rows_per_s", "prefix_cache_hit_rate")
+
+
+class EngineSlot(TypedDict):
+    """Which of its task's engines runs the shards (cluster.engines_per_task), as progress.json
+    records it: engine `index` of `of`, on `devices` (GPU indices, or `cpu:` and cores)."""
+
+    index: int
+    of: int
+    devices: str
+    # the engine's start-up seconds: it starts before it takes a shard, so its shards' own start-up
+    # phase (seconds.startup) is about 0 (tune/trial.py reads it)
+    startup_seconds: NotRequired[float]
 
 
 @dataclass
