@@ -7,7 +7,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Optional, TypeVar
+from typing import Any, BinaryIO, Optional, Protocol, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,11 +23,9 @@ from batchinfer.durable import (
     write_json,
 )
 from batchinfer.errors import RunDirError
+from batchinfer.inputs.shards import Shard
 from batchinfer.rundir.shardrows import ShardRows, count_rows, covers
 from batchinfer.rundir.tables import group_rows, read_table, table_bytes
-
-if TYPE_CHECKING:
-    from batchinfer.rundir.store import RunDir
 
 log = logging.getLogger("batchinfer")
 
@@ -41,6 +39,23 @@ SNAPSHOT_TRIES = 3
 T = TypeVar("T")
 
 
+class ShardsOf(Protocol):
+    """What a shard's folder needs of its run directory (store.RunDir is one)."""
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def schema(self) -> pa.Schema: ...
+
+    @property
+    def part_format(self) -> str: ...
+
+    def shard_dir(self, index: int) -> Path: ...
+
+    def shard(self, index: int) -> Shard: ...
+
+
 class _Unread:
     """The default of a `done` argument: the caller has not read DONE.json (None means: it has none)."""
 
@@ -52,7 +67,7 @@ UNREAD: Any = _Unread()
 class ShardFolder:
     """The folder of one shard of a run: its files, reads, commits, cleanup and seal."""
 
-    run: RunDir
+    run: ShardsOf
     index: int
 
     @property
