@@ -53,11 +53,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional, TypedDict
 
 from batchinfer.durable import fsync_dir, read_json, write_json
 from batchinfer.errors import FolderRefused
-from batchinfer.locks.holder import Holder, Verdict
+from batchinfer.locks.holder import Holder, HolderRecord, Verdict
 from batchinfer.locks.judge import judge_holder
 from batchinfer.locks.lock import FileLock
 from batchinfer.logs import log
@@ -88,6 +88,16 @@ class Kind(Enum):
     NOT_A_FOLDER = "not a folder"
 
 
+class MarkRecord(TypedDict):
+    """MARK's JSON, as Mark.record writes it."""
+
+    command: str
+    state: str  # a State's value
+    token: str
+    made: float
+    maker: HolderRecord
+
+
 @dataclass(frozen=True)
 class Mark:
     """The record in MARK: which command made the folder, which process, and whether it finished."""
@@ -98,7 +108,7 @@ class Mark:
     made: float
     maker: Holder
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> MarkRecord:
         """MARK's JSON."""
         return {
             "command": self.command,

@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, TypedDict
 
 from batchinfer import slurm_env
 from batchinfer.locks.filesystems import read_text
@@ -58,6 +58,24 @@ def pid_start(pid: int) -> Optional[int]:
         return int(stat[stat.rindex(")") + 2 :].split()[19])  # counted after the (name)
     except (OSError, ValueError, IndexError):
         return None
+
+
+class HolderRecord(TypedDict, total=False):
+    """A holder as a lock file (and progress.json's `holder`) records it: Holder.record writes it,
+    Holder.from_record reads it. Unset fields are left out; `slurm_job` is always there."""
+
+    host: str
+    pid: int
+    slurm_job: Optional[str]
+    since: float
+    nonce: str
+    slurm_restart: int
+    slurm_cluster: str
+    boot_id: str
+    pid_ns: str
+    pid_start: int
+    released: bool
+    released_at: float
 
 
 @dataclass(frozen=True)
@@ -124,12 +142,13 @@ class Holder:
             released_at=number("released_at", float),
         )
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> HolderRecord:
         """The JSON record (keys of unset fields left out, released only when it is)."""
-        out = {k: v for k, v in asdict(self).items() if v is not None}
+        out: HolderRecord = {k: v for k, v in asdict(self).items() if v is not None}  # type: ignore[assignment]
         if not self.released:
             out.pop("released")
-        return dict(out, slurm_job=self.slurm_job)  # always present: readers ask for it
+        out["slurm_job"] = self.slurm_job  # always present: readers ask for it
+        return out
 
     def describe(self) -> str:
         """Readable holder of a lock."""
@@ -139,7 +158,7 @@ class Holder:
         return f"host {self.host} pid {self.pid}{job}"
 
 
-def holder_info() -> dict[str, Any]:
+def holder_info() -> HolderRecord:
     """Who this process is, as a lock records it (host, pid, Slurm job, ...)."""
     return Holder.mine().record()
 

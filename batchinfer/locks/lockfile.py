@@ -31,12 +31,12 @@ import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from batchinfer.durable import fsync_dir
 from batchinfer.errors import RunDirError
 from batchinfer.locks.filesystems import fs_age, fs_now
-from batchinfer.locks.holder import Holder, Verdict, read_holder
+from batchinfer.locks.holder import Holder, HolderRecord, Verdict, read_holder
 from batchinfer.locks.judge import judge_holder, refusal
 
 # An empty or unreadable lock file older than this (filesystem clock) is stale: its writer was
@@ -143,7 +143,7 @@ class ExclFile:
         except OSError:
             pass  # best effort: leftovers only cost a directory entry
 
-    def _write_temp(self, record: dict[str, Any]) -> Path:
+    def _write_temp(self, record: HolderRecord) -> Path:
         """Our record in a fresh, fsynced file beside the lock (not named `.tmp-*`: the shard
         writer's clean-up of its own temporaries must not remove it)."""
         tmp = self.path.with_name(f"{self.path.name}.new-{uuid.uuid4().hex}")
@@ -155,7 +155,7 @@ class ExclFile:
             os.close(fd)
         return tmp
 
-    def _create(self, name: Path, record: dict[str, Any]) -> bool:
+    def _create(self, name: Path, record: HolderRecord) -> bool:
         """Publish record under name if the name does not exist; never leaves it empty."""
         tmp = self._write_temp(record)
         try:

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple, NotRequired, Optional, TypedDict
 from batchinfer import slurm_env
 from batchinfer.durable import read_json, write_json
 from batchinfer.locks import holder_info
+from batchinfer.locks.holder import HolderRecord
 
 # Version 2 writes `schema`; a record without it is version 1 (read the same way: every key that
 # version 1 could lack reads as what that version meant by its absence).
@@ -30,6 +31,63 @@ class EngineSlot(TypedDict):
     # the engine's start-up seconds: it starts before it takes a shard, so its shards' own start-up
     # phase (seconds.startup) is about 0 (tune/trial.py reads it)
     startup_seconds: NotRequired[float]
+
+
+class SecondsRecord(TypedDict, total=False):
+    """`seconds` of progress.json: by phase (PHASES; `prepare` absent from older records)."""
+
+    startup: float
+    prepare: float
+    generate: float
+    commit: float
+
+
+class PrefixCacheRecord(TypedDict):
+    """`prefix_cache` of progress.json."""
+
+    queries: int
+    hits: int
+
+
+class SeriesPoint(TypedDict):
+    """One point of progress.json's `series`, written at each commit (charts read them)."""
+
+    t: float
+    rows_done: int
+    output_tokens: int
+
+
+class ProgressRecord(TypedDict, total=False):
+    """progress.json as Progress.to_dict and write_progress write it (schema 2); an older record
+    lacks some keys (Progress.from_dict reads what each version meant by their absence). DONE.json
+    holds the same keys and more (done.py)."""
+
+    shard: int
+    rows_total: int
+    rows_done: int
+    parts: int
+    prompt_tokens: int
+    output_tokens: int
+    errors: dict[str, int]
+    reused_rows: int
+    attempts: int
+    failures: int
+    failures_by_job: dict[str, int]
+    suspects: dict[str, int]  # row (as a JSON key) -> engine deaths it was in flight at
+    crashed: dict[str, int]
+    seconds: SecondsRecord
+    prefix_cache: Optional[PrefixCacheRecord]
+    series: list[SeriesPoint]
+    first_request_seconds: float
+    updated: float
+    holder: HolderRecord
+    engine: EngineSlot
+    last_error: str
+    schema: int
+    output_tokens_per_s: Optional[float]
+    total_tokens_per_s: Optional[float]
+    rows_per_s: Optional[float]
+    prefix_cache_hit_rate: Optional[float]
 
 
 @dataclass
@@ -97,18 +155,18 @@ class Progress:
     crashed: dict[str, int] = field(default_factory=dict)
     seconds: Seconds = field(default_factory=Seconds)
     prefix_cache: Optional[PrefixCache] = None  # None: the engine does not report it
-    series: list[dict[str, float]] = field(default_factory=list)  # one point per commit, for charts
+    series: list[SeriesPoint] = field(default_factory=list)  # one point per commit, for charts
     first_request_seconds: Optional[float] = None
     # Read from the file, written by write_progress (not carried from one attempt to the next):
     updated: Optional[float] = None
-    holder: Optional[dict[str, Any]] = None
-    engine: Optional[dict[str, Any]] = None  # {index, of, devices}: which of its task's engines
+    holder: Optional[HolderRecord] = None
+    engine: Optional[EngineSlot] = None  # which of its task's engines (as written: see engine_record)
     last_error: Optional[str] = None
     schema: int = SCHEMA  # the version of the record read (1: no `schema` key); written as SCHEMA
     extra: dict[str, Any] = field(default_factory=dict)  # keys this version does not know, kept as read
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Progress:
+    def from_dict(cls, d: ProgressRecord) -> Progress:
         """A record as read from progress.json or DONE.json, of any version."""
         known = _KNOWN
         cache = d.get("prefix_cache")
@@ -122,9 +180,9 @@ class Progress:
             extra={k: v for k, v in d.items() if k not in known and k not in RATE_KEYS},
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> ProgressRecord:
         """The record as written: the keys older versions read, the rates, and `schema`."""
-        out = dict(self.extra)
+        out: ProgressRecord = dict(self.extra)  # type: ignore[assignment]
         for f in fields(self):
             value = getattr(self, f.name)
             # absent rather than null: an older writer's setdefault would keep a null
@@ -170,7 +228,7 @@ def read_progress(path: Path) -> Optional[Progress]:
     return Progress.from_dict(read_json(path)) if path.is_file() else None
 
 
-def write_progress(path: Path, record: Progress, error: Optional[str], engine: Optional[dict[str, Any]]) -> None:
+def write_progress(path: Path, record: Progress, error: Optional[str], engine: Optional[EngineSlot]) -> None:
     """Write a shard's progress.json: the record, when and by whom (and which engine of the task), the
     error of this write if any (a write without one leaves out an error only an earlier record had)."""
     out = dict(record.to_dict(), updated=time.time(), holder=holder_info())
@@ -181,7 +239,9 @@ def write_progress(path: Path, record: Progress, error: Optional[str], engine: O
     write_json(path, out)
 
 
-def count_failure(path: Path, shard: int, error: str, record: Optional[Progress] = None, engine: Any = None) -> int:
+def count_failure(
+    path: Path, shard: int, error: str, record: Optional[Progress] = None, engine: Optional[EngineSlot] = None
+) -> int:
     """Count a failed attempt of a shard in its progress.json, in all and against this submission's
     budget (a requeued task keeps its job id); the caller holds the shard lock. record: the shard's
     current one (None: read it from path). Returns the failures in this budget."""
