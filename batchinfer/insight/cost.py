@@ -7,6 +7,7 @@ from typing import Any, Optional
 from batchinfer.config.schema import Config
 from batchinfer.errors import ConfigError
 from batchinfer.models.sizing import gpu_names
+from batchinfer.rundir.progress import engine_record
 
 # Assumed on-demand list prices, USD per GPU-hour, of specialized GPU clouds (Lambda-style price
 # pages, 2025; hyperscalers list 2-4x more). Not fetched: pass --gpu-hour-price for your own rate.
@@ -49,18 +50,6 @@ def gpus_per_task(cfg: Config, devices: list[Optional[str]]) -> int:
     if any(d and not d.startswith("CPU") for d in devices):
         return cfg.model.tensor_parallel_size * cfg.model.pipeline_parallel_size
     return 0
-
-
-def engine_record(rec: Any) -> Optional[dict[str, Any]]:
-    """A shard's `engine` record ({index, of, devices}: which of a task's engines ran it), or None when
-    absent (a single-engine run) or not of that shape."""
-    if not isinstance(rec, dict):
-        return None
-    index, of = rec.get("index"), rec.get("of")
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (index, of)) or not 0 <= index < of:
-        return None
-    devices = rec.get("devices")
-    return {"index": index, "of": of, "devices": devices if isinstance(devices, str) else None}
 
 
 def configured_engines(cfg: Config, task_gpus: int) -> int:

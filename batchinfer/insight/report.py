@@ -16,7 +16,8 @@ def build_report(
     run: RunDir, price: Optional[float] = None, gpu: Optional[str] = None, watts: Optional[float] = None
 ) -> dict[str, Any]:
     """Per-shard stats, totals and cost of DIR as it is now (finished or partial); no Slurm calls."""
-    from batchinfer.insight.cost import cost, engine_gpu_seconds, engine_record, gpus_per_task, task_nodes
+    from batchinfer.insight.cost import cost, engine_gpu_seconds, gpus_per_task, task_nodes
+    from batchinfer.rundir.progress import engine_record
 
     shards = shard_stats(run)
     for s in shards:

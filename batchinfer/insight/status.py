@@ -11,10 +11,9 @@ from typing import Any, Optional
 
 from batchinfer import slurm_states
 from batchinfer.config.schema import POOLING_TASKS
-from batchinfer.insight.cost import engine_record
 from batchinfer.insight.task_nodes import nodes_note, shard_nodes
 from batchinfer.launch.jobs import shard_tasks
-from batchinfer.rundir.progress import Progress, budget_key
+from batchinfer.rundir.progress import Progress, budget_key, engine_record
 from batchinfer.rundir.store import RunDir
 
 # A failed task's log is read from its end in blocks until a line looks like an error, and no

@@ -255,6 +255,18 @@ def count_failure(
     return by_job[key]
 
 
+def engine_record(rec: Any) -> Optional[dict[str, Any]]:
+    """A shard's `engine` record ({index, of, devices}: which of a task's engines ran it), or None when
+    absent (a single-engine run) or not of that shape."""
+    if not isinstance(rec, dict):
+        return None
+    index, of = rec.get("index"), rec.get("of")
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (index, of)) or not 0 <= index < of:
+        return None
+    devices = rec.get("devices")
+    return {"index": index, "of": of, "devices": devices if isinstance(devices, str) else None}
+
+
 def budget_key(job: Optional[str] = None) -> str:
     """Whose failures count against cluster.max_attempts: the submission (Slurm array, or job) of
     `job` (ARRAY_TASK or JOB, as jobs.jsonl records it), else of this process; `local` outside Slurm."""
