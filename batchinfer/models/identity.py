@@ -16,12 +16,28 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional, TypedDict
 
 WHOLE_BYTES = 16 << 20  # files up to this size are hashed whole
 HEAD_BYTES = 1 << 20  # a larger file: its head (a safetensors header holds every tensor's name and place) ...
 SAMPLES = 32  # ... and this many blocks spread evenly over the rest
 SAMPLE_BYTES = 64 << 10
+
+
+class FileRecord(TypedDict):
+    """One file of a model identity as run.yaml records it (under its name)."""
+
+    size: int
+    sha256: str
+    whole: bool  # absent from records of before sampled digests: whole
+
+
+class IdentityRecord(TypedDict):
+    """run.yaml's `model_identity`: ModelIdentity.to_dict writes it, from_dict reads it."""
+
+    folder: str
+    digest: str
+    files: dict[str, FileRecord]
 
 
 @dataclass(frozen=True)
@@ -49,7 +65,7 @@ class ModelIdentity:
             h.update(f"{f.name}\0{f.size}\0{f.sha256}\n".encode())
         return h.hexdigest()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> IdentityRecord:
         """The run.yaml record."""
         return {
             "folder": self.folder,
@@ -58,7 +74,7 @@ class ModelIdentity:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelIdentity:
+    def from_dict(cls, d: IdentityRecord) -> ModelIdentity:
         """An identity from its run.yaml record."""
         files = tuple(
             ModelFile(name, int(v["size"]), str(v["sha256"]), bool(v.get("whole", True)))
@@ -122,7 +138,6 @@ def model_identity(folder: Path) -> ModelIdentity:
     return ModelIdentity(folder=str(folder), files=tuple(sorted(files, key=lambda f: f.name)))
 
 
-def recorded_identity(record: dict[str, Any]) -> Optional[ModelIdentity]:
-    """The model identity a run.yaml record holds; None for a run prepared before identities were recorded."""
-    d = record.get("model_identity")
+def recorded_identity(d: Optional[IdentityRecord]) -> Optional[ModelIdentity]:
+    """The model identity of run.yaml's record; None for a run prepared before identities were recorded."""
     return ModelIdentity.from_dict(d) if d else None

@@ -8,7 +8,7 @@ import socket
 import time
 import uuid
 from collections import Counter
-from typing import Any
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -23,6 +23,7 @@ from batchinfer.rundir.output_swap import MERGING, check_own_output, put_in_plac
 from batchinfer.rundir.output_writer import OutputWriter, to_datasets_folder
 from batchinfer.rundir.passes import is_pass, root_of
 from batchinfer.rundir.splice import Splicer, unchanged_output
+from batchinfer.rundir.stats import MergeStats
 from batchinfer.rundir.store import RunDir
 from batchinfer.security import private_umask, remove_path
 
@@ -40,7 +41,7 @@ def incomplete_shards(run: RunDir) -> list[int]:
     return [s.index for s in run.shards() if not run.shard_folder(s.index).is_done()]
 
 
-def merge(run: RunDir) -> dict[str, Any]:
+def merge(run: RunDir) -> MergeStats:
     """Write DIR/output* and DIR/stats.json; refuses, naming them, while shards are incomplete."""
     output = run.config.output
     with private_umask(output.private):
@@ -54,7 +55,7 @@ def merge(run: RunDir) -> dict[str, Any]:
     return stats
 
 
-def _merge(run: RunDir) -> dict[str, Any]:
+def _merge(run: RunDir) -> MergeStats:
     missing = incomplete_shards(run)
     if missing:
         raise RunDirError(
@@ -68,13 +69,7 @@ def _merge(run: RunDir) -> dict[str, Any]:
     # A name of this merge's own: a merge that did not hold the lock (an older version) cannot
     # rename our half-written file into place, nor we its.
     tmp = out.with_name(f"{TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}-{out.name}")
-    stats: dict[str, Any] = {
-        "rows": 0,
-        "errors": Counter(),
-        "finish_reasons": Counter(),
-        "prompt_tokens": 0,
-        "output_tokens": 0,
-    }
+    tally = Tally()
     seconds: Counter[str] = Counter()
     shards = run.shards()
     splice = Splicer(run)  # answers of finished passes (redo) in place of DIR's own
@@ -87,7 +82,7 @@ def _merge(run: RunDir) -> dict[str, Any]:
             folder.remove_compaction_leftovers(done)
             for rows in splice(shard_rows_in_order(run, shard, done)):
                 writer.write(rows)
-                _accumulate(stats, rows.table)
+                tally.add(rows.table)
             seconds.update(done.get("seconds", {}))
             if n == len(shards) // 2:
                 faults.point(faults.IN_MERGE)
@@ -108,12 +103,15 @@ def _merge(run: RunDir) -> dict[str, Any]:
         except OSError:
             pass
         raise storage_error(out, e) from None
-    stats.update(
+    stats = MergeStats(
+        rows=tally.rows,
+        errors=dict(tally.errors),
+        finish_reasons=dict(tally.finish_reasons),
+        prompt_tokens=tally.prompt_tokens,
+        output_tokens=tally.output_tokens,
         shards=len(shards),
         output=out.name,
         files=names,
-        errors=dict(stats["errors"]),
-        finish_reasons=dict(stats["finish_reasons"]),
         seconds=dict(seconds),
         merge_seconds=round(time.monotonic() - t0, 3),
         fingerprint=run.run["fingerprint"],
@@ -125,16 +123,27 @@ def _merge(run: RunDir) -> dict[str, Any]:
     return stats
 
 
-def _accumulate(stats: dict[str, Any], table: pa.Table) -> None:
-    """Add rows' counts to stats, column-wise (no Python object per row)."""
-    stats["rows"] += table.num_rows
-    for name in ("prompt_tokens", "output_tokens"):
-        if name in table.column_names:
-            stats[name] += int(pc.sum(table.column(name)).as_py() or 0)
-    if "error" in table.column_names:
-        _count(stats["errors"], pc.struct_field(table.column("error"), "kind"))
-    if "finish_reason" in table.column_names:
-        _count(stats["finish_reasons"], table.column("finish_reason"))
+@dataclass
+class Tally:
+    """The output's counts as merge writes it: rows, error rows and finish reasons by kind, tokens."""
+
+    rows: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    finish_reasons: Counter[str] = field(default_factory=Counter)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    def add(self, table: pa.Table) -> None:
+        """Add rows' counts, column-wise (no Python object per row)."""
+        self.rows += table.num_rows
+        if "prompt_tokens" in table.column_names:
+            self.prompt_tokens += int(pc.sum(table.column("prompt_tokens")).as_py() or 0)
+        if "output_tokens" in table.column_names:
+            self.output_tokens += int(pc.sum(table.column("output_tokens")).as_py() or 0)
+        if "error" in table.column_names:
+            _count(self.errors, pc.struct_field(table.column("error"), "kind"))
+        if "finish_reason" in table.column_names:
+            _count(self.finish_reasons, table.column("finish_reason"))
 
 
 def _count(counter: Counter[str], values: pa.ChunkedArray) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Optional
 from batchinfer.errors import RunDirError
 from batchinfer.models.identity import ModelIdentity, model_identity, recorded_identity
 from batchinfer.models.tokens import model_dir
+from batchinfer.rundir.store import RunRecord
 
 log = logging.getLogger("batchinfer")
 KEY = "model_identity"  # run.yaml's key
@@ -24,19 +25,19 @@ def identity_of(path: str, revision: Optional[str]) -> ModelIdentity:
     return model_identity(model_dir(path, revision))
 
 
-def identity_digest(record: dict[str, Any]) -> Optional[str]:
+def identity_digest(record: RunRecord) -> Optional[str]:
     """The recorded identity's digest of a run.yaml record (None: none recorded)."""
-    identity = recorded_identity(record)
+    identity = recorded_identity(record.get(KEY))
     return identity.digest if identity is not None else None
 
 
-def model_changes(record: dict[str, Any], now: ModelIdentity) -> list[str]:
+def model_changes(record: RunRecord, now: ModelIdentity) -> list[str]:
     """How the model folder now differs from what a run.yaml record holds (empty: same, or none recorded)."""
-    old = recorded_identity(record)
+    old = recorded_identity(record.get(KEY))
     return old.changes(now) if old is not None else []
 
 
-def refuse_changed_model(where: Any, record: dict[str, Any], now: ModelIdentity) -> None:
+def refuse_changed_model(where: Any, record: RunRecord, now: ModelIdentity) -> None:
     """RunDirError naming the model folder and its changed files when it is not the one recorded."""
     changes = model_changes(record, now)
     if not changes:
@@ -51,7 +52,7 @@ def refuse_changed_model(where: Any, record: dict[str, Any], now: ModelIdentity)
 
 def check_model_unchanged(run: Any) -> None:
     """Refuse to go on with a run (a RunDir) whose model folder changed since prepare."""
-    if recorded_identity(run.run) is None:
+    if recorded_identity(run.run.get(KEY)) is None:
         return
     model = run.config.model
     refuse_changed_model(run.path, run.run, identity_of(model.path, model.revision))

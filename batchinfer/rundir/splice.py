@@ -31,6 +31,7 @@ from batchinfer.rundir.passes import (
     with_pass_column,
 )
 from batchinfer.rundir.schema import jsonl_to_table
+from batchinfer.rundir.stats import MergeStats, PassCounts
 from batchinfer.rundir.store import RunDir
 
 log = logging.getLogger("batchinfer")
@@ -119,7 +120,7 @@ class Splicer:
         index[at] = len(rows) + np.arange(len(wanted))
         return pa.concat_tables([table, answers]).take(pa.array(index))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> PassCounts:
         """stats.json's `passes`: rows of the output per pass (`0`: DIR's own run), and `merged_passes`:
         the passes this merge took (one whose every row a later pass answered again has no rows,
         yet is merged); nothing without passes."""
@@ -131,7 +132,7 @@ class Splicer:
         }
 
 
-def unchanged_output(root: RunDir) -> Optional[dict[str, Any]]:
+def unchanged_output(root: RunDir) -> Optional[MergeStats]:
     """stats.json when a pass is not finished and DIR's output holds every pass before it: merge
     leaves that output as it is."""
     number = unfinished_pass(root)

@@ -1,27 +1,83 @@
-"""Throughput figures of a run from its progress/DONE records: per shard, totals, the report table."""
+"""Throughput figures of a run from its progress/DONE records: per shard, totals, the report table;
+and stats.json's shape (merge writes it)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NotRequired, Optional, TypedDict
 
 from batchinfer.logs import plural
-from batchinfer.rundir.progress import PHASES, PrefixCache, Progress, rates, read_progress
+from batchinfer.rundir.progress import (
+    PHASES,
+    EngineSlot,
+    PrefixCache,
+    PrefixCacheRecord,
+    Progress,
+    SecondsRecord,
+    SeriesPoint,
+    rates,
+    read_progress,
+)
 from batchinfer.rundir.store import RunDir
 
 
-def with_rates(counts: dict[str, Any]) -> dict[str, Any]:
-    """Counts (tokens, rows, seconds, prefix cache, as in a progress record) plus their rates (see rates)."""
-    cache = counts.get("prefix_cache")
-    return dict(
-        counts,
-        **rates(
-            counts.get("prompt_tokens", 0),
-            counts.get("output_tokens", 0),
-            counts.get("rows_done", 0),
-            counts.get("seconds", {}).get("generate", 0.0),
-            PrefixCache(cache["queries"], cache["hits"]) if cache else None,
-        )._asdict(),
-    )
+class Rated(TypedDict):
+    """Counts of rows and tokens over seconds by phase, with their rates (progress.Rates)."""
+
+    rows_done: int
+    reused_rows: int  # answered from output.reuse, not by the engine
+    prompt_tokens: int
+    output_tokens: int
+    seconds: SecondsRecord
+    output_tokens_per_s: Optional[float]
+    total_tokens_per_s: Optional[float]
+    rows_per_s: Optional[float]
+    prefix_cache_hit_rate: Optional[float]
+    prefix_cache: Optional[PrefixCacheRecord]
+    errors: dict[str, int]
+
+
+class ShardStats(Rated):
+    """One shard's figures in report.json (shard_stats)."""
+
+    shard: int
+    done: bool
+    rows: int
+    attempts: int
+    series: list[SeriesPoint]
+    device: Optional[str]
+    engine: Optional[EngineSlot]  # which of its task's engines ran it (None: a single-engine run)
+
+
+class Totals(Rated):
+    """Sums over a run's shards (totals)."""
+
+    rows: int
+    shards: int
+    shards_done: int
+
+
+class PassCounts(TypedDict, total=False):
+    """stats.json's record of passes (`batchinfer redo`), absent without passes (splice.Splicer.stats)."""
+
+    passes: dict[str, int]  # pass number (as a JSON key) -> rows of the output
+    merged_passes: list[int]
+
+
+class MergeStats(PassCounts):
+    """stats.json, as merge writes it (and returns it)."""
+
+    rows: int
+    errors: dict[str, int]
+    finish_reasons: dict[str, int]
+    prompt_tokens: int
+    output_tokens: int
+    shards: int
+    output: str
+    files: list[str]
+    seconds: dict[str, float]
+    merge_seconds: float
+    fingerprint: str
+    unchanged: NotRequired[str]  # why merge left the output as it was (splice.unchanged_output)
 
 
 def shard_record(run: RunDir, index: int) -> tuple[bool, Progress]:
@@ -32,53 +88,66 @@ def shard_record(run: RunDir, index: int) -> tuple[bool, Progress]:
     return done, record or Progress(shard=index)
 
 
-def shard_stats(run: RunDir) -> list[dict[str, Any]]:
+def shard_stats(run: RunDir) -> list[ShardStats]:
     """One row per shard of the plan: rows, tokens, seconds by phase, rates, errors, time series."""
     out = []
     for shard in run.shards():
         done, rec = shard_record(run, shard.index)
+        r = rec.rates()
         out.append(
-            {
-                "shard": shard.index,
-                "done": done,
-                "rows": shard.rows,
-                "rows_done": rec.rows_done,
-                "reused_rows": rec.reused_rows,  # answered from output.reuse, not by the engine
-                "prompt_tokens": rec.prompt_tokens,
-                "output_tokens": rec.output_tokens,
-                "seconds": {p: getattr(rec.seconds, p) for p in PHASES},
-                **rec.rates()._asdict(),
-                "prefix_cache": {"queries": rec.prefix_cache.queries, "hits": rec.prefix_cache.hits}
+            ShardStats(
+                shard=shard.index,
+                done=done,
+                rows=shard.rows,
+                rows_done=rec.rows_done,
+                reused_rows=rec.reused_rows,
+                prompt_tokens=rec.prompt_tokens,
+                output_tokens=rec.output_tokens,
+                seconds=SecondsRecord(**{p: getattr(rec.seconds, p) for p in PHASES}),  # type: ignore[typeddict-item]
+                output_tokens_per_s=r.output_tokens_per_s,
+                total_tokens_per_s=r.total_tokens_per_s,
+                rows_per_s=r.rows_per_s,
+                prefix_cache_hit_rate=r.prefix_cache_hit_rate,
+                prefix_cache=PrefixCacheRecord(queries=rec.prefix_cache.queries, hits=rec.prefix_cache.hits)
                 if rec.prefix_cache
                 else None,
-                "errors": rec.errors,
-                "attempts": rec.attempts,
-                "series": rec.series,
-                "device": rec.device,
-                "engine": rec.engine,  # which of its task's engines ran it (None: a single-engine run)
-            }
+                errors=rec.errors,
+                attempts=rec.attempts,
+                series=rec.series,
+                device=rec.device,
+                engine=rec.engine,
+            )
         )
     return out
 
 
-def totals(shards: list[dict[str, Any]]) -> dict[str, Any]:
+def totals(shards: list[ShardStats]) -> Totals:
     """Sums over shards; tok/s is all tokens over all generate seconds (one task's rate while generating)."""
-    keys = ("rows", "rows_done", "reused_rows", "prompt_tokens", "output_tokens")
-    tot: dict[str, Any] = {k: sum(s[k] for s in shards) for k in keys}
-    tot["seconds"] = {p: sum(s["seconds"][p] for s in shards) for p in PHASES}
+    rows_done, prompt, output = (sum(s[k] for s in shards) for k in ("rows_done", "prompt_tokens", "output_tokens"))
+    seconds = SecondsRecord(**{p: sum(s["seconds"][p] for s in shards) for p in PHASES})  # type: ignore[typeddict-item]
     caches = [s["prefix_cache"] for s in shards if s["prefix_cache"]]
-    prefix = {k: sum(c[k] for c in caches) for k in ("queries", "hits")} if caches else None
+    prefix = PrefixCacheRecord(queries=sum(c["queries"] for c in caches), hits=sum(c["hits"] for c in caches))
     errors: dict[str, int] = {}
     for s in shards:
         for kind, n in s["errors"].items():
             errors[kind] = errors.get(kind, 0) + n
-    tot.update(
-        with_rates({**tot, "prefix_cache": prefix}),
+    r = rates(prompt, output, rows_done, seconds["generate"], PrefixCache(**prefix) if caches else None)
+    return Totals(
+        rows=sum(s["rows"] for s in shards),
+        rows_done=rows_done,
+        reused_rows=sum(s["reused_rows"] for s in shards),
+        prompt_tokens=prompt,
+        output_tokens=output,
+        seconds=seconds,
+        prefix_cache=prefix if caches else None,
+        output_tokens_per_s=r.output_tokens_per_s,
+        total_tokens_per_s=r.total_tokens_per_s,
+        rows_per_s=r.rows_per_s,
+        prefix_cache_hit_rate=r.prefix_cache_hit_rate,
         shards=len(shards),
         shards_done=sum(s["done"] for s in shards),
         errors=errors,
     )
-    return tot
 
 
 def _num(x: Optional[float], fmt: str = "{:,.1f}") -> str:
@@ -110,7 +179,7 @@ HEADER = (
 )
 
 
-def table_row(label: str, r: dict[str, Any], rows: str) -> list[str]:
+def table_row(label: str, r: Rated, rows: str) -> list[str]:
     """One markdown table row of a shard or of the totals."""
     sec = r["seconds"]
     return [
@@ -127,7 +196,7 @@ def table_row(label: str, r: dict[str, Any], rows: str) -> list[str]:
     ]
 
 
-def markdown_table(shards: list[dict[str, Any]], tot: dict[str, Any]) -> list[str]:
+def markdown_table(shards: list[ShardStats], tot: Totals) -> list[str]:
     """The per-shard table with a totals row, as markdown lines."""
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join("---:" for _ in HEADER) + "|"]
     for s in shards:
@@ -138,7 +207,7 @@ def markdown_table(shards: list[dict[str, Any]], tot: dict[str, Any]) -> list[st
     return lines
 
 
-def reused_line(tot: dict[str, Any]) -> list[str]:
+def reused_line(tot: Totals) -> list[str]:
     """The report's line on rows answered from output.reuse (none without such rows)."""
     n = tot.get("reused_rows") or 0
     if not n:
@@ -149,7 +218,7 @@ def reused_line(tot: dict[str, Any]) -> list[str]:
     ]
 
 
-def summary_line(stats: dict[str, Any], output: Any, seconds: float) -> str:
+def summary_line(stats: MergeStats, output: Any, seconds: float) -> str:
     """The one line a finished `run` ends with, from its stats.json: rows, error rows, output tokens
     and their rate while generating, this command's wall time, and where the output is."""
     errors = sum(stats.get("errors", {}).values())

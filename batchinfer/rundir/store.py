@@ -4,7 +4,7 @@ shard_folder.py; locks: locks/)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 import pyarrow as pa
 import yaml
@@ -13,6 +13,7 @@ from batchinfer.config.schema import Config, to_config
 from batchinfer.durable import atomic_write, read_json
 from batchinfer.errors import RunDirError
 from batchinfer.inputs.shards import Shard
+from batchinfer.models.identity import IdentityRecord
 from batchinfer.redaction import record_yaml, resolve_refs
 from batchinfer.rundir.schema import schema_from_text
 from batchinfer.rundir.shard_folder import ShardFolder
@@ -30,11 +31,55 @@ def _resolved(obj: Any) -> Any:
     return obj
 
 
+class InputRecord(TypedDict, total=False):
+    """run.yaml's `input`: the input's identity (inputs/fingerprint.py), where it is, and its rows."""
+
+    files: list[list[Any]]  # [name, size, mtime_ns] of each file
+    size: int
+    fingerprint: str
+    method: str  # `footers` for a corpus read in place; absent: a content hash
+    path: str
+    format: str
+    rows: int
+
+
+class FrozenFile(TypedDict):
+    """A file the config names, frozen into DIR/files (run.yaml's `files`, by config key)."""
+
+    source: str
+    path: str  # relative to DIR
+    sha256: str
+
+
+class OutputSchema(TypedDict):
+    """run.yaml's `output_schema`: the columns for people, the Arrow schema for the code."""
+
+    columns: dict[str, str]
+    arrow: str
+
+
+class RunRecord(TypedDict, total=False):
+    """run.yaml, as prepare writes it and read_run_yaml reads it (the keys of RUN_KEYS always
+    there; `model_identity` and `files` absent from older ones)."""
+
+    batchinfer: str  # the version that prepared it
+    created: str
+    host: str
+    fingerprint: str
+    fingerprint_keys: dict[str, Any]  # the flat key -> value map of config/fingerprint.py
+    model_identity: IdentityRecord
+    files: dict[str, FrozenFile]
+    input: InputRecord
+    output_schema: OutputSchema
+    versions: dict[str, str]
+    config: dict[str, Any]  # the resolved config as plain containers (config/schema.to_dict)
+
+
 # What every run.yaml batchinfer writes holds (prepare.py): without them it is not one it can read.
 RUN_KEYS = {"config": dict, "input": dict, "fingerprint_keys": dict, "output_schema": dict}
 
 
-def read_run_yaml(path: Path) -> dict[str, Any]:
+def read_run_yaml(path: Path) -> RunRecord:
     """A run.yaml batchinfer wrote; RunDirError in one line saying what the file is instead
     (another tool's, an older format, not YAML) rather than a traceback further on."""
     try:
@@ -75,7 +120,7 @@ class RunDir:
         self.shards_dir = self.path / "shards"
         self.logs_dir = self.path / "logs"
         self.stats_json = self.path / "stats.json"
-        self._run: Optional[dict[str, Any]] = None
+        self._run: Optional[RunRecord] = None
         self._schema: Optional[pa.Schema] = None
         self._config: Optional[Config] = None
 
@@ -84,7 +129,7 @@ class RunDir:
         return self.run_yaml.is_file()
 
     @property
-    def run(self) -> dict[str, Any]:
+    def run(self) -> RunRecord:
         """run.yaml, read once."""
         if self._run is None:
             if not self.exists():
@@ -92,7 +137,7 @@ class RunDir:
             self._run = read_run_yaml(self.run_yaml)
         return self._run
 
-    def write_run(self, record: dict[str, Any]) -> None:
+    def write_run(self, record: RunRecord) -> None:
         """Write run.yaml atomically, redacted (redaction.record_yaml); the record as given is kept in memory."""
         atomic_write(self.run_yaml, record_yaml(record).encode())
         self._run = record

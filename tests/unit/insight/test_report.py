@@ -15,8 +15,7 @@ from support.runs import fake_model_dir
 from batchinfer.config.compose import compose
 from batchinfer.insight.cost import GPU_HOUR_PRICES, cost
 from batchinfer.insight.status import summarize
-from batchinfer.rundir.progress import SERIES_POINTS, Progress
-from batchinfer.rundir.stats import with_rates
+from batchinfer.rundir.progress import SERIES_POINTS, PrefixCache, Progress, rates
 
 # ---------------------------------------------------------------- arithmetic, no engine
 
@@ -48,10 +47,10 @@ def test_series_is_thinned_to_its_cap() -> None:
 
 
 def test_rates_and_eta_of_running_tasks() -> None:
-    rec = with_rates({"seconds": {"generate": 4.0}, "prompt_tokens": 100, "output_tokens": 20})
-    assert rec["output_tokens_per_s"] == 5.0 and rec["total_tokens_per_s"] == 30.0
-    assert rec["prefix_cache_hit_rate"] is None  # engine did not report it
-    assert with_rates({"prefix_cache": {"queries": 200, "hits": 50}})["prefix_cache_hit_rate"] == 0.25
+    rec = rates(100, 20, 0, 4.0, None)
+    assert rec.output_tokens_per_s == 5.0 and rec.total_tokens_per_s == 30.0
+    assert rec.prefix_cache_hit_rate is None  # engine did not report it
+    assert rates(0, 0, 0, 0.0, PrefixCache(queries=200, hits=50)).prefix_cache_hit_rate == 0.25
 
     def shard(i: int, state: str, job: str, done: int, rps: Any, updated: float = 0) -> dict[str, Any]:
         return {
