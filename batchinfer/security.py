@@ -8,7 +8,7 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -111,7 +111,7 @@ def _secret_value(name: str, value: Any) -> str:
     return os.environ[name]
 
 
-def secret_env(env: dict[str, Any], inherit: Sequence[str] = ()) -> dict[str, str]:
+def secret_env(env: Mapping[str, Optional[str]], inherit: Sequence[str] = ()) -> dict[str, str]:
     """The secrets to pass through the environment of sbatch: cluster.env's secret entries (given
     values, or for <redacted> ones, e.g. at resume, the submitting shell's own) and the variables
     cluster.env_inherit names, which this shell must have."""
@@ -144,13 +144,15 @@ def applied_env(values: dict[str, Optional[str]]) -> Iterator[None]:
                 os.environ[k] = old
 
 
-def submission_env(env: dict[str, Any], inherit: Sequence[str] = ()) -> contextlib.AbstractContextManager[None]:
+def submission_env(
+    env: Mapping[str, Optional[str]], inherit: Sequence[str] = ()
+) -> contextlib.AbstractContextManager[None]:
     """Put secret cluster.env values into this process's environment while sbatch runs: Slurm's
     --export=ALL hands them to the jobs, and no file (sbatch script, log, pickle) holds them."""
     return applied_env(dict(secret_env(env, inherit)))
 
 
-def task_env(env: dict[str, Any]) -> dict[str, Optional[str]]:
+def task_env(env: Mapping[str, Optional[str]]) -> dict[str, Optional[str]]:
     """What cluster.env makes of a task's environment, as a Slurm task gets it: values as strings
     (references to this environment resolved), None unset, secrets given or taken from this shell."""
     out: dict[str, Optional[str]] = {k: None if v is None else resolve_refs(str(v)) for k, v in env.items()}
@@ -158,7 +160,9 @@ def task_env(env: dict[str, Any]) -> dict[str, Optional[str]]:
     return out
 
 
-def export_option(extra: dict[str, Any], env: dict[str, Any], inherit: Sequence[str] = ()) -> dict[str, Any]:
+def export_option(
+    extra: dict[str, Any], env: Mapping[str, Optional[str]], inherit: Sequence[str] = ()
+) -> dict[str, Any]:
     """sbatch_extra with the secrets' names (cluster.env's, cluster.env_inherit's and those its values
     refer to) added to a user's own --export list (the default, ALL, has them)."""
     names = [k for k, v in env.items() if is_secret_entry(k, v)] + list(inherit)

@@ -35,7 +35,7 @@ def step_python() -> str:
     return f"{shlex.quote(sys.executable)} -u -c {shlex.quote(STEP_BOOT)}"
 
 
-def make_executor(folder: Path, params: dict[str, Any]) -> Any:
+def make_executor(folder: Path, params: slurm.SlurmParameters) -> Any:
     """A submitit SlurmExecutor writing its scripts and logs under folder, its sbatch under a timeout."""
     ex = _timed_executor_class()(folder=folder, python=step_python())
     ex.update_parameters(**params)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Optional
+from typing import NotRequired, Optional, TypedDict
 
 from batchinfer.launch import slurm
 from batchinfer.rundir.store import RunDir
@@ -13,7 +13,54 @@ from batchinfer.rundir.store import RunDir
 log = logging.getLogger("batchinfer")
 
 
-def submissions(run: RunDir) -> list[dict[str, Any]]:
+class ArrayRecord(TypedDict):
+    """One array of a submission: its Slurm job id, and array index (as a JSON key) -> shards."""
+
+    job_id: str
+    tasks: dict[str, list[int]]
+
+
+class JobsLine(TypedDict, total=False):
+    """One line of DIR/jobs.jsonl: a submission's start (time, folder, name, arrays_planned, heal),
+    one array (array, job_id, tasks), or its merge job (merge); a line of an earlier version holds a
+    whole submission (arrays, merge). Every line has `submission`."""
+
+    submission: int
+    time: float
+    folder: str
+    name: str
+    arrays_planned: int
+    heal: bool
+    array: int
+    job_id: str
+    tasks: dict[str, list[int]]
+    arrays: list[ArrayRecord]
+    merge: Optional[str]
+
+
+class Submission(TypedDict):
+    """A submission folded from its lines of jobs.jsonl (submissions)."""
+
+    submission: int
+    time: Optional[float]
+    folder: Optional[str]
+    name: Optional[str]
+    arrays: list[ArrayRecord]
+    merge: Optional[str]  # None until submitted
+    heal: bool  # made by the merge job's `heal`, not by a user's submit or resume
+    arrays_planned: NotRequired[int]
+    complete: bool  # the merge job was submitted
+
+
+class ShardTask(TypedDict):
+    """The latest array task a shard was given to (shard_tasks)."""
+
+    job: str  # ARRAY_TASK
+    folder: Optional[str]  # its submission's log folder
+    submission: int
+
+
+def submissions(run: RunDir) -> list[Submission]:
     """Submissions recorded in DIR/jobs.jsonl, oldest first, each folded from its lines.
 
     A submission writes a line as it starts (time, log folder, job name), one per array as soon as
@@ -24,7 +71,7 @@ def submissions(run: RunDir) -> list[dict[str, Any]]:
     path = run.path / "jobs.jsonl"
     if not path.is_file():
         return []
-    folded: dict[int, dict[str, Any]] = {}
+    folded: dict[int, Submission] = {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         try:
             rec = json.loads(line)
@@ -35,7 +82,7 @@ def submissions(run: RunDir) -> list[dict[str, Any]]:
         rec = _checked(rec, f"{path}:{number}")
         sub = folded.setdefault(
             rec["submission"],
-            {
+            {  # type: ignore[typeddict-item]  # `complete` is set once every line is read
                 "submission": rec["submission"],
                 "time": None,
                 "folder": None,
@@ -48,7 +95,7 @@ def submissions(run: RunDir) -> list[dict[str, Any]]:
         sub["heal"] = sub["heal"] or bool(rec.get("heal"))
         for key in ("time", "folder", "name", "arrays_planned"):
             if key in rec:
-                sub[key] = rec[key]
+                sub[key] = rec[key]  # type: ignore[literal-required]
         sub["arrays"] += [{"job_id": str(a["job_id"]), "tasks": a["tasks"]} for a in rec["arrays"]]
         if rec.get("merge"):
             sub["merge"] = rec["merge"]
@@ -58,10 +105,10 @@ def submissions(run: RunDir) -> list[dict[str, Any]]:
     return out
 
 
-def _checked(rec: dict[str, Any], where: str) -> dict[str, Any]:
+def _checked(rec: JobsLine, where: str) -> JobsLine:
     """rec without the job ids and names that are not Slurm's (anyone who can write DIR can write
     this file: a value like `--user=root` must never reach scancel, squeue or sacct)."""
-    out = dict(rec)
+    out = JobsLine(**rec)
     dropped = []
     arrays = [rec] if "job_id" in rec else []
     arrays += [a for a in rec.get("arrays") or [] if isinstance(a, dict)]
@@ -80,7 +127,7 @@ def _checked(rec: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def heal_streak(subs: list[dict[str, Any]]) -> int:
+def heal_streak(subs: list[Submission]) -> int:
     """How many of the latest submissions (submissions(run)) in a row were made by `heal`."""
     streak = 0
     for sub in reversed(subs):
@@ -90,24 +137,22 @@ def heal_streak(subs: list[dict[str, Any]]) -> int:
     return streak
 
 
-def shard_tasks(run: RunDir, subs: Optional[list[dict[str, Any]]] = None) -> dict[int, dict[str, Any]]:
+def shard_tasks(run: RunDir, subs: Optional[list[Submission]] = None) -> dict[int, ShardTask]:
     """The latest array task each shard was given to: job id, log folder, submission.
 
     subs: submissions(run) when the caller has read them already."""
-    out: dict[int, dict[str, Any]] = {}
+    out: dict[int, ShardTask] = {}
     for sub in submissions(run) if subs is None else subs:
         for array in sub["arrays"]:
             for index, shards in array["tasks"].items():
                 for shard in shards:
-                    out[shard] = {
-                        "job": f"{array['job_id']}_{index}",
-                        "folder": sub["folder"],
-                        "submission": sub["submission"],
-                    }
+                    out[shard] = ShardTask(
+                        job=f"{array['job_id']}_{index}", folder=sub["folder"], submission=sub["submission"]
+                    )
     return out
 
 
-def all_job_ids(run: RunDir, subs: Optional[list[dict[str, Any]]] = None) -> list[str]:
+def all_job_ids(run: RunDir, subs: Optional[list[Submission]] = None) -> list[str]:
     """Every array and merge job id recorded for DIR (subs: submissions(run), if read already)."""
     ids = []
     for sub in submissions(run) if subs is None else subs:
@@ -117,7 +162,7 @@ def all_job_ids(run: RunDir, subs: Optional[list[dict[str, Any]]] = None) -> lis
     return ids
 
 
-def unrecorded_names(run: RunDir, subs: Optional[list[dict[str, Any]]] = None) -> list[str]:
+def unrecorded_names(run: RunDir, subs: Optional[list[Submission]] = None) -> list[str]:
     """Job names of submissions cut short (sbatch refused, timed out, or submit was killed):
     jobs of theirs may exist whose ids were never recorded. subs: submissions(run), if read already."""
     return [s["name"] for s in (submissions(run) if subs is None else subs) if not s["complete"] and s.get("name")]

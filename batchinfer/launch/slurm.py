@@ -9,10 +9,10 @@ import re
 import shlex
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 from batchinfer import slurm_env, slurm_states
 from batchinfer.config.schema import ClusterConfig, Config
@@ -87,7 +87,7 @@ def check_gpus(cfg: Config) -> int:
     return n
 
 
-def env_lines(env: dict[str, Any]) -> list[str]:
+def env_lines(env: Mapping[str, Optional[str]]) -> list[str]:
     """`export K=V` lines, values quoted so no config value reaches the shell unquoted.
 
     Secrets get no line: the sbatch script lands in DIR/logs, so they travel in the environment of
@@ -154,9 +154,31 @@ def check_log_folder(folder: Path) -> None:
             )
 
 
-def array_parameters(cluster: ClusterConfig, n_tasks: int) -> dict[str, Any]:
+class SlurmParameters(TypedDict, total=False):
+    """submitit SlurmExecutor parameters (by submitit's names) of an array or the merge job."""
+
+    time: int
+    signal_delay_s: int
+    array_parallelism: int
+    setup: list[str]
+    additional_parameters: dict[str, Any]  # sbatch options without a parameter of submitit's (sbatch_extra)
+    dependency: str
+    partition: str
+    account: str
+    qos: str
+    cpus_per_task: int
+    mem: str
+    constraint: str
+    gpus_per_task: int
+    nodes: int
+    ntasks_per_node: int
+    srun_args: list[str]
+    job_name: str
+
+
+def array_parameters(cluster: ClusterConfig, n_tasks: int) -> SlurmParameters:
     """submitit SlurmExecutor parameters of a worker array."""
-    params: dict[str, Any] = {
+    params: SlurmParameters = {
         "time": cluster.time,
         "signal_delay_s": cluster.signal_lead_s,
         "array_parallelism": min(cluster.array_parallelism, max(n_tasks, 1)),
@@ -168,7 +190,7 @@ def array_parameters(cluster: ClusterConfig, n_tasks: int) -> dict[str, Any]:
     }
     for key in ("partition", "account", "qos", "cpus_per_task", "mem", "constraint"):
         if getattr(cluster, key) is not None:
-            params[key] = getattr(cluster, key)
+            params[key] = getattr(cluster, key)  # type: ignore[literal-required]
     if cluster.gpus_per_task:
         params["gpus_per_task"] = cluster.gpus_per_task
     if cluster.nodes_per_task > 1:
@@ -178,10 +200,10 @@ def array_parameters(cluster: ClusterConfig, n_tasks: int) -> dict[str, Any]:
     return params
 
 
-def merge_parameters(cluster: ClusterConfig, after: list[str]) -> dict[str, Any]:
+def merge_parameters(cluster: ClusterConfig, after: list[str]) -> SlurmParameters:
     """The merge job: no GPU, cluster.merge_time/merge_mem/merge_cpus, after every array ends
     however it ends (afterany)."""
-    params: dict[str, Any] = {
+    params: SlurmParameters = {
         "time": cluster.merge_time,
         "cpus_per_task": cluster.merge_cpus,
         "setup": setup_lines(cluster),
@@ -191,7 +213,7 @@ def merge_parameters(cluster: ClusterConfig, after: list[str]) -> dict[str, Any]
         params["mem"] = cluster.merge_mem
     for key in ("partition", "account", "qos"):
         if getattr(cluster, key) is not None:
-            params[key] = getattr(cluster, key)
+            params[key] = getattr(cluster, key)  # type: ignore[literal-required]
     return params
 
 

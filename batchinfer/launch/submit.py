@@ -10,7 +10,7 @@ import shlex
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 from omegaconf import DictConfig
 
@@ -19,7 +19,7 @@ from batchinfer.config.schema import to_config
 from batchinfer.errors import RunDirError, SlurmUnavailable, SubmissionRefused
 from batchinfer.launch import slurm
 from batchinfer.launch.executor import make_executor
-from batchinfer.launch.jobs import all_job_ids, heal_streak, submissions, unrecorded_names
+from batchinfer.launch.jobs import ArrayRecord, JobsLine, all_job_ids, heal_streak, submissions, unrecorded_names
 from batchinfer.launch.node_layout import layout_lines
 from batchinfer.logs import plural
 from batchinfer.redaction import record_json
@@ -36,6 +36,25 @@ TASK_FUNCTION = "batchinfer.launch:slurm_task"
 MERGE_FUNCTION = "batchinfer.launch:slurm_merge"
 
 
+class PlannedArray(TypedDict):
+    """An array a dry run would submit: array index -> shards."""
+
+    tasks: dict[int, list[int]]
+
+
+class Submitted(TypedDict, total=False):
+    """What submit_shards made: the submission's number, start time, log folder, job name, arrays
+    and merge job; a dry run: its number and the arrays it would submit."""
+
+    submission: int
+    time: float
+    folder: str
+    name: str
+    arrays: list[ArrayRecord] | list[PlannedArray]
+    merge: str
+    dry_run: bool
+
+
 def job_name(run: RunDir, number: int) -> str:
     """A job name unique to this submission of DIR: `status` and `cancel` find its jobs by name
     when sbatch timed out before returning an id (the job may exist all the same)."""
@@ -45,7 +64,7 @@ def job_name(run: RunDir, number: int) -> str:
     return f"bi-{run.run['fingerprint'][:8]}-{number}-{where}"
 
 
-def _record(run: RunDir, line: dict[str, Any]) -> None:
+def _record(run: RunDir, line: JobsLine) -> None:
     """Append one line to DIR/jobs.jsonl and make it durable before the next sbatch."""
     with security.private_umask(run.config.output.private), open(run.path / "jobs.jsonl", "a") as f:
         f.write(record_json(line) + "\n")
@@ -53,7 +72,7 @@ def _record(run: RunDir, line: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False, heal: bool = False) -> dict[str, Any]:
+def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False, heal: bool = False) -> Submitted:
     """Submit arrays over the given shards (split at MaxArraySize) and an afterany merge job.
 
     jobs.jsonl gets a line before the first sbatch (the job name), one per array as soon as sbatch
@@ -82,13 +101,15 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False, heal: 
             for i, shards in enumerate(chunk):
                 print(f"  task {i}: shards {shards}")
         print(f"merge job: {slurm.merge_parameters(cluster, ['<array ids>'])}")
-        return {"submission": number, "dry_run": True, "arrays": [{"tasks": dict(enumerate(ch))} for ch in chunks]}
+        return Submitted(
+            submission=number, dry_run=True, arrays=[PlannedArray(tasks=dict(enumerate(ch))) for ch in chunks]
+        )
     security.make_private(run.path, c.output.private)  # set by `resume output.private=true`
     if cluster.nodes_per_task > 1:  # what the tasks ask Slurm for, said before sbatch is asked
         print("\n".join(layout_lines(c, len(chunks[0]), folder, name)))
-    record: dict[str, Any] = {"submission": number, "time": time.time(), "folder": str(folder), "name": name}
+    record = Submitted(submission=number, time=time.time(), folder=str(folder), name=name)
     _record(run, {**record, "arrays_planned": len(chunks), **({"heal": True} if heal else {})})
-    arrays: list[dict[str, Any]] = []
+    arrays: list[ArrayRecord] = []
     # Secrets reach the jobs through sbatch's environment (--export=ALL), never a file; the jobs
     # keep this umask, so with output.private their logs and parts are private too.
     try:
@@ -96,7 +117,9 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False, heal: 
             for n, chunk in enumerate(chunks):
                 ex = make_executor(folder, {**slurm.array_parameters(cluster, len(chunk)), "job_name": name})
                 jobs = ex.map_array(pkgutil.resolve_name(TASK_FUNCTION), [str(run.path)] * len(chunk), chunk)
-                array = {"job_id": jobs[0].job_id.split("_")[0], "tasks": {str(i): ch for i, ch in enumerate(chunk)}}
+                array = ArrayRecord(
+                    job_id=jobs[0].job_id.split("_")[0], tasks={str(i): ch for i, ch in enumerate(chunk)}
+                )
                 _record(run, {"submission": number, "array": n, **array})
                 arrays.append(array)
             after = [a["job_id"] for a in arrays]
@@ -190,7 +213,7 @@ def refusal_hint(stderr: str, run: RunDir) -> str:
     return f"{advice}: `batchinfer resume {shlex.quote(str(run.path))} {example}`"
 
 
-def _submitted_so_far(run: RunDir, arrays: list[dict[str, Any]]) -> str:
+def _submitted_so_far(run: RunDir, arrays: list[ArrayRecord]) -> str:
     shown = shlex.quote(str(run.path))
     if not arrays:
         return f"Nothing of this submission was queued; {run.path} stays usable"
@@ -201,7 +224,7 @@ def _submitted_so_far(run: RunDir, arrays: list[dict[str, Any]]) -> str:
     )
 
 
-def heal(run: RunDir) -> Optional[dict[str, Any]]:
+def heal(run: RunDir) -> Optional[Submitted]:
     """The merge job's first step: shards whose array task was killed by USR2 before its worker
     could act on it (a preemption notice in the instant Python starts) are submitted again, with
     a merge job of their own, at most cluster.max_attempts times in a row; returns that submission."""
