@@ -3,15 +3,34 @@ command, rows and state, the unfinished pass's shards, and rows of the output pe
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import NotRequired, Optional, TypedDict
 
 from batchinfer.durable import read_json
+from batchinfer.insight.status import ShardState, StatusTotals
 from batchinfer.ownership import Kind
 from batchinfer.rundir import passes
 from batchinfer.rundir.store import RunDir
 
+# One pass in `status` (`status --json`'s `passes`); the unfinished pass with its shards and totals.
+PassStatus = TypedDict(
+    "PassStatus",
+    {
+        "pass": int,
+        "dir": str,
+        "where": str,
+        "overrides": list[str],
+        "rows": int,
+        "shards": int,
+        "shards_done": int,
+        "state": str,  # being made, half made, unfinished, finished or merged
+        "sampling_overridden": list[str],
+        "shard_states": NotRequired[list[ShardState]],
+        "totals": NotRequired[StatusTotals],
+    },
+)
 
-def pass_records(root: RunDir) -> list[dict[str, Any]]:
+
+def pass_records(root: RunDir) -> list[PassStatus]:
     """One record per pass: number, where, overrides, rows, shards done, state."""
     merged = passes.merged_passes(root) or []
     out = []
@@ -49,7 +68,7 @@ def _making(kind: Kind) -> str:
     return "half made" if kind is Kind.HALF_MADE else "being made"
 
 
-def pass_lines(root: RunDir, records: list[dict[str, Any]]) -> list[str]:
+def pass_lines(root: RunDir, records: list[PassStatus]) -> list[str]:
     """status's lines about passes; the unfinished pass's own table follows them (status_of)."""
     lines = []
     for r in records:
@@ -88,7 +107,7 @@ def report_lines(counts: Optional[dict[str, int]]) -> list[str]:
     return [f"rows of the output per pass (0: the run itself; `batchinfer redo`): {shown}", ""]
 
 
-def status_section(root: RunDir) -> tuple[list[dict[str, Any]], str]:
+def status_section(root: RunDir) -> tuple[list[PassStatus], str]:
     """status's records and text about DIR's passes, with the unfinished pass's shard table."""
     from batchinfer.insight.status import format_status, shard_status, summarize
     from batchinfer.launch.jobs import slurm_states

@@ -7,19 +7,62 @@ import os
 import shlex
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import NotRequired, Optional, TypedDict
 
 from batchinfer import slurm_states
 from batchinfer.config.schema import POOLING_TASKS
 from batchinfer.insight.task_nodes import nodes_note, shard_nodes
 from batchinfer.launch.jobs import shard_tasks
-from batchinfer.rundir.progress import Progress, budget_key, engine_record
+from batchinfer.rundir.progress import EngineSlot, Progress, ProgressRecord, budget_key, engine_record
 from batchinfer.rundir.store import RunDir
 
 # A failed task's log is read from its end in blocks until a line looks like an error, and no
 # further back than this: a vLLM task's stderr can be large, and many tasks can fail at once.
 LOG_BLOCK_BYTES = 64 * 1024
 LOG_SCAN_BYTES = 4 * 1024 * 1024
+
+
+class ShardState(TypedDict):
+    """One shard's line of `status` (`status --json`'s `shards`)."""
+
+    shard: int
+    rows: int
+    rows_done: int
+    output_tokens: int
+    reused_rows: int  # answered from output.reuse
+    generate_seconds: float
+    output_tokens_per_s: Optional[float]
+    total_tokens_per_s: Optional[float]
+    rows_per_s: Optional[float]
+    updated: Optional[float]
+    attempts: int
+    failures: int
+    engine: Optional[EngineSlot]  # which of its task's engines; None: the only one
+    failures_this_submission: NotRequired[int]  # cluster.max_attempts counts per submission
+    job: Optional[str]
+    job_state: Optional[str]
+    state: str  # done, running, pending, failed or partial
+    nodes: Optional[str]
+    error: NotRequired[Optional[str]]  # a failed shard's: its last error, else its log's
+    log: NotRequired[Optional[str]]
+
+
+class StatusTotals(TypedDict):
+    """`status`'s total line (`status --json`'s `totals`): summarize."""
+
+    shards: int
+    states: dict[str, int]
+    rows: int
+    rows_done: int
+    reused_rows: int
+    output_tokens: int
+    output_tokens_per_s: Optional[float]
+    rows_per_s: Optional[float]
+    running_tasks: int
+    running_output_tokens_per_s: Optional[float]
+    running_rows_per_s: Optional[float]
+    eta_seconds: Optional[int]
+    time: str
 
 
 def task_log_paths(folder: Path, job: str) -> list[Path]:
@@ -77,7 +120,7 @@ def last_error_line(folder: Path, job: str) -> Optional[str]:
     return last
 
 
-def _progress(run: RunDir, index: int, names: tuple[str, str]) -> tuple[bool, dict[str, Any]]:
+def _progress(run: RunDir, index: int, names: tuple[str, str]) -> tuple[bool, ProgressRecord]:
     """(done, the shard's DONE.json, else progress.json, else {}); names: those two files' names.
 
     Opened, not stat-ed first: a shard costs one or two metadata calls on a shared filesystem, not four."""
@@ -91,7 +134,7 @@ def _progress(run: RunDir, index: int, names: tuple[str, str]) -> tuple[bool, di
     return False, {}
 
 
-def shard_status(run: RunDir, states: dict[str, str], nodes: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
+def shard_status(run: RunDir, states: dict[str, str], nodes: Optional[dict[str, str]] = None) -> list[ShardState]:
     """One record per shard: state, rows done of total, tokens, attempts, last error; the nodes of
     a running or failed shard's task (nodes: task -> sacct's NodeList)."""
     tasks = shard_tasks(run)
@@ -99,7 +142,7 @@ def shard_status(run: RunDir, states: dict[str, str], nodes: Optional[dict[str, 
     names = (run.shard_folder(0).done_path.name, run.shard_folder(0).progress_path.name)
     out = []
     for shard in run.shards():
-        rec: dict[str, Any] = {"shard": shard.index, "rows": shard.rows, "rows_done": 0, "output_tokens": 0}
+        rec: ShardState = {"shard": shard.index, "rows": shard.rows, "rows_done": 0, "output_tokens": 0}  # type: ignore[typeddict-item]
         done, raw = _progress(run, shard.index, names)
         progress = Progress.from_dict(raw)
         gen = progress.seconds.generate
@@ -152,7 +195,7 @@ def shard_status(run: RunDir, states: dict[str, str], nodes: Optional[dict[str, 
     return out
 
 
-def engine_note(r: dict[str, Any]) -> str:
+def engine_note(r: ShardState) -> str:
     """`engine 1 of 2 (devices 2,3)`: the worker of a multi-engine task that ran the shard; else nothing."""
     e = r.get("engine")
     if not e or e["of"] < 2:
@@ -160,7 +203,7 @@ def engine_note(r: dict[str, Any]) -> str:
     return f"engine {e['index']} of {e['of']}" + (f" (devices {e['devices']})" if e["devices"] else "")
 
 
-def running_rates(records: list[dict[str, Any]]) -> tuple[float, float, int]:
+def running_rates(records: list[ShardState]) -> tuple[float, float, int]:
     """(rows/s, output tok/s, tasks) of the running array tasks together. An engine's shards run one
     at a time, so each engine of a running task (a task runs cluster.engines_per_task of them) counts
     once, at the rate of its most recently updated shard; a task without a rate yet (its engine is
@@ -171,13 +214,13 @@ def running_rates(records: list[dict[str, Any]]) -> tuple[float, float, int]:
         if known
         else (0.0, 0.0)
     )
-    tasks: dict[str, list[dict[str, Any]]] = {}
+    tasks: dict[Optional[str], list[ShardState]] = {}
     for r in records:
         if r["state"] == "running":
             tasks.setdefault(r["job"], []).append(r)
     rows_s = tokens_s = 0.0
     for shards in tasks.values():
-        engines: dict[int, list[dict[str, Any]]] = {}
+        engines: dict[int, list[ShardState]] = {}
         for r in shards:
             if r["rows_per_s"]:
                 engines.setdefault(r["engine"]["index"] if r.get("engine") else 0, []).append(r)
@@ -189,7 +232,7 @@ def running_rates(records: list[dict[str, Any]]) -> tuple[float, float, int]:
     return rows_s, tokens_s, len(tasks)
 
 
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(records: list[ShardState]) -> StatusTotals:
     """Totals; output tokens/s of one task while generating (all tokens over all generate seconds) and
     of the running tasks together; ETA = rows left / the running tasks' rows/s."""
     rows = sum(r["rows"] for r in records)
@@ -218,7 +261,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def failures_note(r: dict[str, Any]) -> str:
+def failures_note(r: ShardState) -> str:
     """`failed 3 times (1 in this submission)`, or nothing for a shard that never failed."""
     if not r.get("failures"):
         return ""
@@ -229,8 +272,8 @@ def failures_note(r: dict[str, Any]) -> str:
 
 def format_status(
     run: RunDir,
-    records: list[dict[str, Any]],
-    totals: dict[str, Any],
+    records: list[ShardState],
+    totals: StatusTotals,
     note: Optional[str] = None,
     unrecorded: Optional[dict[str, str]] = None,
 ) -> str:
@@ -245,7 +288,7 @@ def format_status(
         value = r["rows_per_s"] if pooled else r["output_tokens_per_s"]
         tps = f"{value:.1f}" if value else "-"
         which = engine_note(r) if r["state"] in ("failed", "partial") else ""
-        note_text = "; ".join(x for x in (which, nodes_note(r), failures_note(r), r.get("error")) if x)
+        note_text = "; ".join(x for x in (which, nodes_note(r.get("nodes")), failures_note(r), r.get("error")) if x)
         lines.append(
             f"{r['shard']:>5}  {r['state']:<8} {rows:>15}  {tps:>8}  {r['job'] or '-':<14} {r['attempts']:>8}  {note_text[:100]}"
         )

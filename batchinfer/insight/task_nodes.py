@@ -4,7 +4,9 @@ an engine spanning several (cluster.nodes_per_task)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
+
+from batchinfer.launch.jobs import ShardTask
 
 SHOWN_STATES = ("running", "failed")
 
@@ -15,13 +17,13 @@ def task_nodes(nodes: dict[str, str], job: str) -> Optional[str]:
     return nodes.get(job) or (nodes.get(array) if array and index == "0" else None)
 
 
-def shard_nodes(state: str, task: Optional[dict[str, Any]], nodes: Optional[dict[str, str]]) -> Optional[str]:
+def shard_nodes(state: str, task: Optional[ShardTask], nodes: Optional[dict[str, str]]) -> Optional[str]:
     """The nodes of a shard's task while it runs or after it failed; None otherwise or unknown."""
     if state not in SHOWN_STATES or not task or not nodes:
         return None
     return task_nodes(nodes, task["job"])
 
 
-def nodes_note(r: dict[str, Any]) -> str:
-    """`on node[1-2]` for a status line, or nothing."""
-    return f"on {r['nodes']}" if r.get("nodes") else ""
+def nodes_note(nodes: Optional[str]) -> str:
+    """`on node[1-2]` for a status line (nodes: a shard's, shard_nodes), or nothing."""
+    return f"on {nodes}" if nodes else ""
