@@ -9,7 +9,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchinfer.rundir.stats import PHASES
+from batchinfer.rundir.progress import SeriesPoint
+from batchinfer.rundir.stats import PHASES, ShardStats
 from batchinfer.rundir.store import RunDir
 from batchinfer.rundir.tables import read_table
 
@@ -27,7 +28,7 @@ def _pyplot() -> Any:
     return plt
 
 
-def rate_steps(series: list[dict[str, Any]], t0: float, window: float) -> tuple[list[float], list[float]]:
+def rate_steps(series: list[SeriesPoint], t0: float, window: float) -> tuple[list[float], list[float]]:
     """(minutes since t0, output tok/s) as steps over windows of at least `window` seconds: requests
     finish in bursts (a batch ends together), so the rate between two close commits means little."""
     cuts = [series[0]]
@@ -48,7 +49,7 @@ def rate_steps(series: list[dict[str, Any]], t0: float, window: float) -> tuple[
     return xs, ys
 
 
-def throughput_chart(shards: list[dict[str, Any]], path: Path) -> bool:
+def throughput_chart(shards: list[ShardStats], path: Path) -> bool:
     """Output tok/s of each shard over wall-clock time; False when no shard has two points."""
     with_series = [s for s in shards if len(s["series"]) > 1]
     if not with_series:
@@ -73,7 +74,7 @@ def throughput_chart(shards: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
-def time_split_chart(shards: list[dict[str, Any]], path: Path) -> bool:
+def time_split_chart(shards: list[ShardStats], path: Path) -> bool:
     """Stacked bars of each shard's seconds in start-up / prepare / generate / commit."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -128,7 +129,7 @@ def lengths_chart(lengths: pa.Table, source: str, path: Path) -> bool:
     return True
 
 
-def write_charts(run: RunDir, shards: list[dict[str, Any]], folder: Path) -> list[Path]:
+def write_charts(run: RunDir, shards: list[ShardStats], folder: Path) -> list[Path]:
     """Every chart that has data, as PNG files in folder; returns the files written (none without matplotlib)."""
     try:
         _pyplot()

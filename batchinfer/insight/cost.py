@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional, TypedDict
 
 from batchinfer.config.schema import Config
 from batchinfer.errors import ConfigError
 from batchinfer.models.sizing import gpu_names
 from batchinfer.rundir.progress import engine_record
+from batchinfer.rundir.stats import ShardStats, Totals
 
 # Assumed on-demand list prices, USD per GPU-hour, of specialized GPU clouds (Lambda-style price
 # pages, 2025; hyperscalers list 2-4x more). Not fetched: pass --gpu-hour-price for your own rate.
@@ -20,6 +21,33 @@ GPU_HOUR_PRICES = {
     "B200-180GB": 4.99,
 }
 PRICES_NOTE = "assumed 2025 on-demand list price of specialized GPU clouds; pass --gpu-hour-price for yours"
+
+
+class EngineLayout(TypedDict):
+    """Engines per task, and the GPUs each engine's shard seconds counted (per task when 1)."""
+
+    engines_per_task: int
+    gpus_per_engine: int
+
+
+class CostRecord(TypedDict, total=False):
+    """The report's `cost` (cost): GPU-hours always; USD with a price; energy with watts."""
+
+    gpus_per_task: int
+    cpu: bool  # cluster.gpus_per_task=0: CPU tasks, counted as 1 "GPU" each
+    nodes_per_task: int
+    gpu_hours: float
+    engine_layouts: list[EngineLayout]
+    usd_per_gpu_hour: float
+    price_source: Optional[str]
+    usd: float
+    usd_per_1k_output_tokens: Optional[float]
+    usd_per_1k_total_tokens: Optional[float]
+    usd_per_1m_rows: Optional[float]  # what embedding and classification runs compare
+    watts_per_gpu: float
+    kwh: float
+    joules_per_output_token: Optional[float]
+    joules_per_total_token: Optional[float]
 
 
 def hourly_price(price: Optional[float], gpu: Optional[str]) -> tuple[Optional[float], Optional[str]]:
@@ -62,7 +90,7 @@ def configured_engines(cfg: Config, task_gpus: int) -> int:
         return 1
 
 
-def engine_gpu_seconds(cfg: Config, task_gpus: int, shards: list[dict[str, Any]]) -> tuple[float, dict[int, int]]:
+def engine_gpu_seconds(cfg: Config, task_gpus: int, shards: list[ShardStats]) -> tuple[float, dict[int, int]]:
     """(GPU-seconds of the shards, {engines per task: GPUs counted per engine} of the layouts seen).
 
     A task of N engines runs N shards at once, each on one engine: a shard's seconds count
@@ -85,7 +113,7 @@ def engine_gpu_seconds(cfg: Config, task_gpus: int, shards: list[dict[str, Any]]
 
 
 def cost(
-    tot: dict[str, Any],
+    tot: Totals,
     gpus_per_task: int,
     price: Optional[float] = None,
     gpu: Optional[str] = None,
@@ -93,7 +121,7 @@ def cost(
     gpu_seconds: Optional[float] = None,
     layouts: Optional[dict[int, int]] = None,
     nodes: int = 1,
-) -> dict[str, Any]:
+) -> CostRecord:
     """GPU-hours = (start-up + prepare + generate + commit seconds of all shards) x GPUs per task / 3600,
     or the given gpu_seconds / 3600 (engine_gpu_seconds: tasks of several engines, whose layouts say
     how many GPUs each engine counted); with a price, USD and USD per 1K output / total tokens; with
@@ -103,13 +131,13 @@ def cost(
     if gpu_seconds is None:
         gpu_seconds = sum(tot["seconds"].values()) * gpus
     out_tok, all_tok = tot["output_tokens"], tot["prompt_tokens"] + tot["output_tokens"]
-    rec: dict[str, Any] = {
+    rec: CostRecord = {
         "gpus_per_task": gpus,
         "cpu": not gpus_per_task,  # cluster.gpus_per_task=0: CPU tasks, counted as 1 "GPU" each
         "nodes_per_task": nodes,
         "gpu_hours": gpu_seconds / 3600,
         # engines per task -> GPUs counted per engine (per task when 1), for the layouts the shards ran in
-        "engine_layouts": [{"engines_per_task": n, "gpus_per_engine": g} for n, g in (layouts or {}).items()],
+        "engine_layouts": [EngineLayout(engines_per_task=n, gpus_per_engine=g) for n, g in (layouts or {}).items()],
     }
     usd_per_hour, source = hourly_price(price, gpu)
     if usd_per_hour is not None:
@@ -136,7 +164,7 @@ def cost(
     return rec
 
 
-def cost_lines(c: dict[str, Any]) -> list[str]:
+def cost_lines(c: CostRecord) -> list[str]:
     """The cost section of the report, as markdown lines."""
     lines = [
         f"- GPU-hours: {c['gpu_hours']:,.4f} (start-up + prepare + generate + commit seconds x GPUs: {_gpus_what(c)})"
@@ -161,7 +189,7 @@ def cost_lines(c: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _gpus_what(c: dict[str, Any]) -> str:
+def _gpus_what(c: CostRecord) -> str:
     """The GPUs each shard's seconds count: per task, or per engine when tasks ran several."""
     multi = [lay for lay in c.get("engine_layouts", []) if lay["engines_per_task"] > 1]
     nodes = c.get("nodes_per_task", 1)

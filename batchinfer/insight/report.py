@@ -3,18 +3,46 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 from batchinfer.insight import forecast_check
+from batchinfer.insight.cost import CostRecord
 from batchinfer.insight.passes import report_lines, rows_per_pass
 from batchinfer.redaction import redact_text
-from batchinfer.rundir.stats import markdown_table, reused_line, shard_stats, totals
+from batchinfer.rundir.stats import ShardStats, Totals, markdown_table, reused_line, shard_stats, totals
 from batchinfer.rundir.store import RunDir
+
+
+class EngineRow(TypedDict):
+    """One engine index (engine k of each task) in the report's per-engine table (engine_table)."""
+
+    engine: int
+    devices: list[str]
+    shards: int
+    rows_done: int
+    output_tokens: int
+    generate_seconds: float
+    rows_per_s: Optional[float]
+    output_tokens_per_s: Optional[float]
+
+
+class Report(TypedDict):
+    """report.json (without its `charts`) and `report --json`: build_report."""
+
+    dir: str
+    partial: bool
+    merged: bool
+    passes: Optional[dict[str, int]]  # rows of the output per `batchinfer redo` pass (None: no pass)
+    totals: Totals
+    cost: CostRecord
+    engines: Optional[list[EngineRow]]
+    shards: list[ShardStats]
+    forecast: Any  # forecast_check.compare's (None: the run recorded no forecast)
 
 
 def build_report(
     run: RunDir, price: Optional[float] = None, gpu: Optional[str] = None, watts: Optional[float] = None
-) -> dict[str, Any]:
+) -> Report:
     """Per-shard stats, totals and cost of DIR as it is now (finished or partial); no Slurm calls."""
     from batchinfer.insight.cost import cost, engine_gpu_seconds, gpus_per_task, task_nodes
     from batchinfer.rundir.progress import engine_record
@@ -25,7 +53,7 @@ def build_report(
     tot = totals(shards)
     gpus = gpus_per_task(run.config, [s["device"] for s in shards])
     gpu_seconds, layouts = engine_gpu_seconds(run.config, gpus, shards)
-    rep = {
+    rep: Report = {  # type: ignore[typeddict-item]  # its forecast follows
         "dir": str(run.path),
         "partial": tot["shards_done"] < tot["shards"],
         "merged": run.output_path.exists(),
@@ -48,19 +76,26 @@ def build_report(
     return rep
 
 
-def engine_table(shards: list[dict[str, Any]]) -> Optional[list[dict[str, Any]]]:
+def engine_table(shards: list[ShardStats]) -> Optional[list[EngineRow]]:
     """Per engine index (engine k of a task's N): shards, rows, generate seconds and rates; None unless
     some shard ran in a task of several engines. A shard without an engine record counts as engine 0."""
     if not any(s["engine"] and s["engine"]["of"] > 1 for s in shards):
         return None
-    rows: dict[int, dict[str, Any]] = {}
+    rows: dict[int, EngineRow] = {}
     for s in shards:
         if not s["engine"] and not (s["rows_done"] or any(s["seconds"].values())):
             continue  # not started: no engine ran it
         index = s["engine"]["index"] if s["engine"] else 0
         r = rows.setdefault(
             index,
-            {"engine": index, "devices": [], "shards": 0, "rows_done": 0, "output_tokens": 0, "generate_seconds": 0.0},
+            {  # type: ignore[typeddict-item]  # its rates follow
+                "engine": index,
+                "devices": [],
+                "shards": 0,
+                "rows_done": 0,
+                "output_tokens": 0,
+                "generate_seconds": 0.0,
+            },
         )
         devices = s["engine"] and s["engine"]["devices"]
         if devices and devices not in r["devices"]:
@@ -76,7 +111,7 @@ def engine_table(shards: list[dict[str, Any]]) -> Optional[list[dict[str, Any]]]
     return [rows[k] for k in sorted(rows)]
 
 
-def engine_lines(engines: list[dict[str, Any]]) -> list[str]:
+def engine_lines(engines: list[EngineRow]) -> list[str]:
     """The per-engine table of report.md."""
     lines = [
         "## Engines",
@@ -100,7 +135,7 @@ def _num(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:,.1f}"
 
 
-def format_report(rep: dict[str, Any], charts: list[Path]) -> str:
+def format_report(rep: Report, charts: list[Path]) -> str:
     """report.md: what the run was, the table, the cost, the charts."""
     from batchinfer.insight.cost import cost_lines
 
@@ -133,7 +168,7 @@ def format_report(rep: dict[str, Any], charts: list[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(run: RunDir, **kw: Any) -> tuple[dict[str, Any], str]:
+def write_report(run: RunDir, **kw: Any) -> tuple[Report, str]:
     """Write DIR/report/{report.md, report.json, *.png}; return the report and its markdown."""
     from batchinfer.durable import write_json
     from batchinfer.insight.charts import write_charts

@@ -27,7 +27,7 @@ class EngineSlot(TypedDict):
 
     index: int
     of: int
-    devices: str
+    devices: Optional[str]  # None: not a string in the record read (engine_record)
     # the engine's start-up seconds: it starts before it takes a shard, so its shards' own start-up
     # phase (seconds.startup) is about 0 (tune/trial.py reads it)
     startup_seconds: NotRequired[float]
@@ -160,7 +160,7 @@ class Progress:
     # Read from the file, written by write_progress (not carried from one attempt to the next):
     updated: Optional[float] = None
     holder: Optional[HolderRecord] = None
-    engine: Optional[EngineSlot] = None  # which of its task's engines (as written: see engine_record)
+    engine: Optional[EngineSlot] = None  # which of its task's engines, as read (engine_record checks it)
     last_error: Optional[str] = None
     schema: int = SCHEMA  # the version of the record read (1: no `schema` key); written as SCHEMA
     extra: dict[str, Any] = field(default_factory=dict)  # keys this version does not know, kept as read
@@ -255,7 +255,7 @@ def count_failure(
     return by_job[key]
 
 
-def engine_record(rec: Any) -> Optional[dict[str, Any]]:
+def engine_record(rec: Any) -> Optional[EngineSlot]:
     """A shard's `engine` record ({index, of, devices}: which of a task's engines ran it), or None when
     absent (a single-engine run) or not of that shape."""
     if not isinstance(rec, dict):
@@ -264,7 +264,7 @@ def engine_record(rec: Any) -> Optional[dict[str, Any]]:
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in (index, of)) or not 0 <= index < of:
         return None
     devices = rec.get("devices")
-    return {"index": index, "of": of, "devices": devices if isinstance(devices, str) else None}
+    return EngineSlot(index=index, of=of, devices=devices if isinstance(devices, str) else None)
 
 
 def budget_key(job: Optional[str] = None) -> str:
