@@ -9,6 +9,15 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, POOLING_TASKS, Config, to_config
 from batchinfer.errors import ConfigError
+from batchinfer.insight.plan_records import (
+    EnginesSection,
+    GpuRow,
+    InputSection,
+    ModelSection,
+    NodesLayout,
+    PlanReport,
+    PromptTokens,
+)
 from batchinfer.models import node_sizing, sizing
 from batchinfer.models.maxlen import max_model_len
 
@@ -18,7 +27,7 @@ if TYPE_CHECKING:
 SAMPLE_ROWS = 200
 
 
-def input_section(c: Config, files: list[Path], sample_rows: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def input_section(c: Config, files: list[Path], sample_rows: int) -> tuple[InputSection, list[dict[str, Any]]]:
     """Input rows, shards and array tasks, plus a sample of rows; reads the input, converts nothing."""
     from batchinfer.inputs.preview import peek
     from batchinfer.inputs.shards import plan_shards
@@ -30,7 +39,7 @@ def input_section(c: Config, files: list[Path], sample_rows: int) -> tuple[dict[
     sh = c.sharding
     shards = plan_shards(rows, sh.num_shards, sh.rows_per_shard, DEFAULT_ROWS_PER_SHARD)
     per_task = c.cluster.shards_per_task
-    section = {
+    section: InputSection = {
         "path": c.input.path,
         "files": len(files),
         "format": fmt,
@@ -74,7 +83,7 @@ def _counts(
     return counts, errors
 
 
-def prompt_section(c: Config, folder: Path, rows: int, sample: list[dict[str, Any]], max_len: int) -> dict[str, Any]:
+def prompt_section(c: Config, folder: Path, rows: int, sample: list[dict[str, Any]], max_len: int) -> PromptTokens:
     """Prompt tokens of the sampled rows, counted as vLLM would, and the totals they suggest."""
     from batchinfer.models.tokens import LoginTokenizer
     from batchinfer.requests.prompts import PromptBuilder
@@ -88,7 +97,7 @@ def prompt_section(c: Config, folder: Path, rows: int, sample: list[dict[str, An
         raise ConfigError(f"model.path {c.model.path}: the model has no chat template; use prompt.mode=raw")
     counts, errors = _counts(c, builder, tok, sample, max_len)
     sampling = c.sampling
-    out = {
+    out: PromptTokens = {
         "mode": c.prompt.mode,
         "task": c.task.name,
         "sampled_rows": len(sample),
@@ -109,7 +118,7 @@ def prompt_section(c: Config, folder: Path, rows: int, sample: list[dict[str, An
         # vLLM rejects a generation prompt of max_model_len tokens (room for one output token is
         # needed); a pooling input may fill the window.
         over = sum(1 for n in counts if (n > max_len if pooling else n >= max_len))
-        out |= {
+        out |= {  # type: ignore[typeddict-item]
             "mean": round(mean, 1),
             "p50": percentile(Counter(counts), 0.5),
             "p95": percentile(Counter(counts), 0.95),
@@ -120,7 +129,7 @@ def prompt_section(c: Config, folder: Path, rows: int, sample: list[dict[str, An
     return out
 
 
-def model_section(c: Config, folder: Path) -> tuple[sizing.ModelSize, dict[str, Any]]:
+def model_section(c: Config, folder: Path) -> tuple[sizing.ModelSize, ModelSection]:
     """Parameters, weight bytes and KV bytes per token of the configured model and quantization (an
     encoder-only model: no KV cache, activation bytes per token instead)."""
     m, q = c.model, c.quantization
@@ -164,13 +173,13 @@ def model_section(c: Config, folder: Path) -> tuple[sizing.ModelSize, dict[str, 
 
 
 def gpu_rows(
-    c: Config, model: sizing.ModelSize, ms: dict[str, Any], gpus: list[str], seq_len: Optional[int]
-) -> list[dict[str, Any]]:
+    c: Config, model: sizing.ModelSize, ms: ModelSection, gpus: list[str], seq_len: Optional[int]
+) -> list[GpuRow]:
     """One row per GPU preset: memory per GPU at TP x PP, KV tokens, concurrency, layout advice
     (over several nodes when one does not hold the model) and warnings."""
     m = c.model
     util, tp, pp = m.gpu_memory_utilization, m.tensor_parallel_size, m.pipeline_parallel_size
-    out = []
+    out: list[GpuRow] = []
     for gpu in gpus:
         adv = node_sizing.node_advice(
             model,
@@ -220,7 +229,7 @@ def _per_node(c: Config) -> int:
     return sizing.TP_SIZES[-1]
 
 
-def _nodes_record(f: Optional[node_sizing.NodeFit]) -> Optional[dict[str, Any]]:
+def _nodes_record(f: Optional[node_sizing.NodeFit]) -> Optional[NodesLayout]:
     """The layout over nodes proposed when one node does not hold the model, for --json and the text."""
     if f is None:
         return None
@@ -235,7 +244,7 @@ def _nodes_record(f: Optional[node_sizing.NodeFit]) -> Optional[dict[str, Any]]:
     }
 
 
-def engines_section(c: Config, inp: Optional[dict[str, Any]]) -> dict[str, Any]:
+def engines_section(c: Config, inp: Optional[InputSection]) -> EnginesSection:
     """Engines per array task (cluster.engines_per_task), the GPUs or CPU cores of each, idle GPUs,
     and the shards each engine takes; `problem` is what submit would refuse (the plan still prints)."""
     from batchinfer.config.engines import gpus_per_engine
@@ -245,7 +254,7 @@ def engines_section(c: Config, inp: Optional[dict[str, Any]]) -> dict[str, Any]:
     have, each, cpus = int(cl.gpus_per_task), gpus_per_engine(c), cl.cpus_per_task
     # a task takes shards_per_task shards, fewer when the whole input has fewer
     shards = min(cl.shards_per_task, inp["shards"]) if inp else cl.shards_per_task
-    out: dict[str, Any] = {
+    out: EnginesSection = {
         "setting": cl.engines_per_task,
         "engines_per_task": None,
         "gpus_per_task": have,
@@ -286,7 +295,7 @@ def _one_copy_per_gpu(c: Config, layout: str) -> str:
     )
 
 
-def estimate(cfg: DictConfig, gpu: str = sizing.DEFAULT_GPU, sample_rows: int = SAMPLE_ROWS) -> dict[str, Any]:
+def estimate(cfg: DictConfig, gpu: str = sizing.DEFAULT_GPU, sample_rows: int = SAMPLE_ROWS) -> PlanReport:
     """The whole plan of a composed config: input, prompt tokens, model, GPUs."""
     from batchinfer.models.tokens import model_dir
     from batchinfer.rundir.prepare import resolve_input
@@ -305,7 +314,7 @@ def estimate(cfg: DictConfig, gpu: str = sizing.DEFAULT_GPU, sample_rows: int = 
             f"tokenizer.json tokenizer_config.json`"
         ) from None
     model, ms = model_section(c, folder)
-    report: dict[str, Any] = {"input": None, "prompt_tokens": None, "model": ms, "notes": []}
+    report: PlanReport = {"input": None, "prompt_tokens": None, "model": ms, "notes": []}  # type: ignore[typeddict-item]
     if model.quant_method and c.quantization.method:
         report["notes"].append(
             f"the checkpoint is quantized ({model.quant_method}); quantization.method="

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import re
 import textwrap
-from typing import Any
+from typing import Optional
 
+from batchinfer.insight.plan_records import (
+    EnginesSection,
+    GpuRow,
+    InputSection,
+    ModelSection,
+    NodesLayout,
+    PlanReport,
+    PromptTokens,
+)
 from batchinfer.logs import plural
 from batchinfer.models import sizing
 from batchinfer.models.sizing import GB, GIB
@@ -26,7 +35,7 @@ def _params(n: int) -> str:
     return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M"
 
 
-def format_plan(report: dict[str, Any]) -> str:
+def format_plan(report: PlanReport) -> str:
     """The plan as text for people: one labelled line per fact, a table for several GPUs."""
     inp, pt, ms = report["input"], report["prompt_tokens"], report["model"]
     lines = _input_lines(inp) if inp else []
@@ -41,7 +50,7 @@ def format_plan(report: dict[str, Any]) -> str:
     return "\n".join(_wrap(line) for line in lines)
 
 
-def _input_lines(inp: dict[str, Any]) -> list[str]:
+def _input_lines(inp: InputSection) -> list[str]:
     """Input rows, shards and array tasks."""
     files = f", {inp['files']} files" if inp["files"] > 1 else ""
     return [
@@ -51,7 +60,7 @@ def _input_lines(inp: dict[str, Any]) -> list[str]:
     ]
 
 
-def _prompt_lines(inp: dict[str, Any], pt: dict[str, Any], ms: dict[str, Any]) -> list[str]:
+def _prompt_lines(inp: Optional[InputSection], pt: PromptTokens, ms: ModelSection) -> list[str]:
     """The sampled prompts' token lengths, the overlong ones, and the tokens the run reads and writes."""
     errs = (
         f", {plural(pt['row_errors'], 'row')} with prompt errors (first: {pt['first_row_error']})"
@@ -81,7 +90,7 @@ def _prompt_lines(inp: dict[str, Any], pt: dict[str, Any], ms: dict[str, Any]) -
     return lines
 
 
-def _model_lines(ms: dict[str, Any]) -> list[str]:
+def _model_lines(ms: ModelSection) -> list[str]:
     """Parameters, weight bytes, and the KV cache per token (or an encoder's activations)."""
     quant = ms["quantization"] or "none"
     per_param = ms["weight_bytes_per_param"]
@@ -110,7 +119,7 @@ def _model_lines(ms: dict[str, Any]) -> list[str]:
     ]
 
 
-def _one_gpu_lines(g: dict[str, Any], ms: dict[str, Any]) -> list[str]:
+def _one_gpu_lines(g: GpuRow, ms: ModelSection) -> list[str]:
     """One GPU's memory: usable, weights, what is left for the KV cache (or activations), and the layout."""
     corpus = ""
     if g["seqs_at_corpus_length"] is not None:
@@ -138,7 +147,7 @@ def _one_gpu_lines(g: dict[str, Any], ms: dict[str, Any]) -> list[str]:
     return lines + [f"layout   {g['layout']}"]
 
 
-def _gpu_table_lines(rows: list[dict[str, Any]], kv: bool, engines: Any) -> list[str]:
+def _gpu_table_lines(rows: list[GpuRow], kv: bool, engines: Optional[EnginesSection]) -> list[str]:
     """Several GPUs as a table, each with the smallest tensor-parallel size that fits."""
     tp = rows[0]["tensor_parallel_size"]
     util = rows[0]["gpu_memory_utilization"]
@@ -170,7 +179,7 @@ def _gpu_table_lines(rows: list[dict[str, Any]], kv: bool, engines: Any) -> list
     return lines
 
 
-def _pp(g: dict[str, Any]) -> str:
+def _pp(g: GpuRow) -> str:
     """`, pipeline_parallel_size=2 over cluster.nodes_per_task=2 nodes` when the layout has stages."""
     pp, nodes = g.get("pipeline_parallel_size", 1), g.get("nodes_per_task", 1)
     if pp == 1 and nodes == 1:
@@ -179,12 +188,12 @@ def _pp(g: dict[str, Any]) -> str:
     return f" x pipeline_parallel_size={pp}{over}"
 
 
-def _over_nodes(n: Any) -> str:
+def _over_nodes(n: Optional[NodesLayout]) -> str:
     """The fit column of a model no one node holds: `8x2` (TP x PP over nodes), or `-`."""
     return f"{n['tensor_parallel_size']}x{n['pipeline_parallel_size']}" if n else "-"
 
 
-def _warning_lines(rows: list[dict[str, Any]], kv: bool) -> list[str]:
+def _warning_lines(rows: list[GpuRow], kv: bool) -> list[str]:
     """The GPUs' warnings: with several, one line for all the cards the configured layout does not fit."""
     lines = []
     full = [g for g in rows if (g["kv_cache_bytes_per_gpu"] if kv else g["activation_bytes_per_gpu"]) == 0]
@@ -200,7 +209,7 @@ def _warning_lines(rows: list[dict[str, Any]], kv: bool) -> list[str]:
     return lines
 
 
-def _engines_lines(e: Any) -> list[str]:
+def _engines_lines(e: Optional[EnginesSection]) -> list[str]:
     """Engines per array task, when a task runs more than one or leaves GPUs idle; what submit would refuse."""
     if not e:
         return []
@@ -252,7 +261,7 @@ def _engines_lines(e: Any) -> list[str]:
     return lines
 
 
-def _batch_note(g: dict[str, Any]) -> str:
+def _batch_note(g: GpuRow) -> str:
     """What bounds an encoder's batch: vLLM's max_num_batched_tokens, or the memory when it is smaller."""
     batch = g["max_num_batched_tokens"]
     if g["batch_tokens_fit"] >= batch:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from batchinfer.models import sizing
-from batchinfer.models.sizing import GB, Fit, ModelSize
+from batchinfer.models.sizing import GB, Advice, Fit, ModelSize
 
 MAX_NODES = 16  # the largest layout proposed: beyond it, quantize or choose a smaller model
 
@@ -25,6 +25,12 @@ class NodeFit(Fit):
     pp: int = 1
     nodes: int = 1
     gpus_per_node: int = sizing.TP_SIZES[-1]
+
+
+class NodeAdvice(Advice):
+    """sizing.Advice at tensor x pipeline parallel, with the fewest nodes that hold a model no one node does."""
+
+    nodes: Optional[NodeFit]
 
 
 def stage_token_bytes(model: ModelSize, elem_bytes: int, tp: int, pp: int) -> int:
@@ -85,12 +91,11 @@ def node_advice(
     layout: tuple[int, int],
     max_len: int,
     per_node: int,
-) -> dict[str, Any]:
+) -> NodeAdvice:
     """sizing.advice for the configured (TP, PP), sized at TP x PP, and, when no one node of
     per_node GPUs holds the model, the fewest nodes that do (`nodes`: a NodeFit, else None)."""
     tp, pp = layout
-    adv = sizing.advice(model, wbytes, kv_bytes, gpu, util, tp, max_len)
-    adv["nodes"] = None
+    adv = NodeAdvice(**sizing.advice(model, wbytes, kv_bytes, gpu, util, tp, max_len), nodes=None)
     if adv["recommended_tp"] is None:
         spread = smallest_nodes(model, wbytes, kv_bytes, gpu, util, max_len, per_node)
         if spread is not None:

@@ -15,7 +15,7 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 from batchinfer.errors import ConfigError
 
@@ -350,9 +350,16 @@ def gpu_names(choice: str) -> list[str]:
     return hits
 
 
-def advice(
-    model: ModelSize, wbytes: int, kv_bytes: int, gpu: str, util: float, tp: int, max_len: int
-) -> dict[str, Any]:
+class Advice(TypedDict):
+    """The layout advice for one GPU type (advice)."""
+
+    fit: Fit  # the configured tensor parallel size's
+    recommended_tp: Optional[int]  # the smallest that fits; None: none up to TP_SIZES[-1]
+    layout: str
+    warnings: list[str]
+
+
+def advice(model: ModelSize, wbytes: int, kv_bytes: int, gpu: str, util: float, tp: int, max_len: int) -> Advice:
     """Layout advice and warnings for the configured tensor parallel size on one GPU type."""
     now = fit(model, wbytes, kv_bytes, gpu, util, tp, max_len)
     best = smallest_fit(model, wbytes, kv_bytes, gpu, util, max_len)
@@ -397,4 +404,4 @@ def advice(
         )
     if best is not None and best.tp != tp:
         text += f"; configured: tensor_parallel_size={tp}"
-    return {"fit": now, "recommended_tp": best.tp if best else None, "layout": text, "warnings": warnings}
+    return Advice(fit=now, recommended_tp=best.tp if best else None, layout=text, warnings=warnings)
