@@ -4,11 +4,8 @@ start the engine, stream the rest (scheduler.py), commit, seal; count a failed a
 from __future__ import annotations
 
 import logging
-import socket
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any, Optional
 
 import numpy as np
@@ -31,11 +28,11 @@ from batchinfer.locks import ShardLock, configured_mode
 from batchinfer.requests.build import row_id
 from batchinfer.requests.prompts import PromptBuilder
 from batchinfer.requests.request import Made, RequestKey
+from batchinfer.rundir.done import DoneRecord, Reproducibility, done_record
 from batchinfer.rundir.model_record import check_model_unchanged
-from batchinfer.rundir.progress import PrefixCache, Progress, count_failure, read_progress, write_progress
+from batchinfer.rundir.progress import EngineSlot, PrefixCache, Progress, count_failure, read_progress, write_progress
 from batchinfer.rundir.schema import REUSED_COLUMN, rows_to_table
 from batchinfer.rundir.store import RunDir
-from batchinfer.versions import installed_versions
 
 log = logging.getLogger("batchinfer")
 
@@ -59,7 +56,7 @@ class ShardWorker:
         self.record: Optional[Progress] = None  # the current shard's progress record
         self.failures: Optional[int] = None  # this shard's failures in this submission, once counted
         # {"index", "of", "devices"}: which of its task's engines this is (cluster.engines_per_task)
-        self.engine_record: Optional[dict[str, Any]] = None
+        self.engine_record: Optional[EngineSlot] = None
         self._engine_dead: Callable[[], bool] = lambda: False  # the engine's, once it has one
         self._model_checked = False
         # why the engine failed when another node caused it (an engine over several nodes); None: not
@@ -72,7 +69,7 @@ class ShardWorker:
             self._dataset = open_input(self.run.input_dir)
         return self._dataset
 
-    def run_shard(self, shard: Shard) -> dict[str, Any]:
+    def run_shard(self, shard: Shard) -> DoneRecord:
         """Finish one shard (resuming from its committed parts) and return its DONE record."""
         sdir = self.run.shard_dir(shard.index)
         sdir.mkdir(parents=True, exist_ok=True)
@@ -85,7 +82,7 @@ class ShardWorker:
                     self._count_failure(shard, e)
                 raise
 
-    def _finish(self, shard: Shard) -> dict[str, Any]:
+    def _finish(self, shard: Shard) -> DoneRecord:
         # Under the shard lock: what a killed writer left (temporaries, parts a finished shard's
         # compacted file replaces, a compacted file no DONE.json names) goes, finished or not.
         # DONE.json is read once: a second read (NFS negative lookup cache) could disagree with the
@@ -102,24 +99,14 @@ class ShardWorker:
         if np.count_nonzero((committed >= shard.start) & (committed < shard.stop)) < shard.rows:
             self._stream(shard, committed, self.record)
         faults.point(faults.BEFORE_DONE)
-        done = dict(self.record.to_dict(), finished=time.time(), **self._reproducibility())
+        done = done_record(self.record, time.time(), self._reproducibility())
         # Sealed only when the committed rows are exactly the shard's range (a later copy of a row
         # dropped); missing rows raise and leave the shard for resume.
         return folder.finish(done)
 
-    def _reproducibility(self) -> dict[str, Any]:
+    def _reproducibility(self) -> Reproducibility:
         """What a reader needs to reproduce these rows: model, revision, settings, software, hardware."""
-        c = self.cfg
-        return {
-            "model": {"path": c.model.path, "revision": c.model.revision, "dtype": self.dtype},
-            "quantization": asdict(c.quantization),
-            "sampling": asdict(c.sampling),
-            "prompt": asdict(c.prompt),
-            "host": socket.gethostname(),
-            "device": self.device,
-            "versions": dict(installed_versions(), python=sys.version.split()[0]),
-            **({"engine": self.engine_record} if self.engine_record else {}),
-        }
+        return Reproducibility.here(self.cfg, self.dtype, self.device, self.engine_record)
 
     def _record_from_parts(self, shard: Shard) -> tuple[Progress, np.ndarray]:
         """The shard's record with counts rebuilt from its committed parts (the truth), attempts,

@@ -24,6 +24,7 @@ from batchinfer.durable import (
 )
 from batchinfer.errors import RunDirError
 from batchinfer.inputs.shards import Shard
+from batchinfer.rundir.done import DoneRecord
 from batchinfer.rundir.shardrows import ShardRows, count_rows, covers
 from batchinfer.rundir.tables import group_rows, read_table, table_bytes
 
@@ -94,7 +95,7 @@ class ShardFolder:
         """The name of a finished shard's compacted file: rows.parquet, or rows.jsonl for JSONL parts."""
         return f"rows.{self.run.part_format}"
 
-    def done_record(self) -> Optional[dict[str, Any]]:
+    def done_record(self) -> Optional[DoneRecord]:
         """The shard's DONE.json, or None while it is not finished."""
         try:
             return read_json(self.done_path)  # type: ignore[no-any-return]
@@ -113,7 +114,7 @@ class ShardFolder:
             raise RunDirError(f"{self.done_path}: 'compacted' is {name!r}, not rows.parquet or rows.jsonl")
         return self.path / name
 
-    def finish(self, done: dict[str, Any]) -> dict[str, Any]:
+    def finish(self, done: DoneRecord) -> DoneRecord:
         """Seal the shard (under its lock) when its committed rows are exactly its range: merge its files
         into one file sorted by row (a window at a time), check its row count, write DONE.json naming
         it (the commit point), then remove the parts; returns the DONE record. A later copy of a row
@@ -155,7 +156,8 @@ class ShardFolder:
         if written != shard.rows:
             what = "is gone (removed meanwhile by another writer)" if written is None else f"holds {written} rows"
             raise RunDirError(f"{target}: {what}, shard {self.index} has {shard.rows}; not sealed")
-        record = dict(done, compacted=target.name)
+        record = DoneRecord(**done)
+        record["compacted"] = target.name
         if rows.check.dropped:
             record["duplicates_dropped"] = rows.check.dropped
         write_json(self.done_path, record)
@@ -273,7 +275,7 @@ class ShardFolder:
             p.unlink(missing_ok=True)
         return len(doomed)
 
-    def remove_compaction_leftovers(self, done: Optional[dict[str, Any]]) -> int:
+    def remove_compaction_leftovers(self, done: Optional[DoneRecord]) -> int:
         """Remove leftovers of a killed compaction; the count removed. done: the shard's DONE.json as
         read once by the caller (None: none).
 
