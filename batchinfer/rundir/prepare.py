@@ -27,7 +27,7 @@ from batchinfer.config.fingerprint import (
     legacy_fingerprint,
     read_config_files,
 )
-from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, POOLING_TASKS, to_config, to_dict
+from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, POOLING_TASKS, Config, InputConfig, to_config, to_dict
 from batchinfer.durable import atomic_write, write_json
 from batchinfer.errors import ConfigError, FolderRefused, RunDirError
 from batchinfer.inputs.columns import column_type
@@ -40,7 +40,7 @@ from batchinfer.inputs.reference import is_reference
 from batchinfer.inputs.shards import plan_shards
 from batchinfer.locks import flock_works
 from batchinfer.logs import plural
-from batchinfer.models.identity import ModelIdentity
+from batchinfer.models.identity import IdentityRecord, ModelIdentity
 from batchinfer.models.locations import resolve_model
 from batchinfer.models.pooling import embedding_dim
 from batchinfer.models.tokens import model_dir
@@ -51,14 +51,14 @@ from batchinfer.rundir.model_record import KEY as MODEL_IDENTITY
 from batchinfer.rundir.model_record import identity_of, refuse_changed_model
 from batchinfer.rundir.reuse import checked_reuse
 from batchinfer.rundir.schema import output_schema, pooling_schema, schema_summary, schema_to_text
-from batchinfer.rundir.store import RunDir
+from batchinfer.rundir.store import InputRecord, RunDir
 from batchinfer.security import exposure_warning, keep_restriction, make_private, private_umask, remove_path
 from batchinfer.versions import installed_versions
 
 log = logging.getLogger("batchinfer")
 
 
-def resolve_config(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+def resolve_config(cfg: DictConfig) -> tuple[dict[str, Any], InputRecord]:
     """Plain config with the input resolved, and the input's fingerprint record."""
     c, files = resolve_input(cfg)
     previous = None
@@ -190,13 +190,13 @@ def _reopen(
     return run
 
 
-def _pooling_schema(c: dict[str, Any], id_type: pa.DataType, input_type: Any) -> pa.Schema:
+def _pooling_schema(c: Config, id_type: pa.DataType, input_type: Any) -> pa.Schema:
     """A pooling task's output schema: the embedding size from the model (or task.dimensions)."""
-    task = c["task"]
+    task = c.task
     dim = None
-    if task["name"] == "embed":
-        dim = task["dimensions"] or embedding_dim(model_dir(c["model"]["path"], c["model"]["revision"]))
-    return pooling_schema(task["name"], id_type, input_type, dim)
+    if task.name == "embed":
+        dim = task.dimensions or embedding_dim(model_dir(c.model.path, c.model.revision))
+    return pooling_schema(task.name, id_type, input_type, dim)
 
 
 def freeze_paths(run: RunDir, c: dict[str, Any]) -> dict[str, Any]:
@@ -235,26 +235,27 @@ def _create(
     c: dict[str, Any],
     keys: dict[str, Any],
     fp: str,
-    input_record: dict[str, Any],
+    input_record: InputRecord,
     contents: dict[str, bytes],
-    identity: dict[str, Any],
+    identity: IdentityRecord,
 ) -> None:
     files = _freeze_files(run, c, contents)
     c = _with_paths(c, {key: str(run.path.absolute() / rec["path"]) for key, rec in files.items()})
-    inp = c["input"]
+    config = to_config(c)
+    inp = config.input
     rows = _convert(run, inp)
     _keep_restriction(run, inp)
     ds = open_input(run.input_dir)
     if is_reference(run.input_dir):
-        log.info("%s refers to the %s files in place (not copied)", run.input_dir, inp["format"])
-    check_row_templates(to_config(c), ds.column_names, inp["path"])
-    check_sampling_column(inp.get("sampling_column"), ds.column_names, inp["path"])
-    note = messages_note(to_config(c).prompt, ds.data)
+        log.info("%s refers to the %s files in place (not copied)", run.input_dir, inp.format)
+    check_row_templates(config, ds.column_names, inp.path)
+    check_sampling_column(inp.sampling_column, ds.column_names, inp.path)
+    note = messages_note(config.prompt, ds.data)
     if note:
         log.warning("%s", note)
-    schema = _run_schema(c, ds.data.schema)
-    sh = c["sharding"]
-    shards = plan_shards(rows, sh["num_shards"], sh["rows_per_shard"], DEFAULT_ROWS_PER_SHARD)
+    schema = _run_schema(config, ds.data.schema)
+    sh = config.sharding
+    shards = plan_shards(rows, sh.num_shards, sh.rows_per_shard, DEFAULT_ROWS_PER_SHARD)
     write_json(
         run.plan_json,
         {
@@ -273,7 +274,7 @@ def _create(
             "fingerprint_keys": keys,
             MODEL_IDENTITY: identity,  # what model.path held: request digests key on it
             "files": files,
-            "input": dict(input_record, path=inp["path"], format=inp["format"], rows=rows),
+            "input": dict(input_record, path=inp.path, format=inp.format, rows=rows),
             "output_schema": {"columns": schema_summary(schema), "arrow": schema_to_text(schema)},
             "versions": installed_versions(),
             "config": c,
@@ -283,20 +284,20 @@ def _create(
     log.info("prepared %s: %s in %s", run.path, plural(rows, "row"), plural(len(shards), "shard"))
 
 
-def _keep_restriction(run: RunDir, inp: dict[str, Any]) -> None:
+def _keep_restriction(run: RunDir, inp: InputConfig) -> None:
     """DIR/input as private as the input; its answers (shards, output) are not: say so, as status does."""
-    kept = keep_restriction(run.input_dir, input_files(inp["path"], inp["split"]))
+    kept = keep_restriction(run.input_dir, input_files(inp.path, inp.split))
     if kept:
         log.info("%s", kept)
-        warning = exposure_warning(run.path, inp["path"])
+        warning = exposure_warning(run.path, inp.path)
         if warning:
             log.warning("%s", warning)
 
 
-def _convert(run: RunDir, inp: dict[str, Any]) -> int:
+def _convert(run: RunDir, inp: InputConfig) -> int:
     """Convert the input into DIR/input once; its row count."""
     remove_path(run.input_dir, ignore_errors=True)  # a symlinked DIR/input: the link goes, never its target
-    log.info("reading %s (%s) into %s", inp["path"], inp["format"], run.input_dir)
+    log.info("reading %s (%s) into %s", inp.path, inp.format, run.input_dir)
     # `datasets` file-locks its cache: where flock fails (Lustre noflock, NFS without a lock
     # manager) its cache goes to a node-local temporary folder, removed after the conversion.
     local_cache = not flock_works(run.path)
@@ -305,33 +306,32 @@ def _convert(run: RunDir, inp: dict[str, Any]) -> int:
             "flock does not work in %s: converting the input with a cache in %s", run.path, tempfile.gettempdir()
         )
     return convert_input(
-        input_files(inp["path"], inp["split"]),
-        inp["format"],
+        input_files(inp.path, inp.split),
+        inp.format,
         run.input_dir,
-        inp["id_column"],
-        inp["columns"],
+        inp.id_column,
+        inp.columns,
         local_cache=local_cache,
     )
 
 
-def _run_schema(c: dict[str, Any], arrow: pa.Schema) -> pa.Schema:
+def _run_schema(c: Config, arrow: pa.Schema) -> pa.Schema:
     """The run's output schema, from the task and the converted input's schema (arrow)."""
-    inp = c["input"]
-    id_type = arrow.field(inp["id_column"]).type if inp["id_column"] else pa.int64()
-    columns = inp["columns"] or []
-    input_type = pa.struct([(col, column_type(arrow, col, inp["path"])) for col in columns]) if columns else None
-    task = (c.get("task") or {}).get("name", "generate")
-    if task in POOLING_TASKS:
+    inp = c.input
+    id_type = arrow.field(inp.id_column).type if inp.id_column else pa.int64()
+    columns = inp.columns or []
+    input_type = pa.struct([(col, column_type(arrow, col, inp.path)) for col in columns]) if columns else None
+    if c.task.name in POOLING_TASKS:
         return _pooling_schema(c, id_type, input_type)
     # OpenAI batch rows may ask for n > 1 each: keep a samples column for them (and in a redo's
     # pass of such rows, whose input is the selected requests as Parquet).
-    with_samples = c["sampling"]["n"] > 1 or ROW_SAMPLING in arrow.names
-    labels = c["prompt"]["labels"]
+    with_samples = c.sampling.n > 1 or ROW_SAMPLING in arrow.names
+    labels = c.prompt.labels
     return output_schema(
         id_type,
         2 if with_samples else 1,
         input_type,
-        reasoning=bool(c["model"]["reasoning_parser"]),
-        labels=bool(labels["names"]),
-        confidence=labels["confidence"],
+        reasoning=bool(c.model.reasoning_parser),
+        labels=bool(labels.names),
+        confidence=labels.confidence,
     )
