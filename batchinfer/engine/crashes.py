@@ -8,7 +8,7 @@ from typing import Any
 
 from batchinfer.requests.request import ErrorRow, Made, Request, RequestKey
 from batchinfer.rundir.progress import Progress
-from batchinfer.rundir.schema import error_row
+from batchinfer.rundir.schema import OutputRow, error_row
 
 CRASHES_TO_ISOLATE = 2  # engine deaths with a row in flight before that row becomes an error row
 
@@ -41,7 +41,7 @@ class Crashes:
         return ErrorRow(dict(error_row(base["row"], base["id"], "engine_crash", msg), **base))
 
 
-def crash_row(index: int, id_: Any, carried: dict[str, Any]) -> dict[str, Any]:
+def crash_row(index: int, id_: Any, carried: OutputRow) -> OutputRow:
     """The error row of a row that was in flight at CRASHES_TO_ISOLATE engine deaths."""
     msg = (
         f"row {index}: the engine died {CRASHES_TO_ISOLATE} times while this row was in flight "
@@ -51,7 +51,7 @@ def crash_row(index: int, id_: Any, carried: dict[str, Any]) -> dict[str, Any]:
     return dict(error_row(index, id_, "engine_crash", msg), **carried)
 
 
-def count_suspects(record: Progress, in_flight: list[tuple[dict[str, Any], RequestKey]]) -> None:
+def count_suspects(record: Progress, in_flight: list[tuple[OutputRow, RequestKey]]) -> None:
     """An engine failure with these (output base, request) in flight: each row is a suspect once
     more, and a request in flight at its CRASHES_TO_ISOLATE-th death is recorded as crashed."""
     for base, key in in_flight:

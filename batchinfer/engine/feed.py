@@ -10,6 +10,7 @@ from typing import Any
 from batchinfer.engine.stream import ResultCache, result_bytes
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.requests.request import Answered, ErrorRow, Made, RequestKey
+from batchinfer.rundir.schema import OutputRow
 
 PREFIX_TOKENS = 32  # a system prompt or template head (longer shared runs stay in the prefix cache)
 
@@ -31,7 +32,7 @@ class Feed:
         self,
         rows: Iterator[tuple[int, dict[str, Any]]],
         request: Callable[[int, dict[str, Any]], Made],
-        result_row: Callable[[dict[str, Any], Completion], dict[str, Any]],
+        result_row: Callable[[OutputRow, Completion], OutputRow],
         sizes: list[int],
         window: int,
     ):
@@ -40,7 +41,7 @@ class Feed:
         self.result_row = result_row
         self.sizes = deque(sizes)
         self.window = window
-        self.groups: dict[RequestKey, list[dict[str, Any]]] = {}  # requests not finished, with their rows
+        self.groups: dict[RequestKey, list[OutputRow]] = {}  # requests not finished, with their rows
         self.queue: deque[RequestKey] = deque()  # prepared, in work order, not yet sent
         self.cache = ResultCache()
         self.exhausted = False
@@ -48,9 +49,9 @@ class Feed:
         self._read = 0  # rows read into the window being built
         self._size = self.sizes.popleft() if self.sizes else window
 
-    def prepare(self, n: int, check_stop: Callable[[], None]) -> list[dict[str, Any]]:
+    def prepare(self, n: int, check_stop: Callable[[], None]) -> list[OutputRow]:
         """Read up to n more rows; the rows finished without the engine (error rows, cache hits)."""
-        out: list[dict[str, Any]] = []
+        out: list[OutputRow] = []
         taken = 0
         for index, row in self.rows:
             check_stop()

@@ -15,7 +15,7 @@ from batchinfer.requests.build import build_request, sampling_for
 from batchinfer.requests.prompts import PromptBuilder, RowError
 from batchinfer.requests.request import ErrorRow, RequestKey
 from batchinfer.requests.verdict import engine_refusal
-from batchinfer.rundir.schema import error_row
+from batchinfer.rundir.schema import OutputRow, error_row
 
 
 class GenerationRows:
@@ -26,7 +26,7 @@ class GenerationRows:
         self.prompts = prompts
         self.poisoned: set[RequestKey] = set()  # fault injection only: requests that kill the engine
 
-    def request(self, index: int, base: dict[str, Any], row: dict[str, Any], engine: Any) -> RequestKey | ErrorRow:
+    def request(self, index: int, base: OutputRow, row: dict[str, Any], engine: Any) -> RequestKey | ErrorRow:
         """The row's request key (identical requests share one when sampling is greedy or seeded),
         or its error row."""
         why = task_mismatch(row, "generate")
@@ -54,9 +54,9 @@ class GenerationRows:
         except Exception as e:
             raise engine_refusal(e, "sampling", f"vLLM refuses the row's sampling {own or '(the config)'}") from None
 
-    def result_row(self, base: dict[str, Any], c: Completion) -> dict[str, Any]:
+    def result_row(self, base: OutputRow, c: Completion) -> OutputRow:
         """An output row from a finished request."""
-        row = dict(base)
+        row = OutputRow(**base)
         row.update(
             text=c.texts[0] if c.texts else None,
             finish_reason=c.finish_reason,

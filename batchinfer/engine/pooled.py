@@ -17,7 +17,7 @@ from batchinfer.models.tokens import model_dir
 from batchinfer.requests.pooling import pooling_request, special_tokens
 from batchinfer.requests.prompts import PromptBuilder, RowError
 from batchinfer.requests.request import ErrorRow, RequestKey
-from batchinfer.rundir.schema import error_row
+from batchinfer.rundir.schema import OutputRow, error_row
 
 
 class PoolingRows:
@@ -31,7 +31,7 @@ class PoolingRows:
         self._around: Optional[tuple[list[int], list[int]]] = None
         self.poisoned: set[RequestKey] = set()  # fault injection poisons generation prompts only
 
-    def request(self, index: int, base: dict[str, Any], row: dict[str, Any], engine: Any) -> RequestKey | ErrorRow:
+    def request(self, index: int, base: OutputRow, row: dict[str, Any], engine: Any) -> RequestKey | ErrorRow:
         """The row's request key (identical texts share one: pooling is deterministic), or its error row."""
         if self._around is None:
             self._around = special_tokens(engine.encode)
@@ -65,9 +65,10 @@ class PoolingRows:
         except ValueError as e:
             raise InputError(f"task={self.task.name} with model.path {self.cfg.model.path}: {e}") from None
 
-    def result_row(self, base: dict[str, Any], c: Completion) -> dict[str, Any]:
+    def result_row(self, base: OutputRow, c: Completion) -> OutputRow:
         """An output row from a finished pooling request."""
-        row = dict(base, prompt_tokens=c.prompt_tokens, error=None)
+        row = OutputRow(**base)
+        row.update(prompt_tokens=c.prompt_tokens, error=None)
         vector = np.asarray(c.pooled, dtype=np.float32)
         if self.task.name == "embed":
             row["embedding"] = vector

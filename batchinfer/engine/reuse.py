@@ -3,14 +3,14 @@ row; a request an output.reuse directory answered becomes that answer at once, n
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from batchinfer.errors import ConfigError
 from batchinfer.requests.digest import RequestDigests
 from batchinfer.requests.request import Answered, Made, Request, RequestKey
 from batchinfer.rundir.model_record import identity_digest
 from batchinfer.rundir.reuse import ReuseIndex, reuse_paths
-from batchinfer.rundir.schema import DIGEST_COLUMN, REUSED_COLUMN
+from batchinfer.rundir.schema import DIGEST_COLUMN, REUSED_COLUMN, OutputRow
 from batchinfer.rundir.store import RunDir
 
 
@@ -33,7 +33,7 @@ class RowReuse:
         self._index: Optional[ReuseIndex] = None
         self.hits = 0  # rows answered from output.reuse by this worker
 
-    def made(self, base: dict[str, Any], key: RequestKey, dtype: str) -> Made:
+    def made(self, base: OutputRow, key: RequestKey, dtype: str) -> Made:
         """The row's request with its digest in its output base, or the earlier answer to it."""
         if not self.recorded:
             return Request(base, key)

@@ -31,7 +31,7 @@ from batchinfer.requests.request import Made, RequestKey
 from batchinfer.rundir.done import DoneRecord, Reproducibility, done_record
 from batchinfer.rundir.model_record import check_model_unchanged
 from batchinfer.rundir.progress import EngineSlot, PrefixCache, Progress, count_failure, read_progress, write_progress
-from batchinfer.rundir.schema import REUSED_COLUMN, rows_to_table
+from batchinfer.rundir.schema import REUSED_COLUMN, OutputRow, rows_to_table
 from batchinfer.rundir.store import RunDir
 
 log = logging.getLogger("batchinfer")
@@ -188,16 +188,16 @@ class ShardWorker:
 
     def request(self, index: int, row: dict[str, Any], engine: EngineLike) -> Made:
         """A row's request (its output base and key), or its error row (a bad row)."""
-        base: dict[str, Any] = {"row": index, "id": row_id(self.cfg, row, index), **self._carried(row)}
+        base: OutputRow = {"row": index, "id": row_id(self.cfg, row, index), **self._carried(row)}
         made = self.task_rows.request(index, base, row, engine)
         return self.reuse.made(base, made, self.dtype) if isinstance(made, RequestKey) else made
 
-    def _carried(self, row: dict[str, Any]) -> dict[str, Any]:
+    def _carried(self, row: dict[str, Any]) -> OutputRow:
         """The input columns carried into the output (input.columns), if any."""
         columns = self.cfg.input.columns
         return {"input": {c: get_path(row, c) for c in columns}} if columns else {}
 
-    def crash_rows(self, rows: list[int]) -> list[dict[str, Any]]:
+    def crash_rows(self, rows: list[int]) -> list[OutputRow]:
         """Error rows for rows that were in flight at two engine deaths (isolated, not retried)."""
         if not rows:
             return []
@@ -207,9 +207,7 @@ class ShardWorker:
             for index, row in zip(rows, data, strict=True)
         ]
 
-    def commit(
-        self, shard: Shard, rows_in: list[dict[str, Any]], record: Progress, error: Optional[str] = None
-    ) -> None:
+    def commit(self, shard: Shard, rows_in: list[OutputRow], record: Progress, error: Optional[str] = None) -> None:
         """Write rows as one part, then progress.json; rows_in is emptied once they are the part's."""
         t0 = time.monotonic()
         rows = sorted(rows_in, key=lambda r: r["row"])

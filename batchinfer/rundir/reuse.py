@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from batchinfer.errors import ConfigError, RunDirError
 from batchinfer.rundir.model_record import identity_digest
-from batchinfer.rundir.schema import DIGEST_COLUMN, REUSED_COLUMN, jsonl_columns
+from batchinfer.rundir.schema import DIGEST_COLUMN, REUSED_COLUMN, OutputRow, jsonl_columns
 from batchinfer.rundir.store import RunDir
 
 log = logging.getLogger("batchinfer")
@@ -123,7 +123,7 @@ class ReuseIndex:
         self._tables: OrderedDict[int, _Rows] = OrderedDict()
         log.info("output.reuse: %d answers indexed from %s", len(self.digests), ", ".join(paths))
 
-    def answer(self, digest: str) -> Optional[dict[str, Any]]:
+    def answer(self, digest: str) -> Optional[OutputRow]:
         """The answer columns of the earlier row with this request digest; None when there is none
         (or its shard cannot be read now: the engine answers instead)."""
         key = np.bytes_(digest.encode())
@@ -174,7 +174,7 @@ class _Rows:
         self.sorted = rows[self.order]
         self.table = table.drop_columns(["row"])
 
-    def answer(self, row: int) -> Optional[dict[str, Any]]:
+    def answer(self, row: int) -> Optional[OutputRow]:
         """The row's answer columns; None when it is not there."""
         i = int(np.searchsorted(self.sorted, row))
         if i >= len(self.sorted) or self.sorted[i] != row:

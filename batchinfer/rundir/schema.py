@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import re
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 import numpy as np
 import pyarrow as pa
@@ -17,6 +17,36 @@ ERROR_TYPE = pa.struct([("kind", pa.string()), ("message", pa.string())])
 DIGEST_COLUMN = "request_digest"
 REUSED_COLUMN = "reused"
 REUSE_FIELDS = (pa.field(DIGEST_COLUMN, pa.string()), pa.field(REUSED_COLUMN, pa.bool_()))
+
+
+class ErrorCell(TypedDict):
+    """An error row's `error` column (ERROR_TYPE)."""
+
+    kind: str
+    message: str
+
+
+class OutputRow(TypedDict, total=False):
+    """One output row as the worker builds it, by column (output_schema, pooling_schema): rows_to_table
+    makes a part of them, a column the row lacks null."""
+
+    row: int
+    id: Any  # the input's id column's type
+    text: Optional[str]
+    samples: list[str]
+    reasoning: Optional[str]
+    label: Optional[str]
+    label_confidence: float
+    finish_reason: Optional[str]
+    prompt_tokens: Optional[int]
+    output_tokens: int
+    error: Optional[ErrorCell]
+    input: dict[str, Any]  # the carried input columns (input.columns), by name
+    embedding: Any  # a float32 vector
+    probs: Any
+    score: float
+    request_digest: str
+    reused: bool
 
 
 def output_schema(
@@ -89,7 +119,7 @@ def schema_summary(schema: pa.Schema) -> dict[str, str]:
     return {f.name: str(f.type) for f in schema}
 
 
-def error_row(row: int, id_: Any, kind: str, message: str, prompt_tokens: Optional[int] = None) -> dict[str, Any]:
+def error_row(row: int, id_: Any, kind: str, message: str, prompt_tokens: Optional[int] = None) -> OutputRow:
     """An output row for a row that produced no text."""
     return {
         "row": row,
@@ -102,7 +132,7 @@ def error_row(row: int, id_: Any, kind: str, message: str, prompt_tokens: Option
     }
 
 
-def rows_to_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+def rows_to_table(rows: list[OutputRow], schema: pa.Schema) -> pa.Table:
     """Rows as a table of exactly the run's schema (absent optional columns are null)."""
     return pa.Table.from_pylist(rows, schema=schema)
 
