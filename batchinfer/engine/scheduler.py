@@ -7,14 +7,17 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Optional, Protocol
 
 import numpy as np
 
 from batchinfer import faults
+from batchinfer.config.schema import Config
 from batchinfer.engine.crashes import Crashes, count_suspects
 from batchinfer.engine.feed import Feed
+from batchinfer.engine.rowbar import RowBar
+from batchinfer.engine.stopflag import StopFlag
 from batchinfer.engine.stream import first_window_rows, todo_slices, window_rows
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.errors import Stopped, StorageError
@@ -23,10 +26,7 @@ from batchinfer.requests.prompts import Prompt
 from batchinfer.requests.request import ErrorRow, Made, RequestKey
 from batchinfer.requests.verdict import engine_refusal
 from batchinfer.rundir.progress import Progress
-from batchinfer.rundir.schema import error_row
-
-if TYPE_CHECKING:
-    from batchinfer.engine.worker import ShardWorker
+from batchinfer.rundir.schema import OutputRow, error_row
 
 log = logging.getLogger("batchinfer")
 _ATTEMPTS = itertools.count()  # this process's shard attempts: part of each request id
@@ -52,16 +52,33 @@ class TaskRows(Protocol):
 
     poisoned: set[RequestKey]  # fault injection: requests that kill the engine when added
 
-    def request(self, index: int, base: dict[str, Any], row: dict[str, Any], engine: Any) -> RequestKey | ErrorRow: ...
+    def request(self, index: int, base: OutputRow, row: dict[str, Any], engine: Any) -> RequestKey | ErrorRow: ...
     def params(self, engine: Any, own: str) -> Any: ...
-    def result_row(self, base: dict[str, Any], c: Completion) -> dict[str, Any]: ...
+    def result_row(self, base: OutputRow, c: Completion) -> OutputRow: ...
+
+
+class ShardRunner(Protocol):
+    """What the scheduler needs of the worker whose shard it streams (worker.ShardWorker is one)."""
+
+    cfg: Config
+    task_rows: TaskRows
+    stop: StopFlag
+    bar: Optional[RowBar]
+    node_fault: Callable[[], Optional[str]]  # why the engine failed when another node caused it
+
+    @property
+    def dataset(self) -> Any: ...
+    def request(self, index: int, row: dict[str, Any], engine: EngineLike) -> Made: ...
+    def crash_rows(self, rows: list[int]) -> list[OutputRow]: ...
+    def commit(self, shard: Shard, rows_in: list[OutputRow], record: Progress, error: Optional[str] = None) -> None: ...
+    def write_progress(self, shard: Shard, record: Progress, error: Optional[str] = None) -> None: ...
 
 
 class ShardScheduler:
     """Streams a shard's rows not yet committed to the engine and commits between engine steps."""
 
     def __init__(
-        self, worker: ShardWorker, shard: Shard, record: Progress, engine: EngineLike, committed: Any, t_ready: float
+        self, worker: ShardRunner, shard: Shard, record: Progress, engine: EngineLike, committed: Any, t_ready: float
     ):
         """committed: the shard's committed rows (sorted); t_ready: when the engine was ready."""
         self.worker, self.shard, self.record, self.engine = worker, shard, record, engine
@@ -78,7 +95,7 @@ class ShardScheduler:
         )
         sizes = ([len(isolated)] if isolated else []) + [first_window_rows(engine.max_num_seqs)]
         self.feed = Feed(rows, self._request, worker.task_rows.result_row, sizes, self.window)
-        self.pending: list[dict[str, Any]] = worker.crash_rows(self.crashes.crashed_rows)  # rows to commit
+        self.pending: list[OutputRow] = worker.crash_rows(self.crashes.crashed_rows)  # rows to commit
         self.in_flight: dict[str, RequestKey] = {}  # request id -> key, sent and not finished
         self.n_isolate = 0  # isolated requests still to finish: while any, one request at a time
         self.finished = 0  # rows finished in this attempt (for the trace)
@@ -187,7 +204,7 @@ class ShardScheduler:
         self.finished += len(done_now)
         return True
 
-    def _prepare(self, n: int) -> list[dict[str, Any]]:
+    def _prepare(self, n: int) -> list[OutputRow]:
         """Prepare up to n more rows (stopping at once on a stop signal); the rows already finished.
         Its seconds count as prepare: the engine may be computing meanwhile, or waiting for it."""
         t0 = time.monotonic()
@@ -271,7 +288,7 @@ class ShardScheduler:
                 except Exception as abort_error:
                     log.warning("shard %d: aborting requests in flight failed: %r", self.shard.index, abort_error)
 
-    def _in_flight_rows(self) -> list[tuple[dict[str, Any], RequestKey]]:
+    def _in_flight_rows(self) -> list[tuple[OutputRow, RequestKey]]:
         """(output base, request) of every row in flight."""
         return [(m, k) for k in self.in_flight.values() for m in self.feed.groups[k]]
 
