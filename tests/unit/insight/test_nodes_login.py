@@ -101,7 +101,7 @@ def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_read_sacct_keeps_each_tasks_nodes() -> None:
-    from batchinfer.launch.slurm import read_sacct
+    from batchinfer.launch.sacct import read_sacct
 
     tasks = read_sacct(SACCT_NODES + "200_1.batch|FAILED|1:0|gpu07\n")
     assert {k: t.nodes for k, t in tasks.items()} == {

@@ -16,7 +16,7 @@ import pytest
 from support.fake_slurm import SUBMITTED, cli, overrides
 
 from batchinfer.errors import RunDirError
-from batchinfer.launch import executor, slurm, slurm_merge
+from batchinfer.launch import executor, sacct, slurm_merge
 from batchinfer.launch.jobs import submissions
 from batchinfer.rundir.store import RunDir
 
@@ -38,11 +38,11 @@ SACCT = """\
 
 
 def test_sacct_lines_name_the_tasks_usr2_killed() -> None:
-    assert slurm.usr2_deaths(SACCT) == {"700_0", "700_1"}
-    endings = slurm.task_endings(SACCT + "701|RUNNING|0:0\n702|FAILED|0:12\n702.batch|CANCELLED|0:12\n")
+    assert sacct.usr2_deaths(SACCT) == {"700_0", "700_1"}
+    endings = sacct.task_endings(SACCT + "701|RUNNING|0:0\n702|FAILED|0:12\n702.batch|CANCELLED|0:12\n")
     assert (endings["700_2"], endings["700_3"], endings["701"], endings["702"]) == ("ended", "ended", "running", "usr2")
     # a step killed by USR2 in a task that still runs (or was queued again) is no death to heal
-    running = slurm.task_endings(
+    running = sacct.task_endings(
         "703_0|RUNNING|0:0\n703_0.0|FAILED|0:12\n704_1|PENDING|0:0\n704_1.batch|CANCELLED|0:12\n"
     )
     assert running == {"703_0": "running", "704_1": "running"}
