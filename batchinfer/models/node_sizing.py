@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from batchinfer.models import sizing
-from batchinfer.models.sizing import GB, Advice, Fit, ModelSize
+from batchinfer.models.advice import Advice, advice
+from batchinfer.models.sizing import GB, Fit, ModelSize
 
 MAX_NODES = 16  # the largest layout proposed: beyond it, quantize or choose a smaller model
 
@@ -28,7 +29,7 @@ class NodeFit(Fit):
 
 
 class NodeAdvice(Advice):
-    """sizing.Advice at tensor x pipeline parallel, with the fewest nodes that hold a model no one node does."""
+    """advice.Advice at tensor x pipeline parallel, with the fewest nodes that hold a model no one node does."""
 
     nodes: Optional[NodeFit]
 
@@ -92,10 +93,10 @@ def node_advice(
     max_len: int,
     per_node: int,
 ) -> NodeAdvice:
-    """sizing.advice for the configured (TP, PP), sized at TP x PP, and, when no one node of
+    """advice.advice for the configured (TP, PP), sized at TP x PP, and, when no one node of
     per_node GPUs holds the model, the fewest nodes that do (`nodes`: a NodeFit, else None)."""
     tp, pp = layout
-    adv = NodeAdvice(**sizing.advice(model, wbytes, kv_bytes, gpu, util, tp, max_len), nodes=None)
+    adv = NodeAdvice(**advice(model, wbytes, kv_bytes, gpu, util, tp, max_len), nodes=None)
     if adv["recommended_tp"] is None:
         spread = smallest_nodes(model, wbytes, kv_bytes, gpu, util, max_len, per_node)
         if spread is not None:

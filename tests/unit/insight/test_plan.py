@@ -19,7 +19,7 @@ from support.procs import run_cli
 
 from batchinfer.errors import ConfigError
 from batchinfer.inputs.preview import peek, spread
-from batchinfer.models import sizing
+from batchinfer.models import advice, sizing
 from batchinfer.models.tokens import LoginTokenizer
 
 SMOLLM2_PARAMS = 134_515_008  # the tensors' elements in its model.safetensors (embeddings tied)
@@ -273,13 +273,13 @@ def test_llama_3_3_70b_walkthrough(tmp_path: Path) -> None:
 
 def test_layout_advice_one_copy_per_gpu_or_smallest_tp(tmp_path: Path) -> None:
     small = sizing.read_model(write_model(tmp_path, LLAMA_8B, "8b"))
-    adv = sizing.advice(small, sizing.weight_bytes(small, None, "bfloat16"), 2, "H100-80GB", 0.9, 1, 8192)
+    adv = advice.advice(small, sizing.weight_bytes(small, None, "bfloat16"), 2, "H100-80GB", 0.9, 1, 8192)
     assert adv["recommended_tp"] == 1 and adv["warnings"] == []
     assert "one model copy per GPU" in adv["layout"] and "1.9x to 5.2x" in adv["layout"]
     big = sizing.read_model(write_model(tmp_path, LLAMA_70B, "70b"))
     wbytes = sizing.weight_bytes(big, None, "bfloat16")
     assert sizing.fit(big, wbytes, 2, "H100-80GB", 0.9, 2, 8192).max_seqs < sizing.MIN_SEQS  # ~1 sequence
-    adv = sizing.advice(big, wbytes, 2, "H100-80GB", 0.9, 1, 8192)
+    adv = advice.advice(big, wbytes, 2, "H100-80GB", 0.9, 1, 8192)
     assert adv["recommended_tp"] == 4 and "model.tensor_parallel_size=4 cluster.gpus_per_task=4" in adv["layout"]
     assert "leave no room for a KV cache" in adv["warnings"][0]
     res = run_cli(["plan", f"model.path={tmp_path / '70b'}", "model.max_model_len=8192", "--gpu", "all"])
@@ -290,7 +290,7 @@ def test_layout_advice_one_copy_per_gpu_or_smallest_tp(tmp_path: Path) -> None:
 
 def test_single_digit_concurrency_warning_names_the_levers(tmp_path: Path) -> None:
     big = sizing.read_model(write_model(tmp_path, LLAMA_70B, "70b"))
-    adv = sizing.advice(big, sizing.weight_bytes(big, None, "bfloat16"), 2, "A100-40GB", 0.9, 4, 8192)
+    adv = advice.advice(big, sizing.weight_bytes(big, None, "bfloat16"), 2, "A100-40GB", 0.9, 4, 8192)
     (warning,) = adv["warnings"]
     assert "holds only 1.1 sequences of max_model_len=8,192" in warning
     assert "quantization=kv-fp8" in warning and "model.tensor_parallel_size=8" in warning
