@@ -101,9 +101,7 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False, heal: 
             for i, shards in enumerate(chunk):
                 print(f"  task {i}: shards {shards}")
         print(f"merge job: {slurm.merge_parameters(cluster, ['<array ids>'])}")
-        return Submitted(
-            submission=number, dry_run=True, arrays=[PlannedArray(tasks=dict(enumerate(ch))) for ch in chunks]
-        )
+        return {"submission": number, "dry_run": True, "arrays": [{"tasks": dict(enumerate(ch))} for ch in chunks]}
     security.make_private(run.path, c.output.private)  # set by `resume output.private=true`
     if cluster.nodes_per_task > 1:  # what the tasks ask Slurm for, said before sbatch is asked
         print("\n".join(layout_lines(c, len(chunks[0]), folder, name)))
@@ -117,9 +115,7 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False, heal: 
             for n, chunk in enumerate(chunks):
                 ex = make_executor(folder, {**slurm.array_parameters(cluster, len(chunk)), "job_name": name})
                 jobs = ex.map_array(pkgutil.resolve_name(TASK_FUNCTION), [str(run.path)] * len(chunk), chunk)
-                array = ArrayRecord(
-                    job_id=jobs[0].job_id.split("_")[0], tasks={str(i): ch for i, ch in enumerate(chunk)}
-                )
+                array = {"job_id": jobs[0].job_id.split("_")[0], "tasks": {str(i): ch for i, ch in enumerate(chunk)}}
                 _record(run, {"submission": number, "array": n, **array})
                 arrays.append(array)
             after = [a["job_id"] for a in arrays]
