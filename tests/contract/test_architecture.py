@@ -332,6 +332,20 @@ def oversized(src: Path, package: str, max_module: int, max_function: int) -> li
     return out
 
 
+def loose_dicts(src: Path, package: str, text: str) -> tuple[int, int, list[tuple[str, int]]]:
+    """(lines holding `text`, lines in all, [(file, such lines)] heaviest first) over the package's
+    modules: as `grep -r TEXT | wc -l` and `wc -l` count them."""
+    per_file, lines = [], 0
+    for path in module_files(src, package).values():
+        source = path.read_text()
+        lines += source.count("\n")
+        n = sum(text in line for line in source.splitlines())
+        if n:
+            per_file.append((path.relative_to(src).as_posix(), n))
+    per_file.sort(key=lambda item: (-item[1], item[0]))
+    return sum(n for _, n in per_file), lines, per_file
+
+
 def layer_of(module: str, package: str, layers: dict[str, int]) -> Optional[int]:
     first = module[len(package) + 1 :].split(".")[0] if module != package else ""
     return layers.get(first)
@@ -542,6 +556,25 @@ def test_modules_and_functions_are_small() -> None:
     assert not found, "split these:\n" + "\n".join(found)
 
 
+# Records between modules are typed: a dataclass, or a TypedDict where the JSON shape is the on-disk
+# or printed contract (run.yaml, progress.json, DONE.json, jobs.jsonl, status/plan/report --json).
+# What stays a `dict[str, Any]` is data whose keys are not batchinfer's: a model's config.json, an
+# input row, kwargs passed on to vLLM or a chat template, the plain config and its fingerprint keys.
+LOOSE_DICT = "dict[str, Any]"
+MAX_LOOSE_DICTS_PER_1000_LINES = 8
+
+
+def test_records_between_modules_are_typed() -> None:
+    n, lines, per_file = loose_dicts(ROOT, PACKAGE, LOOSE_DICT)
+    assert n and lines > 10_000  # the counter sees the package
+    heaviest = ", ".join(f"{f} {k}" for f, k in per_file[:8])
+    assert 1000 * n <= MAX_LOOSE_DICTS_PER_1000_LINES * lines, (
+        f"{n} `{LOOSE_DICT}` annotations in {lines:,} lines, {1000 * n / lines:.1f} per 1,000 (at most "
+        f"{MAX_LOOSE_DICTS_PER_1000_LINES}): give the records a type (a dataclass, a TypedDict for a JSON "
+        f"shape) with one reader and writer. The heaviest: {heaviest}"
+    )
+
+
 def test_imports_never_run_up_the_layers() -> None:
     graph = import_graph(ROOT, PACKAGE)
     assert any(t == "batchinfer.errors" for t, _ in graph["batchinfer.rundir.store"])
@@ -683,6 +716,21 @@ def test_checkers_report_deferred_cycles_private_names_and_sizes(tmp_path: Path)
         "pkg/big.py:6: long is 6 lines (at most 5)",
     ]
     assert oversized(tmp_path, "pkg", max_module=11, max_function=6) == []
+
+
+def test_loose_dict_counter_counts_lines_as_grep_does(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": '"""Synthetic."""\n',
+            "pkg/a.py": "from typing import Any\ndef f(x: dict[str, Any]) -> dict[str, Any]:\n    return x\n",
+            "pkg/b.py": "y: dict[str, Any] = {}\nz: dict[str, int] = {}\n",
+            "pkg/conf/c.py": "w: dict[str, Any] = {}\n",  # conf: data, not the package's code
+        },
+    )
+    n, lines, per_file = loose_dicts(tmp_path, "pkg", "dict[str, Any]")
+    assert (n, lines) == (2, 6)  # two lines hold it (one of them twice); 1 + 3 + 2 lines in all
+    assert per_file == [("pkg/a.py", 1), ("pkg/b.py", 1)]
 
 
 def test_checker_reports_a_record_written_around_the_redaction(tmp_path: Path) -> None:
