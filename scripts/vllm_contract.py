@@ -119,6 +119,9 @@ LLM_KWARGS = (
     "reasoning_parser",
     "structured_outputs_config",
     "speculative_config",  # conf/speculative/ngram.yaml, through model.engine_kwargs
+    "enable_lora",  # model.lora.adapters (models/lora.py)
+    "max_loras",
+    "max_lora_rank",
 )
 
 # sampling_kwargs(): SamplingConfig's fields less structured_outputs and seed_per_row (the OpenAI

@@ -108,6 +108,34 @@ def engine(tiny_model_path: Path) -> Any:
     eng.close()
 
 
+LORA_NAMES = ("a1", "a2", "a3")  # three adapters of the tiny model (seeds 1, 2, 3)
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> dict[str, Path]:
+    """Three PEFT LoRA adapters of the tiny model, their outputs unlike the base model's and each other's."""
+    from support import tiny_lora
+
+    d = tmp_path_factory.mktemp("tiny-lora")
+    return {name: tiny_lora.build(tiny_model_path, d / name, seed) for seed, name in enumerate(LORA_NAMES, 1)}
+
+
+def lora_overrides(adapters: dict[str, Path]) -> list[str]:
+    """model.lora.adapters for the tiny adapters (the LoRA engine's config: add model_overrides)."""
+    return [f"+model.lora.adapters.{name}={path}" for name, path in adapters.items()]
+
+
+@pytest.fixture(scope="session")
+def lora_engine(tiny_model_path: Path, tiny_adapters: dict[str, Path]) -> Any:
+    """One real vLLM engine with LoRA enabled for the three tiny adapters, shared by the LoRA tests."""
+    from batchinfer.config.compose import compose
+    from batchinfer.engine.vllm_engine import Engine
+
+    eng = Engine(compose([*model_overrides(tiny_model_path), *lora_overrides(tiny_adapters)]))
+    yield eng
+    eng.close()
+
+
 @pytest.fixture
 def clean_shm():
     """Remove /dev/shm entries that killed vLLM processes of this test left."""

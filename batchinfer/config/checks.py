@@ -89,6 +89,9 @@ def validate(cfg: DictConfig) -> None:
             f"cluster.cache_dir={cache_dir!r} is relative: tasks run in other folders; give an absolute "
             "path (~ and $VAR are expanded in the task), e.g. cluster.cache_dir=/scratch/$USER/vllm-cache"
         )
+    from batchinfer.models.lora import check_lora
+
+    check_lora(cfg.model.lora, cfg.input.adapter_column)
     if cfg.sampling.seed_per_row and cfg.sampling.seed is None:
         raise ConfigError("sampling.seed_per_row=true needs sampling.seed (the base the row seeds derive from)")
     from batchinfer.security import check_config_secrets, private_mode

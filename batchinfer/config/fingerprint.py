@@ -123,6 +123,12 @@ def fingerprint_keys(
         "quantization.kv_cache_dtype": q["kv_cache_dtype"],
         "output.format": cfg["output"]["format"],
     }
+    lora = m.get("lora") or {}
+    if lora.get("adapters"):  # only with adapters: runs without keep their fingerprint
+        # the folders' contents enter through the model identity (rundir/model_record.py)
+        keys["model.lora.adapters"] = dict(sorted(lora["adapters"].items()))
+        keys["model.lora.default"] = lora.get("default")
+        keys["input.adapter_column"] = i.get("adapter_column")
     if i.get("sampling_overridden"):  # only when set: runs made before the key keep their fingerprint
         keys["input.sampling_overridden"] = sorted(i["sampling_overridden"])
     for group in ("prompt", "sampling", "sharding"):

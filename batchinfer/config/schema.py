@@ -27,6 +27,8 @@ class InputConfig:
     sampling_overridden: list[str] = field(default_factory=list)
     # A hub dataset's split (input.path=org/name); local files ignore it.
     split: str = "train"
+    # A column holding each row's LoRA adapter name (a key of model.lora.adapters); null: model.lora.default.
+    adapter_column: Optional[str] = None
 
 
 @dataclass
@@ -71,6 +73,18 @@ POOLING_TASKS = ("embed", "classify", "score")
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters over the base model: a name -> a local PEFT adapter folder (engine/lora.py)."""
+
+    adapters: dict[str, str] = field(default_factory=dict)
+    # The adapter every row uses unless its input.adapter_column names another; None: the base model.
+    default: Optional[str] = None
+    # vLLM's max_loras / max_lora_rank; None: from the adapters (their count, their configs' largest r).
+    max_loras: Optional[int] = None
+    max_lora_rank: Optional[int] = None
+
+
+@dataclass
 class ModelConfig:
     path: Optional[str] = None
     revision: Optional[str] = None
@@ -94,6 +108,7 @@ class ModelConfig:
     # JSON from structured outputs without free whitespace (xgrammar backend): small models
     # otherwise pad with whitespace until max_tokens and the JSON never closes.
     compact_json: bool = True
+    lora: LoraConfig = field(default_factory=LoraConfig)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 

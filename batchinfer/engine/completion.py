@@ -47,3 +47,17 @@ def cosine(request_id: str, a: Completion, b: Completion) -> Completion:
         output_tokens=0,
         pooled=np.array([cos], dtype=np.float32),
     )
+
+
+def pooled_completion(out: Any) -> Completion:
+    """A finished pooling request: its vector as float32 numpy (a score is a vector of one)."""
+    data = out.outputs.data
+    return Completion(
+        request_id=out.request_id,
+        texts=[],
+        finish_reason=None,
+        prompt_tokens=len(out.prompt_token_ids or []),
+        output_tokens=0,
+        cached_tokens=getattr(out, "num_cached_tokens", None),
+        pooled=data.float().cpu().numpy().reshape(-1),
+    )

@@ -40,8 +40,10 @@ class GenerationRows:
             self.params(engine, req.own)
         except RowError as e:
             return ErrorRow(dict(error_row(index, base["id"], e.kind, f"row {index}: {e.message}"), **base))
+        if self.cfg.model.lora.adapters:
+            base["adapter"] = req.adapter  # the output's adapter column (null: the base model)
         shared = req.sampling["temperature"] == 0 or req.sampling.get("seed") is not None
-        key = RequestKey(tuple(ids), req.own, None if shared else index)
+        key = RequestKey(tuple(ids), req.own, None if shared else index, req.adapter)
         if faults.poisoned(req.prompt):
             self.poisoned.add(key)
         return key
@@ -64,6 +66,8 @@ class GenerationRows:
             output_tokens=c.output_tokens,
             error=None,
         )
+        if self.cfg.model.lora.adapters:
+            row["adapter"] = base.get("adapter")
         if len(c.texts) > 1:
             row["samples"] = c.texts
         if c.reasoning is not None:

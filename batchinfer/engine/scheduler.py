@@ -41,7 +41,7 @@ class EngineLike(Protocol):
 
     def sampling_params(self, sampling: dict[str, Any]) -> Any: ...
     def encode(self, prompt: Prompt, chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]: ...
-    def add(self, request_id: str, token_ids: list[int], params: Any) -> None: ...
+    def add(self, request_id: str, token_ids: list[int], params: Any) -> None: ...  # adapter=NAME with LoRA
     def step(self) -> list[Completion]: ...
     def has_unfinished(self) -> bool: ...
     def abort_all(self) -> None: ...
@@ -163,7 +163,10 @@ class ShardScheduler:
             try:
                 params = self.worker.task_rows.params(self.engine, key.own)
                 self.in_engine = True
-                self.engine.add(rid, list(key.ids), params)
+                if key.adapter is None:
+                    self.engine.add(rid, list(key.ids), params)
+                else:  # a LoRA adapter's request (model.lora.adapters)
+                    self.engine.add(rid, list(key.ids), params, adapter=key.adapter)
                 self.in_engine = False
             except Exception as e:  # vLLM refused this request alone (whatever its type): an error row
                 if getattr(self.engine, "dead", False):

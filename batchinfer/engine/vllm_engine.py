@@ -15,11 +15,12 @@ from typing import Any, Optional
 from batchinfer import faults
 from batchinfer.config.nodes import NodeGroup, node_kwargs
 from batchinfer.config.schema import POOLING_TASKS, Config, to_config
-from batchinfer.engine.completion import PAIR_SEP, Completion, PairParams, cosine
+from batchinfer.engine.completion import PAIR_SEP, Completion, PairParams, cosine, pooled_completion
 from batchinfer.engine.dtype import device_name, engine_dtype
 from batchinfer.engine.environment import engine_environment
 from batchinfer.engine.sampling_args import sampling_kwargs, structured_kwargs
 from batchinfer.engine.watchdog import Watchdog
+from batchinfer.models.lora import adapter_folder, adapter_ids, lora_engine_kwargs
 from batchinfer.models.tokens import hf_max_token_chars
 from batchinfer.requests.prompts import Prompt, RowError
 from batchinfer.versions import cpu_build
@@ -34,8 +35,11 @@ CPU_BLOCK_SIZE = 32
 
 
 def model_key(cfg: Config) -> dict[str, Any]:
-    """What an engine is built from; a run may reuse an engine only if this matches."""
-    return {"model": asdict(cfg.model), "quantization": asdict(cfg.quantization), "runner": llm_kwargs(cfg)["runner"]}
+    """What an engine is built from; a run may reuse an engine only if this matches (which adapter
+    rows use by default is the requests' choice, not the engine's)."""
+    model = asdict(cfg.model)
+    model["lora"].pop("default")
+    return {"model": model, "quantization": asdict(cfg.quantization), "runner": llm_kwargs(cfg)["runner"]}
 
 
 def llm_kwargs(cfg: Config) -> dict[str, Any]:
@@ -65,6 +69,7 @@ def llm_kwargs(cfg: Config) -> dict[str, Any]:
         "reasoning_parser": m.reasoning_parser,
     }
     kw.update({k: v for k, v in optional.items() if v is not None})
+    kw.update(lora_engine_kwargs(m.lora))  # enable_lora, max_loras, max_lora_rank (none without adapters)
     if m.compact_json:
         kw["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
     kw.update(m.engine_kwargs or {})
@@ -162,6 +167,13 @@ def _rank_worker() -> type:
     return type("RankWorker", (base,), members)
 
 
+def lora_requests(adapters: dict[str, str]) -> dict[str, Any]:
+    """vLLM's LoRARequest of each adapter of model.lora.adapters (ids stable by sorted name)."""
+    from vllm.lora.request import LoRARequest
+
+    return {n: LoRARequest(n, i, str(adapter_folder(adapters[n]))) for n, i in adapter_ids(adapters).items()}
+
+
 RANK_WORKER_EXIT = 70  # a worker of an engine over several nodes whose step raised
 
 
@@ -214,6 +226,7 @@ class Engine:
         # what the pooling model can do (embed, classify, score, token_embed, ...); empty for generation
         self.pooling_tasks: tuple[str, ...] = tuple(self.llm.supported_tasks) if self.task in POOLING_TASKS else ()
         self._reasoner = self._reasoning_parser(cfg.model.reasoning_parser)
+        self._lora = lora_requests(cfg.model.lora.adapters)
 
     def _reasoning_parser(self, name: Optional[str]) -> Any:
         """vLLM's parser that splits a reasoning model's output into (reasoning, answer)."""
@@ -302,8 +315,9 @@ class Engine:
         text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kw)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
-        """Queue one request (a bi-encoder pair as two, answered as one)."""
+    def add(self, request_id: str, token_ids: list[int], params: Any, adapter: Optional[str] = None) -> None:
+        """Queue one request (a bi-encoder pair as two, answered as one); adapter: a LoRA adapter's
+        name (model.lora.adapters), None for the base model."""
         if isinstance(params, PairParams):
             self._pairs[request_id] = {}
             self.add(f"{request_id}{PAIR_SEP}0", token_ids[: params.split], params.embed)
@@ -313,7 +327,8 @@ class Engine:
         # Anything this raises but a dead core's EngineDeadError (`dead` is set before it is raised)
         # is this request's refusal: its rows are error rows (ShardScheduler.submit).
         (engine_input,) = self.engine.renderer.render_cmpl([{"prompt_token_ids": token_ids}])
-        self.engine.add_request(request_id, engine_input, params)
+        lora = self._lora[adapter] if adapter is not None else None
+        self.engine.add_request(request_id, engine_input, params, lora_request=lora)
         self._live.add(request_id)
 
     def wake_on(self, stop_pending: Callable[[], bool]) -> None:
@@ -333,7 +348,7 @@ class Engine:
                 continue
             self._live.discard(out.request_id)
             if self.pooling_tasks:
-                pooled = _pooled(out)
+                pooled = pooled_completion(out)
                 rid, sep, side = pooled.request_id.rpartition(PAIR_SEP)
                 if not sep:
                     done.append(pooled)
@@ -382,17 +397,3 @@ class Engine:
             self.engine.engine_core.shutdown()
         except Exception as e:  # shutting down a dead engine may fail; nothing left to save
             log.debug("engine shutdown: %s", e)
-
-
-def _pooled(out: Any) -> Completion:
-    """A finished pooling request: its vector as float32 numpy (a score is a vector of one)."""
-    data = out.outputs.data
-    return Completion(
-        request_id=out.request_id,
-        texts=[],
-        finish_reason=None,
-        prompt_tokens=len(out.prompt_token_ids or []),
-        output_tokens=0,
-        cached_tokens=getattr(out, "num_cached_tokens", None),
-        pooled=data.float().cpu().numpy().reshape(-1),
-    )

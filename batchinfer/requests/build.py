@@ -15,7 +15,7 @@ from batchinfer.inputs.openai_batch import ROW_SAMPLING, task_mismatch
 from batchinfer.inputs.textfiles import MAX_JSON_DEPTH, json_depth
 from batchinfer.requests.bounded import CharBound
 from batchinfer.requests.prompts import Messages, Prompt, PromptBuilder, RowError
-from batchinfer.requests.verdict import RULES, Limits, limits, refusal
+from batchinfer.requests.verdict import RULES, Limits, adapter_refusal, limits, refusal
 
 # The keys a row's own sampling may set: SamplingParams names (not seed_per_row, a run's setting).
 ROW_KEYS = frozenset({*RULES, "structured_outputs"})
@@ -37,6 +37,7 @@ class RowRequest:
     # The prompt is overlong by its characters alone (requests/bounded.py): at least this many tokens,
     # not counted; ids are empty (error_row, fail), or of its cut text (truncate_left, truncate_right).
     at_least: Optional[int] = None
+    adapter: Optional[str] = None  # the LoRA adapter's name (model.lora.adapters); None: the base model
 
     @property
     def tokens(self) -> int:
@@ -76,13 +77,25 @@ def build_request(
         raise RowError("unsupported", why)
     id_ = row_id(cfg, row, index)
     own = row_sampling(cfg, row, id_)
+    adapter = row_adapter(cfg, row)
     prompt = builder.build(row)
     policy = cfg.prompt.overlong
     at_least = bound.at_least(prompt) if bound is not None else None
     if at_least is not None and policy in TRUNCATE:
         prompt = bound.shorten(prompt, from_end=policy == "truncate_left")
     ids = [] if at_least is not None and policy not in TRUNCATE else _encode(encode, prompt)
-    return RowRequest(id_, own, sampling_for(cfg, own), prompt, ids, encode, at_least)
+    return RowRequest(id_, own, sampling_for(cfg, own), prompt, ids, encode, at_least, adapter)
+
+
+def row_adapter(cfg: Config, row: dict[str, Any]) -> Optional[str]:
+    """The row's LoRA adapter: its input.adapter_column value, else model.lora.default (None: the
+    base model); a name model.lora.adapters lacks is RowError kind adapter."""
+    column = cfg.input.adapter_column
+    value = row.get(column) if column else None
+    why = adapter_refusal(value, cfg.model.lora.adapters, column or "")
+    if why:
+        raise RowError("adapter", why)
+    return value if value is not None else cfg.model.lora.default
 
 
 def _encode(encode: Encode, prompt: Prompt) -> list[int]:

@@ -17,6 +17,7 @@ class RequestKey(NamedTuple):
     # None: identical requests share one result (greedy or seeded sampling, pooling); else the row
     # this request belongs to alone (random sampling: each row its own sample)
     own_row: Optional[int] = None
+    adapter: Optional[str] = None  # the LoRA adapter (model.lora.adapters); None: the base model
 
     @property
     def shared(self) -> bool:
@@ -24,14 +25,17 @@ class RequestKey(NamedTuple):
         return self.own_row is None
 
     def digest(self) -> bytes:
-        """The request's identity in the result cache and crash records: token ids and own sampling."""
-        return request_digest(self.ids, self.own)
+        """The request's identity in the result cache and crash records: token ids, own sampling, adapter."""
+        return request_digest(self.ids, self.own, self.adapter)
 
 
-def request_digest(ids: Any, own: str) -> bytes:
-    """A digest of prompt token ids and a row's own sampling."""
+def request_digest(ids: Any, own: str, adapter: Optional[str] = None) -> bytes:
+    """A digest of prompt token ids, a row's own sampling and its LoRA adapter (the base model's
+    digest is as before adapters existed)."""
     h = hashlib.blake2b(array("q", ids).tobytes(), digest_size=16)
     h.update(own.encode())
+    if adapter is not None:
+        h.update(b"\0lora:" + adapter.encode())
     return h.digest()
 
 

@@ -233,6 +233,15 @@ def _constraint_problem(key: str, value: Any, in_row: bool, backend: str) -> Opt
     return None  # the config's inline JSON text or file: config/json_schema.py checks it
 
 
+def adapter_refusal(value: Any, known: Mapping[str, Any], column: str) -> Optional[str]:
+    """Why a row's adapter name (input.adapter_column) names no adapter of model.lora.adapters, or
+    None (null: the default): vLLM would have no LoRARequest for it."""
+    if value is None or (isinstance(value, str) and value in known):
+        return None
+    names = ", ".join(sorted(known)) or "none"
+    return f"field {column!r} names adapter {value!r}, not one of model.lora.adapters ({names}); fix the row or add it"
+
+
 def engine_refusal(e: Exception, kind: str, what: str) -> Any:
     """A RowError for an exception the engine raised on one request: `kind` (sampling while building
     its SamplingParams, engine_refused while accepting it), the exception's type and text quoted."""

@@ -8,11 +8,13 @@ it; the digests could only say the path was the same, not the weights)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Optional
 
 from batchinfer.errors import RunDirError
 from batchinfer.models.identity import ModelIdentity, model_identity, recorded_identity
+from batchinfer.models.lora import adapter_identities
 from batchinfer.models.tokens import model_dir
 from batchinfer.rundir.store import RunRecord
 
@@ -20,9 +22,20 @@ log = logging.getLogger("batchinfer")
 KEY = "model_identity"  # run.yaml's key
 
 
-def identity_of(path: str, revision: Optional[str]) -> ModelIdentity:
-    """The identity of model.path (a folder, or a hub name's snapshot in the local cache) now."""
-    return model_identity(model_dir(path, revision))
+def identity_of(path: str, revision: Optional[str], adapters: Optional[dict[str, str]] = None) -> ModelIdentity:
+    """The identity of model.path (a folder, or a hub name's snapshot in the local cache) now, with
+    each LoRA adapter's files as `lora/NAME/FILE` (model.lora.adapters): a changed adapter is a
+    changed model, named by its files."""
+    base = model_identity(model_dir(path, revision))
+    if not adapters:
+        return base
+    files = list(base.files)
+    for name, identity in adapter_identities(adapters).items():
+        files += [dataclasses.replace(f, name=f"{LORA_PREFIX}{name}/{f.name}") for f in identity.files]
+    return ModelIdentity(folder=base.folder, files=tuple(sorted(files, key=lambda f: f.name)))
+
+
+LORA_PREFIX = "lora/"  # an adapter's files in a model identity
 
 
 def identity_digest(record: RunRecord) -> Optional[str]:
@@ -42,9 +55,11 @@ def refuse_changed_model(where: Any, record: RunRecord, now: ModelIdentity) -> N
     changes = model_changes(record, now)
     if not changes:
         return
+    named = sorted({c.split("/")[1] for c in changes if c.startswith(LORA_PREFIX)})
+    adapters = f" (LoRA adapter {', '.join(named)} of model.lora.adapters)" if named else ""
     shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
     raise RunDirError(
-        f"{where}: the model folder {now.folder} is not the one this run was prepared with ({shown}). "
+        f"{where}: the model folder {now.folder}{adapters} is not the one this run was prepared with ({shown}). "
         "Its rows so far are answers of the old weights: restore the folder, or start a new run "
         "(another output.dir; output.reuse of this one reuses none of its answers)"
     )
@@ -55,4 +70,4 @@ def check_model_unchanged(run: Any) -> None:
     if recorded_identity(run.run.get(KEY)) is None:
         return
     model = run.config.model
-    refuse_changed_model(run.path, run.run, identity_of(model.path, model.revision))
+    refuse_changed_model(run.path, run.run, identity_of(model.path, model.revision, model.lora.adapters))

@@ -138,7 +138,7 @@ def _prepare(cfg: DictConfig) -> RunDir:
         legacy = run_dir_for(c, legacy_fingerprint(keys))  # a default DIR named by an older version
         if legacy.exists():
             run = legacy
-    identity = identity_of(c["model"]["path"], c["model"]["revision"])
+    identity = identity_of(c["model"]["path"], c["model"]["revision"], c["model"]["lora"]["adapters"])
     c["output"]["reuse"] = checked_reuse(c["output"]["reuse"], run, identity.digest)  # not in the fingerprint
     check_writable(run.path)
     # One prepare of a folder at a time, and only of a folder it made (ownership.py): a second
@@ -334,4 +334,5 @@ def _run_schema(c: Config, arrow: pa.Schema) -> pa.Schema:
         reasoning=bool(c.model.reasoning_parser),
         labels=bool(labels.names),
         confidence=labels.confidence,
+        adapter=bool(c.model.lora.adapters),
     )

@@ -56,8 +56,9 @@ def output_schema(
     reasoning: bool = False,
     labels: bool = False,
     confidence: bool = False,
+    adapter: bool = False,
 ) -> pa.Schema:
-    """Output columns: row, id, text, [samples], [reasoning], [label, [label_confidence]],
+    """Output columns: row, id, text, [samples], [reasoning], [label, [label_confidence]], [adapter],
     finish_reason, tokens, error, [input], request_digest, reused."""
     fields = [
         pa.field("row", pa.int64(), nullable=False),
@@ -72,6 +73,8 @@ def output_schema(
         fields.append(pa.field("label", pa.string()))
         if confidence:
             fields.append(pa.field("label_confidence", pa.float64()))
+    if adapter:
+        fields.append(pa.field("adapter", pa.string()))
     fields += [
         pa.field("finish_reason", pa.string()),
         pa.field("prompt_tokens", pa.int32()),

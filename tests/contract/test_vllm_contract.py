@@ -8,6 +8,7 @@ import importlib.util
 import subprocess
 import sys
 import types
+from pathlib import Path
 from typing import Any, Literal
 
 import pytest
@@ -61,7 +62,7 @@ def test_check_names_are_unique_and_kinds_known() -> None:
     assert {c.kind for c in contract.CHECKS} <= set(contract.KINDS)
 
 
-def test_contract_lists_what_engine_passes() -> None:
+def test_contract_lists_what_engine_passes(tmp_path: Path) -> None:
     """The LLM keywords, SamplingParams and StructuredOutputsParams fields in the table are
     exactly what batchinfer passes: a new config field or engine_kwargs preset fails here
     until the contract checks it too."""
@@ -70,6 +71,8 @@ def test_contract_lists_what_engine_passes() -> None:
 
     # Every optional model field set, so llm_kwargs passes all of them.
     model = {k: ("x" if v is None else v) for k, v in dataclasses.asdict(config.ModelConfig()).items()}
+    (tmp_path / "adapter_config.json").write_text('{"r": 8}')  # a LoRA adapter: enable_lora, max_loras, max_lora_rank
+    model["lora"] = config.LoraConfig(adapters={"a": str(tmp_path)})
     for preset in (ROOT / "conf" / "speculative").glob("*.yaml"):
         model["engine_kwargs"].update(yaml.safe_load(preset.read_text()).get("engine_kwargs") or {})
     cfg = config.Config(model=config.ModelConfig(**model), quantization=config.QuantizationConfig(method="fp8"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from batchinfer.config.compose import compose
 from batchinfer.config.vllm_names import MAX_LOGPROBS
@@ -32,6 +32,7 @@ class FakeEngine:
     def __init__(self, per_step: int = 3, refuse: Iterable[str] = (), poison: Iterable[str] = ()):
         self.per_step = per_step
         self.queue: list[tuple[str, list[int]]] = []
+        self.adapters: dict[str, str] = {}  # request id -> its LoRA adapter (none: the base model)
         self.added: list[list[int]] = []
         self.steps = 0
         self.refused = {tuple(self.ids(t)) for t in refuse}
@@ -45,9 +46,10 @@ class FakeEngine:
         return self.encode([{"content": text}])
 
     @staticmethod
-    def answer(ids: list[int]) -> str:
-        """What this engine answers a request of these token ids."""
-        return f"ans-{digest(ids) % 16**8:08x}"
+    def answer(ids: list[int], adapter: Optional[str] = None) -> str:
+        """What this engine answers a request of these token ids (under a LoRA adapter: its name mixed in)."""
+        mixed = ids if adapter is None else [*ids, -1, *adapter.encode()]
+        return f"ans-{digest(mixed) % 16**8:08x}"
 
     def sampling_params(self, sampling: dict[str, Any]) -> Any:
         return checked_params(sampling)
@@ -56,7 +58,9 @@ class FakeEngine:
         text = prompt if isinstance(prompt, str) else " ".join(m["content"] for m in prompt)
         return [ord(c) % 50 for c in text]
 
-    def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
+    def add(self, request_id: str, token_ids: list[int], params: Any, adapter: Optional[str] = None) -> None:
+        if adapter is not None:
+            self.adapters[request_id] = adapter
         if tuple(token_ids) in self.refused:
             raise vllm_refusal(f"the fake engine refuses this request ({len(token_ids)} tokens)")
         check_logprobs(params, MAX_LOGPROBS)
@@ -71,7 +75,7 @@ class FakeEngine:
         self.in_flight.append(len(self.queue))
         ready = sorted(self.queue, key=lambda q: (digest(q[1]) + self.steps) % 7)[: self.per_step]
         self.queue = [q for q in self.queue if q not in ready]
-        return [Completion(rid, [self.answer(ids)], "stop", len(ids), 1) for rid, ids in ready]
+        return [Completion(rid, [self.answer(ids, self.adapters.get(rid))], "stop", len(ids), 1) for rid, ids in ready]
 
     def has_unfinished(self) -> bool:
         return bool(self.queue)

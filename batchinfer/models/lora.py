@@ -1,0 +1,74 @@
+"""LoRA adapters of a run (model.lora): their folders, ranks, engine ids and identities, read without
+vllm or torch (login node). The engine (engine/vllm_engine.py) makes vLLM's LoRARequest from these."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from batchinfer.errors import ConfigError
+from batchinfer.models.identity import ModelIdentity, model_identity
+
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's: r is the adapter's rank
+
+
+def adapter_folder(path: str) -> Path:
+    """A local PEFT adapter folder (~ expanded)."""
+    return Path(path).expanduser()
+
+
+def adapter_rank(name: str, path: str) -> int:
+    """The rank (`r`) in an adapter's adapter_config.json; ConfigError naming the file otherwise."""
+    file = adapter_folder(path) / ADAPTER_CONFIG
+    try:
+        r = json.loads(file.read_text(encoding="utf-8")).get("r")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(
+            f"model.lora.adapters.{name}: cannot read {file} ({e}); point it at a PEFT adapter folder"
+        ) from None
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ConfigError(f"model.lora.adapters.{name}: {file} has r={r!r}; a LoRA adapter's rank is an integer >= 1")
+    return r
+
+
+def adapter_ids(adapters: dict[str, str]) -> dict[str, int]:
+    """Each adapter's engine id (vLLM's lora_int_id, >= 1): stable, by sorted name."""
+    return {name: i for i, name in enumerate(sorted(adapters), start=1)}
+
+
+def lora_engine_kwargs(lora: Any) -> dict[str, Any]:
+    """vllm.LLM's LoRA arguments (none without adapters): max_loras and max_lora_rank unless set
+    come from the adapters (all of them at once; the largest r)."""
+    if not lora.adapters:
+        return {}
+    ranks = [adapter_rank(n, p) for n, p in sorted(lora.adapters.items())]
+    return {
+        "enable_lora": True,
+        "max_loras": lora.max_loras or len(lora.adapters),
+        "max_lora_rank": lora.max_lora_rank or max(ranks),
+    }
+
+
+def check_lora(lora: Any, adapter_column: Optional[str]) -> None:
+    """ConfigError before DIR is made: a default or adapter_column without adapters, an unknown
+    default (naming the known ones), an adapter folder without a readable rank."""
+    known = sorted(lora.adapters)
+    if lora.default is not None and lora.default not in lora.adapters:
+        raise ConfigError(
+            f"model.lora.default={lora.default!r} is not an adapter of model.lora.adapters "
+            f"(known: {', '.join(known) or 'none'}); add it there or name a known one"
+        )
+    if adapter_column and not known:
+        raise ConfigError(f"input.adapter_column={adapter_column!r} needs model.lora.adapters (name: folder)")
+    for key in ("max_loras", "max_lora_rank"):
+        value = getattr(lora, key)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ConfigError(f"model.lora.{key}={value!r} is out of range: it takes an integer >= 1")
+    for name, path in sorted(lora.adapters.items()):
+        adapter_rank(name, path)
+
+
+def adapter_identities(adapters: dict[str, str]) -> dict[str, ModelIdentity]:
+    """Each adapter folder's identity (models/identity.py), by name."""
+    return {name: model_identity(adapter_folder(path)) for name, path in sorted(adapters.items())}

@@ -1,0 +1,118 @@
+"""LoRA adapters without an engine: config refusals, the row verdict (kind adapter), engine
+arguments from the adapters' configs, request identity per adapter, a changed adapter refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from support.corpus import read_output, write_rows
+from support.fake_engine import FakeEngine, fake_overrides, keyed
+
+from batchinfer.config.compose import compose
+from batchinfer.config.schema import to_config
+from batchinfer.engine.vllm_engine import llm_kwargs
+from batchinfer.errors import ConfigError, RunDirError
+from batchinfer.launch.local import run_shards
+from batchinfer.models.lora import adapter_ids
+from batchinfer.requests.request import RequestKey
+from batchinfer.rundir.merge import merge
+from batchinfer.rundir.model_record import check_model_unchanged
+from batchinfer.rundir.prepare import prepare
+
+
+def adapter(parent: Path, name: str, r: int) -> Path:
+    """A PEFT adapter folder as far as batchinfer reads it without an engine (config, weight bytes)."""
+    d = parent / name
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": 2 * r}))
+    (d / "adapter_model.safetensors").write_bytes(name.encode() * 10)
+    return d
+
+
+@pytest.fixture
+def adapters(tmp_path: Path) -> list[str]:
+    a, b = adapter(tmp_path, "alpha", 4), adapter(tmp_path, "beta", 16)
+    return [f"+model.lora.adapters.alpha={a}", f"+model.lora.adapters.beta={b}"]
+
+
+ROWS = [
+    {"id": "r0", "text": "one", "task": "alpha"},
+    {"id": "r1", "text": "one", "task": "beta"},
+    {"id": "r2", "text": "one", "task": None},
+    {"id": "r3", "text": "two", "task": "gamma"},
+    {"id": "r4", "text": "one", "task": "alpha"},
+]
+
+
+def test_unknown_default_is_refused_naming_the_known_ones(tmp_path: Path, adapters: list[str]) -> None:
+    with pytest.raises(ConfigError, match=r"model.lora.default='gamma' .*known: alpha, beta"):
+        compose([*adapters, "model.lora.default=gamma", f"output.dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="input.adapter_column='task' needs model.lora.adapters"):
+        compose(["input.adapter_column=task"])
+
+
+def test_adapter_without_rank_is_refused_naming_its_file(tmp_path: Path) -> None:
+    d = tmp_path / "bad"
+    d.mkdir()
+    with pytest.raises(ConfigError, match=rf"model.lora.adapters.bad: cannot read {d}/adapter_config.json"):
+        compose([f"+model.lora.adapters.bad={d}"])
+
+
+def test_engine_arguments_come_from_the_adapters(adapters: list[str]) -> None:
+    kw = llm_kwargs(to_config(compose(adapters)))
+    assert (kw["enable_lora"], kw["max_loras"], kw["max_lora_rank"]) == (True, 2, 16)
+    kw = llm_kwargs(to_config(compose([*adapters, "model.lora.max_loras=1", "model.lora.max_lora_rank=32"])))
+    assert (kw["max_loras"], kw["max_lora_rank"]) == (1, 32)
+    assert "enable_lora" not in llm_kwargs(to_config(compose([])))
+    assert adapter_ids({"beta": "b", "alpha": "a"}) == {"alpha": 1, "beta": 2}
+
+
+def test_request_identity_includes_the_adapter() -> None:
+    base = RequestKey((1, 2, 3), "")
+    assert base.digest() == RequestKey((1, 2, 3), "", None, None).digest()
+    assert (
+        len(
+            {
+                base.digest(),
+                RequestKey((1, 2, 3), "", None, "a").digest(),
+                RequestKey((1, 2, 3), "", None, "b").digest(),
+            }
+        )
+        == 3
+    )
+
+
+def test_rows_get_their_adapter_and_unknown_names_are_error_rows(tmp_path: Path, adapters: list[str]) -> None:
+    corpus = write_rows(tmp_path / "c.jsonl", ROWS)
+    ov = fake_overrides(
+        tmp_path, corpus, "input.id_column=id", "input.adapter_column=task", "model.lora.default=beta", *adapters
+    )
+    run = prepare(compose(ov))
+    eng = keyed(FakeEngine(), run)
+    run_shards(run, [0], engine=eng)
+    merge(run)
+    out = {r["id"]: r for r in read_output(run.path)}
+    ids = eng.ids("one")
+    assert [out[i]["adapter"] for i in ("r0", "r1", "r2", "r4")] == ["alpha", "beta", "beta", "alpha"]
+    assert out["r0"]["text"] == out["r4"]["text"] == FakeEngine.answer(ids, "alpha")
+    assert out["r1"]["text"] == out["r2"]["text"] == FakeEngine.answer(ids, "beta") != out["r0"]["text"]
+    err = out["r3"]["error"]
+    assert out["r3"]["text"] is None and err["kind"] == "adapter", err
+    assert "'gamma'" in err["message"] and "alpha, beta" in err["message"] and "row 3" in err["message"]
+    assert sorted(eng.adapters.values()) == ["alpha", "beta"]  # the two identical requests per adapter ran once
+
+
+def test_changed_adapter_is_refused_on_resume_naming_it(tmp_path: Path, adapters: list[str]) -> None:
+    corpus = write_rows(tmp_path / "c.jsonl", ROWS[:3])
+    ov = fake_overrides(tmp_path, corpus, "input.id_column=id", "input.adapter_column=task", *adapters)
+    run = prepare(compose(ov))
+    (tmp_path / "beta" / "adapter_model.safetensors").write_bytes(b"retrained")
+    with pytest.raises(
+        RunDirError, match=r"LoRA adapter beta of model.lora.adapters.*lora/beta/adapter_model.safetensors changed size"
+    ):
+        check_model_unchanged(run)
+    with pytest.raises(RunDirError, match="LoRA adapter beta"):
+        prepare(compose(ov))
