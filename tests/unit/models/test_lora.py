@@ -116,3 +116,15 @@ def test_changed_adapter_is_refused_on_resume_naming_it(tmp_path: Path, adapters
         check_model_unchanged(run)
     with pytest.raises(RunDirError, match="LoRA adapter beta"):
         prepare(compose(ov))
+
+
+def test_base_rows_beside_adapter_rows_are_error_rows(tmp_path: Path, adapters: list[str]) -> None:
+    corpus = write_rows(tmp_path / "c.jsonl", ROWS[:3])
+    run = prepare(
+        compose(fake_overrides(tmp_path, corpus, "input.id_column=id", "input.adapter_column=task", *adapters))
+    )
+    run_shards(run, [0], engine=keyed(FakeEngine(), run))
+    merge(run)
+    out = read_output(run.path)
+    assert [r["adapter"] for r in out[:2]] == ["alpha", "beta"] and out[2]["error"]["kind"] == "adapter"
+    assert "model.lora.default is unset" in out[2]["error"]["message"]
