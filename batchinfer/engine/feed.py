@@ -1,5 +1,6 @@
-"""A shard's requests for the engine, prepared a window of rows at a time and queued in work order;
-identical requests share one, and a finished one's result serves identical requests that come later."""
+"""A shard's requests for the engine (made ahead, ahead.py), taken a window of rows at a time and
+queued in work order; identical requests share one, and a finished one's result serves identical
+requests that come later."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from batchinfer.engine.phases import CLOCK
 from batchinfer.engine.stream import ResultCache, result_bytes
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.requests.request import Answered, ErrorRow, Made, RequestKey
@@ -30,14 +32,12 @@ class Feed:
 
     def __init__(
         self,
-        rows: Iterator[tuple[int, dict[str, Any]]],
-        request: Callable[[int, dict[str, Any]], Made],
+        made: Iterator[tuple[int, Made]],
         result_row: Callable[[OutputRow, Completion], OutputRow],
         sizes: list[int],
         window: int,
     ):
-        self.rows = rows
-        self.request = request
+        self.made = iter(made)  # (index, request) of each row, in input order (ahead.Ahead)
         self.result_row = result_row
         self.sizes = deque(sizes)
         self.window = window
@@ -53,9 +53,8 @@ class Feed:
         """Read up to n more rows; the rows finished without the engine (error rows, cache hits)."""
         out: list[OutputRow] = []
         taken = 0
-        for index, row in self.rows:
+        for _, made in self.made:
             check_stop()
-            made = self.request(index, row)
             if isinstance(made, (ErrorRow, Answered)):  # a bad row, or output.reuse's answer
                 out.append(made.row)
             elif made.key in self.groups:
@@ -85,7 +84,8 @@ class Feed:
 
     def _flush(self) -> None:
         """The window being built joins the queue in work order; the next window starts."""
-        self.queue.extend(sorted(self._building, key=work_order))
+        with CLOCK("order"):
+            self.queue.extend(sorted(self._building, key=work_order))
         self._building = []
         self._read = 0
         self._size = self.sizes.popleft() if self.sizes else self.window

@@ -8,14 +8,23 @@ from typing import Any
 
 from batchinfer import faults
 from batchinfer.config.schema import Config
+from batchinfer.engine.encoding import encode_all
+from batchinfer.engine.phases import CLOCK
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.inputs.openai_batch import task_mismatch
 from batchinfer.requests.bounded import CharBound
-from batchinfer.requests.build import build_request, sampling_for
-from batchinfer.requests.prompts import PromptBuilder, RowError
+from batchinfer.requests.build import RowRequest, draft_request, encoded, sampling_for
+from batchinfer.requests.prompts import Prompt, PromptBuilder, RowError
 from batchinfer.requests.request import ErrorRow, RequestKey
 from batchinfer.requests.verdict import engine_refusal
 from batchinfer.rundir.schema import OutputRow, error_row
+
+RowIn = tuple[int, OutputRow, dict[str, Any]]  # a row's index, its output row's base, the input row
+
+
+def _error(index: int, base: OutputRow, e: RowError) -> ErrorRow:
+    """A row's error row."""
+    return ErrorRow(dict(error_row(index, base["id"], e.kind, f"row {index}: {e.message}"), **base))
 
 
 class GenerationRows:
@@ -25,21 +34,60 @@ class GenerationRows:
         self.cfg = cfg
         self.prompts = prompts
         self.poisoned: set[RequestKey] = set()  # fault injection only: requests that kill the engine
+        self._params: dict[str, Any] = {}  # own sampling -> the engine's SamplingParams for it
+        self._params_engine: Any = None  # the engine those are of
 
     def request(self, index: int, base: OutputRow, row: dict[str, Any], engine: Any) -> RequestKey | ErrorRow:
         """The row's request key (identical requests share one when sampling is greedy or seeded),
         or its error row."""
-        why = task_mismatch(row, "generate")
-        if why:
-            return ErrorRow(dict(error_row(index, base["id"], "unsupported", f"row {index}: {why}"), **base))
+        (made,) = self.requests([(index, base, row)], engine)
+        if isinstance(made, Exception):
+            raise made
+        return made
+
+    def requests(self, rows: list[RowIn], engine: Any) -> list[RequestKey | ErrorRow | Exception]:
+        """request() of each (index, output base, row), their prompts rendered and tokenized
+        together; an exception that is no row's error (prompt.overlong=fail) in its row's place."""
         kwargs = self.cfg.prompt.chat_template_kwargs
-        try:
-            bound = CharBound.of(engine.max_model_len, getattr(engine, "max_token_chars", None))
-            req = build_request(self.cfg, self.prompts, row, index, lambda p: engine.encode(p, kwargs), bound)
-            ids = req.fit(self.cfg.prompt.overlong, engine.max_model_len)
-            self.params(engine, req.own)
-        except RowError as e:
-            return ErrorRow(dict(error_row(index, base["id"], e.kind, f"row {index}: {e.message}"), **base))
+        bound = CharBound.of(engine.max_model_len, getattr(engine, "max_token_chars", None))
+
+        def encode(p: Prompt) -> list[int]:
+            return engine.encode(p, kwargs)
+
+        out: list[RequestKey | ErrorRow | Exception] = []
+        drafts: dict[int, RowRequest] = {}  # position in rows -> its request, tokens still to count
+        with CLOCK("request"):
+            for index, base, row in rows:
+                why = task_mismatch(row, "generate")
+                if why:
+                    out.append(_error(index, base, RowError("unsupported", why)))
+                    continue
+                try:
+                    drafts[len(out)] = draft_request(self.cfg, self.prompts, row, index, encode, bound)
+                    out.append(ErrorRow({}))  # its place, until its request is made
+                except RowError as e:
+                    out.append(_error(index, base, e))
+                except Exception as e:  # raised where this row is taken, as if made alone
+                    out.append(e)
+        counted = [k for k, d in drafts.items() if d.to_encode]
+        results = dict(zip(counted, encode_all(engine, [drafts[k].prompt for k in counted], kwargs), strict=True))
+        with CLOCK("request"):
+            for k, req in drafts.items():
+                index, base, _ = rows[k]
+                try:
+                    if k in results:
+                        encoded(req, results[k])
+                    out[k] = self._key(index, base, req, engine)
+                except RowError as e:
+                    out[k] = _error(index, base, e)
+                except Exception as e:
+                    out[k] = e
+        return out
+
+    def _key(self, index: int, base: OutputRow, req: RowRequest, engine: Any) -> RequestKey:
+        """The request key of a row's request, the overlong policy applied (RowError: its error row)."""
+        ids = req.fit(self.cfg.prompt.overlong, engine.max_model_len)
+        self.params(engine, req.own)
         if self.cfg.model.lora.adapters:
             base["adapter"] = req.adapter  # the output's adapter column (null: the base model)
         shared = req.sampling["temperature"] == 0 or req.sampling.get("seed") is not None
@@ -49,12 +97,18 @@ class GenerationRows:
         return key
 
     def params(self, engine: Any, own: str) -> Any:
-        """The engine's SamplingParams for a row; whatever vLLM raises on the values (its
-        VLLMValidationError is no ValueError) is RowError, kind sampling."""
+        """The engine's SamplingParams for a row (one per own sampling, kept); whatever vLLM raises
+        on the values (its VLLMValidationError is no ValueError) is RowError, kind sampling."""
+        if self._params_engine is not engine:
+            self._params, self._params_engine = {}, engine
+        if own in self._params:
+            return self._params[own]
         try:
-            return engine.sampling_params(sampling_for(self.cfg, own))
+            params = engine.sampling_params(sampling_for(self.cfg, own))
         except Exception as e:
             raise engine_refusal(e, "sampling", f"vLLM refuses the row's sampling {own or '(the config)'}") from None
+        self._params[own] = params
+        return params
 
     def result_row(self, base: OutputRow, c: Completion) -> OutputRow:
         """An output row from a finished request."""

@@ -58,6 +58,19 @@ class PoolingRows:
             return ErrorRow(dict(error_row(index, base["id"], "rejected", f"row {index}: {e}"), **base))
         return RequestKey(tuple(ids), extras)
 
+    def requests(
+        self, rows: list[tuple[int, OutputRow, dict[str, Any]]], engine: Any
+    ) -> list[RequestKey | ErrorRow | Exception]:
+        """request() of each (index, output base, row); an exception that is no row's error (a task
+        the model cannot run) in its row's place."""
+        out: list[RequestKey | ErrorRow | Exception] = []
+        for index, base, row in rows:
+            try:
+                out.append(self.request(index, base, row, engine))
+            except Exception as e:  # raised where this row is taken, as if made alone
+                out.append(e)
+        return out
+
     def params(self, engine: Any, extras: str) -> Any:
         """The engine's PoolingParams for a request; a task the model cannot run fails the shard."""
         try:

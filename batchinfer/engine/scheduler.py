@@ -7,18 +7,20 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Optional, Protocol
 
 import numpy as np
 
 from batchinfer import faults
 from batchinfer.config.schema import Config
+from batchinfer.engine.ahead import Ahead, Item
 from batchinfer.engine.crashes import Crashes, count_suspects
 from batchinfer.engine.feed import Feed
+from batchinfer.engine.phases import CLOCK
 from batchinfer.engine.rowbar import RowBar
 from batchinfer.engine.stopflag import StopFlag
-from batchinfer.engine.stream import first_window_rows, todo_slices, window_rows
+from batchinfer.engine.stream import ahead_slices, first_window_rows, slice_rows, todo_slices, window_rows
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.errors import Stopped, StorageError
 from batchinfer.inputs.shards import Shard
@@ -53,6 +55,9 @@ class TaskRows(Protocol):
     poisoned: set[RequestKey]  # fault injection: requests that kill the engine when added
 
     def request(self, index: int, base: OutputRow, row: dict[str, Any], engine: Any) -> RequestKey | ErrorRow: ...
+    def requests(
+        self, rows: list[tuple[int, OutputRow, dict[str, Any]]], engine: Any
+    ) -> list[RequestKey | ErrorRow | Exception]: ...
     def params(self, engine: Any, own: str) -> Any: ...
     def result_row(self, base: OutputRow, c: Completion) -> OutputRow: ...
 
@@ -68,7 +73,7 @@ class ShardRunner(Protocol):
 
     @property
     def dataset(self) -> Any: ...
-    def request(self, index: int, row: dict[str, Any], engine: EngineLike) -> Made: ...
+    def requests(self, rows: list[tuple[int, dict[str, Any]]], engine: EngineLike) -> list[Made | Exception]: ...
     def crash_rows(self, rows: list[int]) -> list[OutputRow]: ...
     def commit(self, shard: Shard, rows_in: list[OutputRow], record: Progress, error: Optional[str] = None) -> None: ...
     def write_progress(self, shard: Shard, record: Progress, error: Optional[str] = None) -> None: ...
@@ -89,12 +94,13 @@ class ShardScheduler:
         self.window = window_rows(engine.max_num_seqs)
         # Rows in flight at an engine death run one at a time first (their own window, fed before
         # any other), so a row that kills the engine again is known exactly; then the shard streams.
-        rows = itertools.chain(
-            rows_of(worker.dataset, iter([isolated] if isolated else [])),
-            rows_of(worker.dataset, todo_slices(shard.start, shard.stop, skip, max(engine.max_num_seqs, 1))),
-        )
+        # A helper thread makes the requests (read, render, tokenize) about a window ahead.
+        size = slice_rows(engine.max_num_seqs)
+        slices = itertools.chain([isolated] if isolated else [], todo_slices(shard.start, shard.stop, skip, size))
+        depth = ahead_slices(engine.max_num_seqs)
+        self.ahead = Ahead(slices, self._make, depth, worker.stop.check, lambda: worker.stop.signum is not None)
         sizes = ([len(isolated)] if isolated else []) + [first_window_rows(engine.max_num_seqs)]
-        self.feed = Feed(rows, self._request, worker.task_rows.result_row, sizes, self.window)
+        self.feed = Feed(self.ahead, worker.task_rows.result_row, sizes, self.window)
         self.pending: list[OutputRow] = worker.crash_rows(self.crashes.crashed_rows)  # rows to commit
         self.in_flight: dict[str, RequestKey] = {}  # request id -> key, sent and not finished
         self.n_isolate = 0  # isolated requests still to finish: while any, one request at a time
@@ -110,8 +116,15 @@ class ShardScheduler:
         self.t_gen = self.last_commit = time.monotonic()
         self.first_request = True
 
-    def _request(self, index: int, row: dict[str, Any]) -> Made:
-        return self.crashes.unless_crashed(self.worker.request(index, row, self.engine))
+    def _make(self, indices: list[int]) -> list[tuple[int, Item]]:
+        """The requests of these rows (on the helper thread): read, made together, crashed ones out."""
+        with CLOCK("read"):
+            rows = self.worker.dataset.select(indices).to_list()
+        made = self.worker.requests(list(zip(indices, rows, strict=True)), self.engine)
+        return [
+            (i, m if isinstance(m, BaseException) else self.crashes.unless_crashed(m))
+            for i, m in zip(indices, made, strict=True)
+        ]
 
     def run(self) -> None:
         """Every remaining row answered and committed; on any exception, finished rows are committed
@@ -133,8 +146,11 @@ class ShardScheduler:
             while self.step():
                 pass
         except BaseException as e:
+            self.ahead.close()  # before the commit: the helper stops making requests no one takes
             self._after_error(e)
             raise
+        finally:
+            self.ahead.close()
         self.record.seconds.generate += time.monotonic() - self.t_gen
         if self.feed.cache.hits:
             log.info(
@@ -156,6 +172,10 @@ class ShardScheduler:
 
     def submit(self) -> None:
         """Send queued requests while fewer than the target are in flight (one while isolating)."""
+        with CLOCK("submit"):
+            self._submit()
+
+    def _submit(self) -> None:
         while self.feed.queue and len(self.in_flight) < (1 if self.n_isolate else self.target):
             key = self.feed.queue.popleft()
             rid = f"{self.shard.index}-{self.attempt}-{self.seq}"
@@ -211,7 +231,8 @@ class ShardScheduler:
         """Prepare up to n more rows (stopping at once on a stop signal); the rows already finished.
         Its seconds count as prepare: the engine may be computing meanwhile, or waiting for it."""
         t0 = time.monotonic()
-        done = self.feed.prepare(n, self.worker.stop.check)  # preparing a window takes a while: act on a stop now
+        with CLOCK("dedup"):  # taking made requests: waiting for the helper costs no CPU here
+            done = self.feed.prepare(n, self.worker.stop.check)  # act on a stop at once, row by row
         self.record.seconds.prepare += time.monotonic() - t0
         if self.worker.bar is not None and done:
             self.worker.bar.update(len(done))
@@ -222,8 +243,9 @@ class ShardScheduler:
         self.in_engine = True
         completions = self.engine.step()
         self.in_engine = False
-        for c in completions:
-            self._collect(c)
+        with CLOCK("collect"):
+            for c in completions:
+                self._collect(c)
         faults.trace_finished(self.finished)
         faults.point(faults.IN_GENERATE)
 
@@ -294,9 +316,3 @@ class ShardScheduler:
     def _in_flight_rows(self) -> list[tuple[OutputRow, RequestKey]]:
         """(output base, request) of every row in flight."""
         return [(m, k) for k in self.in_flight.values() for m in self.feed.groups[k]]
-
-
-def rows_of(dataset: Any, slices: Iterator[list[int]]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(index, row) of the rows in these slices, reading one slice of the input at a time."""
-    for indices in slices:
-        yield from zip(indices, dataset.select(indices).to_list(), strict=True)

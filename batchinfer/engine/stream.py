@@ -32,6 +32,18 @@ def first_window_rows(max_num_seqs: int) -> int:
     return max(2 * max_num_seqs, 1)
 
 
+def slice_rows(max_num_seqs: int) -> int:
+    """Rows read, rendered and tokenized together (a slice of todo_slices)."""
+    return max(max_num_seqs, 1)
+
+
+def ahead_slices(max_num_seqs: int) -> int:
+    """Slices the helper thread (ahead.py) keeps made and not yet taken, at most: the next window
+    and a first window's worth, so the engine never waits for a window to be made."""
+    rows = window_rows(max_num_seqs) + first_window_rows(max_num_seqs)
+    return -(-rows // slice_rows(max_num_seqs)) + 1
+
+
 def done_rows(rows: Any) -> np.ndarray:
     """Committed row indices (an Arrow column) as a sorted int64 array without repeats."""
     return np.unique(np.asarray(rows, dtype=np.int64))

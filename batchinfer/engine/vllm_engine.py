@@ -8,13 +8,14 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any, Optional
 
 from batchinfer import faults
 from batchinfer.config.nodes import NodeGroup, node_kwargs
 from batchinfer.config.schema import POOLING_TASKS, Config, to_config
+from batchinfer.engine import encoding
 from batchinfer.engine.completion import PAIR_SEP, Completion, PairParams, cosine, pooled_completion
 from batchinfer.engine.dtype import device_name, engine_dtype
 from batchinfer.engine.environment import engine_environment
@@ -309,11 +310,14 @@ class Engine:
 
     def encode(self, prompt: Prompt, chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
         """Token ids exactly as vLLM would make them: chat template rendered, then tokenized."""
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
-        kw = chat_template_kwargs or {}
-        text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kw)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encoding.encode_one(self.tokenizer, prompt, chat_template_kwargs)
+
+    def encode_many(
+        self, prompts: Sequence[Prompt], chat_template_kwargs: Optional[dict[str, Any]] = None
+    ) -> list[encoding.Encoded]:
+        """encode() of each prompt, rendered and tokenized together (the exception where a chat
+        template refuses one)."""
+        return encoding.encode_many(self.tokenizer, prompts, chat_template_kwargs)
 
     def add(self, request_id: str, token_ids: list[int], params: Any, adapter: Optional[str] = None) -> None:
         """Queue one request (a bi-encoder pair as two, answered as one); adapter: a LoRA adapter's

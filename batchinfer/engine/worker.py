@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 from batchinfer import faults
 from batchinfer.engine.crashes import crash_row
 from batchinfer.engine.generation import GenerationRows
+from batchinfer.engine.phases import CLOCK
 from batchinfer.engine.pooled import pooling_rows
 from batchinfer.engine.reuse import RowReuse
 from batchinfer.engine.rowbar import RowBar
@@ -27,7 +28,7 @@ from batchinfer.inputs.shards import Shard
 from batchinfer.locks import ShardLock, configured_mode
 from batchinfer.requests.build import row_id
 from batchinfer.requests.prompts import PromptBuilder
-from batchinfer.requests.request import Made, RequestKey
+from batchinfer.requests.request import ErrorRow, Made, RequestKey
 from batchinfer.rundir.done import DoneRecord, Reproducibility, done_record
 from batchinfer.rundir.model_record import check_model_unchanged
 from batchinfer.rundir.progress import EngineSlot, PrefixCache, Progress, count_failure, read_progress, write_progress
@@ -186,11 +187,28 @@ class ShardWorker:
             ) from None
         self._turns_checked = True
 
-    def request(self, index: int, row: dict[str, Any], engine: EngineLike) -> Made:
-        """A row's request (its output base and key), or its error row (a bad row)."""
-        base: OutputRow = {"row": index, "id": row_id(self.cfg, row, index), **self._carried(row)}
-        made = self.task_rows.request(index, base, row, engine)
-        return self.reuse.made(base, made, self.dtype) if isinstance(made, RequestKey) else made
+    def requests(self, rows: list[tuple[int, dict[str, Any]]], engine: EngineLike) -> list[Made | Exception]:
+        """Each (index, row)'s request (its output base and key), or its error row (a bad row), made
+        together (one tokenizer call); what making one raised in its place."""
+        out: list[Made | Exception] = []
+        todo: list[tuple[int, OutputRow, dict[str, Any]]] = []  # (index, output base, row)
+        places: list[int] = []
+        with CLOCK("request"):
+            for index, row in rows:
+                try:
+                    todo.append((index, {"row": index, "id": row_id(self.cfg, row, index), **self._carried(row)}, row))
+                    places.append(len(out))
+                    out.append(ErrorRow({}))  # its place, until made
+                except Exception as e:  # raised where this row is taken
+                    out.append(e)
+        made = self.task_rows.requests(todo, engine)
+        with CLOCK("digest"):
+            for k, (_, base, _), m in zip(places, todo, made, strict=True):
+                try:
+                    out[k] = self.reuse.made(base, m, self.dtype) if isinstance(m, RequestKey) else m
+                except Exception as e:
+                    out[k] = e
+        return out
 
     def _carried(self, row: dict[str, Any]) -> OutputRow:
         """The input columns carried into the output (input.columns), if any."""

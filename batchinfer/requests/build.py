@@ -7,7 +7,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from batchinfer.config.schema import Config
 from batchinfer.errors import InputError
@@ -38,6 +38,7 @@ class RowRequest:
     # not counted; ids are empty (error_row, fail), or of its cut text (truncate_left, truncate_right).
     at_least: Optional[int] = None
     adapter: Optional[str] = None  # the LoRA adapter's name (model.lora.adapters); None: the base model
+    to_encode: bool = True  # its ids are the prompt's tokens (False: error_row and fail need no count)
 
     @property
     def tokens(self) -> int:
@@ -72,6 +73,22 @@ def build_request(
 ) -> RowRequest:
     """Id, sampling, prompt and token ids of a row; a bad row raises RowError. bound: a prompt
     overlong by its characters alone is not tokenized whole (requests/bounded.py)."""
+    req = draft_request(cfg, builder, row, index, encode, bound)
+    if req.to_encode:
+        req.ids = _encode(encode, req.prompt)
+    return req
+
+
+def draft_request(
+    cfg: Config,
+    builder: PromptBuilder,
+    row: dict[str, Any],
+    index: int,
+    encode: Encode,
+    bound: Optional[CharBound] = None,
+) -> RowRequest:
+    """build_request without counting the prompt's tokens: when `to_encode`, its ids are those of
+    `prompt` (set them with `encoded`; the worker tokenizes a window's prompts together)."""
     why = task_mismatch(row, cfg.task.name)  # an OpenAI request this run cannot honour
     if why:
         raise RowError("unsupported", why)
@@ -83,8 +100,16 @@ def build_request(
     at_least = bound.at_least(prompt) if bound is not None else None
     if at_least is not None and policy in TRUNCATE:
         prompt = bound.shorten(prompt, from_end=policy == "truncate_left")
-    ids = [] if at_least is not None and policy not in TRUNCATE else _encode(encode, prompt)
-    return RowRequest(id_, own, sampling_for(cfg, own), prompt, ids, encode, at_least, adapter)
+    to_encode = at_least is None or policy in TRUNCATE
+    return RowRequest(id_, own, sampling_for(cfg, own), prompt, [], encode, at_least, adapter, to_encode)
+
+
+def encoded(req: RowRequest, result: Union[list[int], Exception]) -> RowRequest:
+    """A draft with its prompt's ids (or what encoding it raised, this row's RowError)."""
+    if isinstance(result, Exception):
+        raise _template_error(result)
+    req.ids = result
+    return req
 
 
 def row_adapter(cfg: Config, row: dict[str, Any]) -> Optional[str]:
@@ -102,9 +127,12 @@ def _encode(encode: Encode, prompt: Prompt) -> list[int]:
     try:
         return encode(prompt)
     except Exception as e:  # the chat template raised on this row's messages (jinja, or a bad message)
-        raise RowError(
-            "chat_template", f"the chat template rejects this row's messages: {type(e).__name__}: {e}"
-        ) from None
+        raise _template_error(e) from None
+
+
+def _template_error(e: Exception) -> RowError:
+    """The error of a row whose messages the chat template (or the tokenizer) refused."""
+    return RowError("chat_template", f"the chat template rejects this row's messages: {type(e).__name__}: {e}")
 
 
 def overlong_tokens(

@@ -4,20 +4,46 @@ share its result) or, for a bad row, its error row at once."""
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Optional, Union
 
 
-class RequestKey(NamedTuple):
-    """A request's identity: rows whose keys are equal are computed once."""
+class RequestKey:
+    """A request's identity: rows whose keys are equal are computed once. Its hash and digest are
+    taken once (a key is looked up several times on its way through the worker)."""
 
-    ids: tuple[int, ...]  # prompt token ids
-    own: str  # the row's own sampling (canonical JSON, "" when none), or a pooling request's extras
-    # None: identical requests share one result (greedy or seeded sampling, pooling); else the row
-    # this request belongs to alone (random sampling: each row its own sample)
-    own_row: Optional[int] = None
-    adapter: Optional[str] = None  # the LoRA adapter (model.lora.adapters); None: the base model
+    __slots__ = ("ids", "own", "own_row", "adapter", "_hash", "_digest")
+
+    def __init__(self, ids: tuple[int, ...], own: str, own_row: Optional[int] = None, adapter: Optional[str] = None):
+        self.ids = ids  # prompt token ids
+        # the row's own sampling (canonical JSON, "" when none), or a pooling request's extras
+        self.own = own
+        # None: identical requests share one result (greedy or seeded sampling, pooling); else the
+        # row this request belongs to alone (random sampling: each row its own sample)
+        self.own_row = own_row
+        self.adapter = adapter  # the LoRA adapter (model.lora.adapters); None: the base model
+        self._hash = hash((ids, own, own_row, adapter))
+        self._digest: Optional[bytes] = None
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, RequestKey):
+            return NotImplemented
+        return (
+            self._hash == other._hash
+            and self.ids == other.ids
+            and self.own == other.own
+            and self.own_row == other.own_row
+            and self.adapter == other.adapter
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"RequestKey(ids={self.ids!r}, own={self.own!r}, own_row={self.own_row!r}, adapter={self.adapter!r})"
 
     @property
     def shared(self) -> bool:
@@ -26,13 +52,15 @@ class RequestKey(NamedTuple):
 
     def digest(self) -> bytes:
         """The request's identity in the result cache and crash records: token ids, own sampling, adapter."""
-        return request_digest(self.ids, self.own, self.adapter)
+        if self._digest is None:
+            self._digest = request_digest(self.ids, self.own, self.adapter)
+        return self._digest
 
 
 def request_digest(ids: Any, own: str, adapter: Optional[str] = None) -> bytes:
-    """A digest of prompt token ids, a row's own sampling and its LoRA adapter (the base model's
-    digest is as before adapters existed)."""
-    h = hashlib.blake2b(array("q", ids).tobytes(), digest_size=16)
+    """A digest of prompt token ids (as native int64), a row's own sampling and its LoRA adapter
+    (the base model's digest is as before adapters existed)."""
+    h = hashlib.blake2b(struct.pack(f"={len(ids)}q", *ids), digest_size=16)
     h.update(own.encode())
     if adapter is not None:
         h.update(b"\0lora:" + adapter.encode())

@@ -106,20 +106,21 @@ def test_a_stop_while_prompts_are_prepared_is_acted_on_before_any_request(
 
     run = prepare(compose([*clean["base"], f"output.dir={clean['dir']}/stop-in-prepare"]))
     stop = StopFlag()
-    encoded, added = [], []
-    real_encode = engine.encode
+    encoded: list[int] = []
+    added: list[Any] = []
+    real_encode = engine.encode_many
 
-    def encode(prompt: Any, kwargs: Any = None) -> list[int]:
-        encoded.append(prompt)
-        if len(encoded) == 5:
-            stop.signum = 12  # USR2 arrives while the shard's prompts are being tokenized
-        return real_encode(prompt, kwargs)
+    def encode_many(prompts: Any, kwargs: Any = None) -> list[Any]:
+        encoded.append(len(prompts))
+        stop.signum = 12  # USR2 arrives while the first slice of the shard's prompts is tokenized
+        return real_encode(prompts, kwargs)
 
-    monkeypatch.setattr(engine, "encode", encode)
+    monkeypatch.setattr(engine, "encode_many", encode_many)
     monkeypatch.setattr(engine, "add", lambda *a: added.append(a))
     with pytest.raises(Stopped, match="SIGUSR2"):
         ShardWorker(run, lambda: engine, stop).run_shard(run.shards()[0])
-    assert len(encoded) == 5 and added == []  # stopped at once: the rest was not prepared, nothing was sent
+    # stopped at once: no later slice was tokenized, nothing was sent
+    assert len(encoded) == 1 and 0 < encoded[0] < ROWS and added == []
     assert run.shard_folder(0).committed_files() == []
 
 

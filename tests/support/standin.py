@@ -156,7 +156,10 @@ class StandinEngine:
         self.max_logprobs = (cfg.model.engine_kwargs or {}).get("max_logprobs", MAX_LOGPROBS)
         # a step takes time, so rates, holds and kills at a random moment behave as on an engine
         self.step_seconds = float(os.environ.get(STEP_ENV, 0.002)) if step_seconds is None else step_seconds
-        self.queue: dict[str, tuple[list[int], int]] = {}  # request id -> (token ids, max_tokens)
+        # request id -> (token ids, max_tokens, digest): the digest taken once, at add (a step looks at
+        # every queued request, and the ceiling benchmark wants the stand-in's own cost small)
+        self.queue: dict[str, tuple[list[int], int, int]] = {}
+        self._params: dict[str, dict[str, Any]] = {}  # sampling values already checked
         self.steps = 0
         self.dead = False  # a poisoned request was added: the next step fails as vLLM's would
         self.device = "stand-in engine"
@@ -165,18 +168,24 @@ class StandinEngine:
 
     def sampling_params(self, sampling: dict[str, Any]) -> Any:
         """The sampling config itself (only max_tokens matters here); values vLLM's SamplingParams
-        refuses raise its VLLMValidationError (the logprobs cap is checked at add, as vLLM does)."""
-        return checked_params(sampling)
+        refuses raise its VLLMValidationError (the logprobs cap is checked at add, as vLLM does);
+        values that passed are kept, as vllm_engine.Engine keeps its SamplingParams."""
+        key = repr(sorted(sampling.items()))
+        if key not in self._params:
+            self._params[key] = checked_params(sampling)
+        return dict(self._params[key])
 
     # Token ids exactly as the real engine makes them (its method: it uses only self.tokenizer).
     encode = Engine.encode
+    encode_many = Engine.encode_many
 
     def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
         """Queue a request; with refuse_every, one in that many (by digest) is refused."""
-        if self.refuse_every and digest(token_ids) % self.refuse_every == 0:
+        number = digest(token_ids)
+        if self.refuse_every and number % self.refuse_every == 0:
             raise vllm_refusal(f"the stand-in refuses this request ({len(token_ids)} tokens)")
         check_logprobs(params, self.max_logprobs)
-        self.queue[request_id] = (list(token_ids), int(params["max_tokens"]))
+        self.queue[request_id] = (list(token_ids), int(params["max_tokens"]), number)
         marker = os.environ.get(POISON_ENV)
         self.dead = self.dead or bool(marker and marker in self.tokenizer.decode(token_ids))
 
@@ -186,13 +195,13 @@ class StandinEngine:
         if self.dead:
             raise RuntimeError("vLLM engine core died")  # what the real engine's watchdog raises
         self.steps += 1
-        ready = [r for r, (ids, _) in self.queue.items() if (digest(ids) + self.steps) % 3 == 0]
+        ready = [r for r, (_, _, number) in self.queue.items() if (number + self.steps) % 3 == 0]
         done = ready[: self.max_num_seqs] or list(self.queue)[-1:]
         return [self._answer(rid, *self.queue.pop(rid)) for rid in done]
 
-    def _answer(self, request_id: str, ids: list[int], max_tokens: int) -> Completion:
+    def _answer(self, request_id: str, ids: list[int], max_tokens: int, number: int) -> Completion:
         """The prompt's last token, repeated 1..max_tokens times (how many: the digest's choice)."""
-        n = 1 + digest(ids) % max_tokens
+        n = 1 + number % max_tokens
         text = self.tokenizer.decode(ids[-1:]) * n
         reason = "length" if n == max_tokens else "stop"
         return Completion(request_id, [text], reason, len(ids), n)

@@ -91,8 +91,8 @@ def test_work_order_groups_shared_prefixes_then_sorts_by_length() -> None:
         RequestKey(a + (7,), ""),
     ]
     ordered = sorted(keys, key=work_order)
-    assert [len(k[0]) - PREFIX_TOKENS for k in ordered] == [1, 10, 1, 3]
-    assert [k[0][:PREFIX_TOKENS] for k in ordered] == [a, a, b, b]
+    assert [len(k.ids) - PREFIX_TOKENS for k in ordered] == [1, 10, 1, 3]
+    assert [k.ids[:PREFIX_TOKENS] for k in ordered] == [a, a, b, b]
 
 
 def test_trace_records_rows_finished_per_step(tmp_path: Path, monkeypatch) -> None:
