@@ -312,12 +312,9 @@ class Engine:
         """Token ids exactly as vLLM would make them: chat template rendered, then tokenized."""
         return encoding.encode_one(self.tokenizer, prompt, chat_template_kwargs)
 
-    def encode_many(
-        self, prompts: Sequence[Prompt], chat_template_kwargs: Optional[dict[str, Any]] = None
-    ) -> list[encoding.Encoded]:
-        """encode() of each prompt, rendered and tokenized together (the exception where a chat
-        template refuses one)."""
-        return encoding.encode_many(self.tokenizer, prompts, chat_template_kwargs)
+    def encode_many(self, prompts: Sequence[Prompt], kwargs: Optional[dict[str, Any]] = None) -> list[Any]:
+        """encode() of each prompt, all tokenized in one call (the exception where a template refuses one)."""
+        return encoding.encode_many(self.tokenizer, prompts, kwargs)
 
     def add(self, request_id: str, token_ids: list[int], params: Any, adapter: Optional[str] = None) -> None:
         """Queue one request (a bi-encoder pair as two, answered as one); adapter: a LoRA adapter's
@@ -386,8 +383,7 @@ class Engine:
 
     def abort_all(self) -> None:
         """Drop requests in flight (after a stop signal their rows are redone on resume)."""
-        # Our own ids: vLLM >= 0.11 keys its request states by internal ids (ours plus a random
-        # suffix), which abort_request does not take by default.
+        # Our own ids: vLLM >= 0.11 keys requests by ours plus a random suffix, which abort_request does not take
         ids, self._live = list(self._live), set()
         self._pairs.clear()
         if ids:
