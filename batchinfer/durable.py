@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
 from batchinfer import faults
-from batchinfer.errors import StorageError
+from batchinfer.errors import CorruptRecord, StorageError
 from batchinfer.redaction import plain_json, record_json
 
 TMP_PREFIX = ".tmp-"
@@ -215,6 +215,21 @@ def write_json(path: Path, obj: Any, redact: bool = True) -> None:
     atomic_write(path, (text + "\n").encode())
 
 
-def read_json(path: Path) -> Any:
-    """Read a JSON file."""
-    return json.loads(path.read_text())
+def read_json(path: Path, advice: str = "") -> Any:
+    """A JSON record (the one reader of batchinfer's records); CorruptRecord naming the file, where
+    it stops being JSON and advice (what to do) when it is not JSON."""
+    data = path.read_bytes()
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise corrupt_record(path, f"not UTF-8 text (byte {e.start})", advice) from None
+    except json.JSONDecodeError as e:
+        raise corrupt_record(path, f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}", advice) from None
+
+
+def corrupt_record(path: Path, what: str, advice: str = "") -> CorruptRecord:
+    """The error for a record of batchinfer's that is not what it wrote."""
+    return CorruptRecord(
+        f"{path} is {what}; batchinfer writes it whole (a temporary renamed into place), so something "
+        f"else changed or cut it: {advice or 'restore it from a copy'}"
+    )

@@ -26,6 +26,11 @@ class FolderRefused(RunDirError):
     command is making; one line naming the folder and its holder (ownership.py)."""
 
 
+class CorruptRecord(RunDirError, ValueError):
+    """A record batchinfer wrote whole (plan.json, stats.json, ...) that is not JSON now: something
+    else changed or cut it. Names the file and what to do (a ValueError, as json's own error is)."""
+
+
 class TransientRunDirError(RunDirError):
     """A refusal that may pass by itself (Slurm did not answer about a lock's holder, run.yaml could
     not be read just now): the shard loop tries again before giving up."""

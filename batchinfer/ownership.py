@@ -1,7 +1,8 @@
 """One owner for every folder: the one place where a command creates a folder it owns, recognises
 it later, adopts a half-made one whose maker is dead, publishes a finished one by renaming it into
 an absent name, and removes only what it made (issue 40). Nothing else removes or renames a run's
-folders (tests/contract/test_ownership_rule.py).
+folders (tests/contract/test_ownership_rule.py). Its reading side (the mark, Layout, recognise,
+refusal) is folder_kinds.py, re-exported here: callers use ownership.
 
 On disk, a folder batchinfer made holds, beside what its command puts there:
 - `.batchinfer-owner.json` (MARK): who made it and whether it is finished,
@@ -11,23 +12,33 @@ On disk, a folder batchinfer made holds, beside what its command puts there:
   locks' own mechanism (locks/: flock where it locks across nodes, else a lock file published by
   link and taken over only from a provably dead holder), so it holds on NFS and Lustre.
 
+A Layout names what a command makes at the top of its folder (`run.yaml`, `input`, `.tmp-*`, ...):
+only those names are ever removed from it, and a half-made folder holding any other name (a file
+the user put there after the crash) is refused, naming it, never cleared.
+
 API (every refusal is a FolderRefused, exit 2, one line naming the folder and its holder):
-- `recognise(path, legacy=None) -> Found`: what path is, with its mark and a judgement of its
-  maker (alive: same machine by pid and start time, else by Slurm, as a lock's holder). Kind:
-  ABSENT; EMPTY (nothing but our own names); MAKING (mark "making", maker alive or not judgeable);
-  HALF_MADE (mark "making", maker provably dead); DONE; FOREIGN (not empty, no mark);
+- `recognise(path, legacy=None, layout=None) -> Found`: what path is, with its mark and a
+  judgement of its maker (alive: same machine by pid and start time, else by Slurm, as a lock's
+  holder). Kind: ABSENT; EMPTY (nothing but our own names); MAKING (mark "making", maker alive or
+  not judgeable: Found.judged says which); HALF_MADE (mark "making", maker provably dead;
+  Found.strays: its names the layout does not make); DONE; FOREIGN (not empty, no mark);
   NOT_A_FOLDER (a file, or a symlink: never followed). `legacy(path)` may name what an unmarked
-  folder of an older batchinfer is (Kind.DONE or Kind.HALF_MADE); None: it is FOREIGN.
-- `claim(path, command, *, mode="auto", legacy=None, label="") -> ContextManager[Claim]`: make
-  path (parents too) or take it, holding its lock for the whole `with` body. EMPTY is marked
-  "making" (Claim.fresh); HALF_MADE is adopted (Claim.adopted; `Claim.clear()` removes the dead
-  maker's contents); DONE is handed over as it is (Claim.existing: never removed, never marked).
-  FOREIGN, NOT_A_FOLDER, MAKING and a held lock are refused. A clean exit marks a fresh or
-  adopted folder "done"; when the body raises, what this claim made is removed (only while the
-  mark carries its token; the folder itself only when this claim created it). A claim of a folder
+  folder of an older batchinfer is (Kind.DONE or Kind.HALF_MADE; an unmarked HALF_MADE holding a
+  name the layout does not make is FOREIGN); None: it is FOREIGN.
+- `claim(path, command, *, layout, mode="auto", legacy=None, label="", within=None)
+  -> ContextManager[Claim]`: make path (parents too) or take it, holding its lock for the whole
+  `with` body. EMPTY is marked "making" (Claim.fresh); HALF_MADE is adopted (Claim.adopted;
+  `Claim.clear()` removes the dead maker's names of the layout, and logs them); DONE is handed
+  over as it is (Claim.existing: never removed, never marked). FOREIGN, NOT_A_FOLDER, MAKING, a
+  HALF_MADE holding strays and a held lock are refused. A clean exit marks a fresh or adopted
+  folder "done"; when the body raises, what this claim made (the layout's names) is removed (only
+  while the mark carries its token; the folder itself only when this claim created it and nothing
+  else is left in it). `within`: the folder path is made in (a run directory, for its passes):
+  no folder between it and path may be a symlink, none is made through one. A claim of a folder
   this process already claims is the inner one (Claim.inner: neither fresh, adopted nor existing;
   it fills the folder, and the outer claim alone marks or removes it): a redo claims its pass
   folder, writes its selection, then prepares the run directory in it.
+- `make_dirs(path, within, label="")`: path and its parents below within, through no symlink.
 - `hold(path, command, *, mode="auto") -> ContextManager[FileLock]`: a folder's lock alone, for a
   command that changes an existing folder of its own (a redo: check, select, claim the pass). A
   process takes one folder's lock once: never `claim` a folder inside a `hold` of that folder.
@@ -45,155 +56,60 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import stat
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from enum import Enum
 from pathlib import Path
-from typing import Optional, TypedDict
+from typing import Optional
 
-from batchinfer.durable import fsync_dir, read_json, write_json
+from batchinfer.durable import fsync_dir, write_json
 from batchinfer.errors import FolderRefused
-from batchinfer.locks.holder import Holder, HolderRecord, Verdict
+from batchinfer.folder_kinds import (
+    LOCK,
+    MARK,
+    Found,
+    Kind,
+    Layout,
+    Mark,
+    State,
+    others,
+    read_mark,
+    recognise,
+    refusal,
+    refused,
+    shown,
+)
+from batchinfer.locks.holder import Holder, Verdict
 from batchinfer.locks.judge import judge_holder
 from batchinfer.locks.lock import FileLock
 from batchinfer.logs import log
 from batchinfer.security import remove_path
 
-MARK = ".batchinfer-owner.json"
-LOCK = ".batchinfer-owner.lock"
-_OURS = ".batchinfer-owner"  # in every name of the mark, the lock and their temporaries
-_PROBES = ("lock.clock-", ".flock-probe-")  # the lock's filesystem probes, there for an instant
-
-
-class State(Enum):
-    """Whether the folder's maker finished it."""
-
-    MAKING = "making"
-    DONE = "done"
-
-
-class Kind(Enum):
-    """What a folder is to a command that wants it."""
-
-    ABSENT = "absent"
-    EMPTY = "empty"
-    MAKING = "making"
-    HALF_MADE = "half-made"
-    DONE = "done"
-    FOREIGN = "foreign"
-    NOT_A_FOLDER = "not a folder"
-
-
-class MarkRecord(TypedDict):
-    """MARK's JSON, as Mark.record writes it."""
-
-    command: str
-    state: str  # a State's value
-    token: str
-    made: float
-    maker: HolderRecord
-
-
-@dataclass(frozen=True)
-class Mark:
-    """The record in MARK: which command made the folder, which process, and whether it finished."""
-
-    command: str
-    state: State
-    token: str
-    made: float
-    maker: Holder
-
-    def record(self) -> MarkRecord:
-        """MARK's JSON."""
-        return {
-            "command": self.command,
-            "state": self.state.value,
-            "token": self.token,
-            "made": self.made,
-            "maker": self.maker.record(),
-        }
-
-    def describe(self) -> str:
-        """`batchinfer prepare (host h pid 1, since 04:50:01)`, for refusals."""
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.made))
-        return f"batchinfer {self.command} ({self.maker.describe()}, since {since})"
-
-
-def read_mark(folder: Path) -> Optional[Mark]:
-    """The folder's mark; None when it has none (or a name of ours holding no mark)."""
-    try:
-        rec = read_json(folder / MARK)
-        maker = Holder.from_record(rec["maker"])
-        mark = Mark(str(rec["command"]), State(rec["state"]), str(rec["token"]), float(rec["made"]), maker or Holder())
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return mark if maker is not None else None
+__all__ = [
+    "LOCK",
+    "MARK",
+    "Claim",
+    "Found",
+    "Kind",
+    "Layout",
+    "Mark",
+    "State",
+    "claim",
+    "hold",
+    "make_dirs",
+    "publish",
+    "read_mark",
+    "recognise",
+    "refusal",
+    "stage",
+    "sweep",
+]
 
 
 def _write_mark(folder: Path, mark: Mark) -> None:
     write_json(folder / MARK, mark.record(), redact=False)  # its `token` is our claim's, no secret
-
-
-@dataclass(frozen=True)
-class Found:
-    """What recognise saw at path: its kind, its mark, and why (the maker's judgement, the names)."""
-
-    path: Path
-    kind: Kind
-    mark: Optional[Mark] = None
-    why: str = ""
-
-
-def _others(folder: Path) -> list[str]:
-    """The folder's names that are not ours (the mark, the lock, their temporaries, lock probes)."""
-    return sorted(n for n in os.listdir(folder) if _OURS not in n and not n.startswith(_PROBES))
-
-
-def recognise(path: Path, legacy: Optional[Callable[[Path], Optional[Kind]]] = None) -> Found:
-    """What path is to a command that wants it (see the module docstring)."""
-    path = Path(path)
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return Found(path, Kind.ABSENT)
-    if not stat.S_ISDIR(st.st_mode):
-        return Found(path, Kind.NOT_A_FOLDER, why="a symlink" if stat.S_ISLNK(st.st_mode) else "a file")
-    mark = read_mark(path)
-    if mark is not None:
-        if mark.state is State.DONE:
-            return Found(path, Kind.DONE, mark)
-        judged = judge_holder(mark.maker)
-        return Found(path, Kind.HALF_MADE if judged.verdict is Verdict.DEAD else Kind.MAKING, mark, judged.why)
-    names = _others(path)
-    if not names:
-        return Found(path, Kind.EMPTY)
-    kind = legacy(path) if legacy else None
-    if kind in (Kind.DONE, Kind.HALF_MADE):
-        return Found(path, kind, why="made by an older batchinfer")
-    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    return Found(path, Kind.FOREIGN, why=shown)
-
-
-def refusal(found: Found, label: str = "") -> FolderRefused:
-    """The one-line refusal of a folder a command may not take."""
-    where = f"{label} {found.path}" if label else str(found.path)
-    if found.kind is Kind.NOT_A_FOLDER:
-        return FolderRefused(f"{where} is {found.why}, not a folder; choose another")
-    if found.kind is Kind.MAKING and found.mark is not None:
-        return FolderRefused(
-            f"{where} is being made by {found.mark.describe()}: {found.why}; wait for it or choose another folder"
-        )
-    if found.kind is Kind.FOREIGN:
-        return FolderRefused(
-            f"{where} is not empty and batchinfer did not make it (it holds {found.why}); batchinfer never "
-            f"writes into or clears a folder it did not make: choose a new or empty folder"
-        )
-    return FolderRefused(f"{where} is {found.kind.value}; choose another folder")
 
 
 @dataclass
@@ -207,6 +123,7 @@ class Claim:
     token: Optional[str]
     made_dir: bool  # this claim created the folder itself
     inner: bool = False  # inside a claim of the same folder in this process: the outer one decides
+    layout: Optional[Layout] = None  # what the command makes there (None: a staged folder, all ours)
 
     @property
     def fresh(self) -> bool:
@@ -229,11 +146,18 @@ class Claim:
         return self.token is not None and mark is not None and mark.token == self.token
 
     def clear(self) -> None:
-        """Remove every entry but our own names (an adopted folder: the dead maker's contents)."""
+        """Remove what the command makes there (an adopted folder: what its dead maker left), never
+        another name; say what was removed."""
         if not self.ours():
             raise FolderRefused(f"{self.path}: its mark is no longer this command's; nothing removed")
-        for name in _others(self.path):
+        names = [n for n in others(self.path) if self.layout is None or self.layout.makes(n)]
+        for name in names:
             remove_path(self.path / name)  # a symlink is unlinked, never followed
+        if names and self.layout is not None:
+            maker = f"this batchinfer {self.command}"
+            if self.adopted:
+                maker = self.found.mark.describe() if self.found.mark else "an older batchinfer"
+            log.info("removed from %s what %s made there: %s", self.path, maker, shown(names))
 
     def done(self) -> None:
         """Mark the folder finished."""
@@ -264,10 +188,42 @@ def _folder_lock(path: Path, command: str, mode: str, label: str) -> FileLock:
     return FileLock(path / LOCK, busy, mode=mode, log=log.warning, error=FolderRefused)
 
 
-def _make_dir(path: Path, label: str) -> bool:
+def _no_links(path: Path, within: Path, label: str) -> None:
+    """FolderRefused naming the first symlink among the folders from within (excluded) to path."""
+    try:
+        rel = Path(path).relative_to(within)
+    except ValueError:
+        raise FolderRefused(f"{path} is not inside {within}; nothing made") from None
+    at = Path(within)
+    for part in rel.parts:
+        at = at / part
+        if at.is_symlink():
+            where = f"{label} {path}" if label else str(path)
+            raise FolderRefused(
+                f"{where}: {at} is a symlink (to {os.readlink(at)}); batchinfer makes nothing through a symlink "
+                f"inside {within}: remove the link (its target is left alone) and run the same command again"
+            )
+
+
+def make_dirs(path: Path, within: Path, label: str = "") -> None:
+    """Create path and its parents below within, one at a time, refusing a symlink among them (one
+    planted in a run directory would carry what is made there out of it)."""
+    _no_links(path, within, label)
+    at = Path(within)
+    for part in Path(path).relative_to(within).parts:
+        at = at / part
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(at)
+        _no_links(at, within, label)  # a link made meanwhile: mkdir made nothing through it
+
+
+def _make_dir(path: Path, label: str, within: Optional[Path]) -> bool:
     """Create path (parents too); whether this call created path itself."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if within is not None:
+            make_dirs(path.parent, within, label)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
         path.mkdir()
         return True
     except FileExistsError:
@@ -278,17 +234,22 @@ def _make_dir(path: Path, label: str) -> bool:
 
 
 def _take(
-    path: Path, command: str, legacy: Optional[Callable[[Path], Optional[Kind]]], label: str, made: bool
+    path: Path,
+    command: str,
+    legacy: Optional[Callable[[Path], Optional[Kind]]],
+    layout: Layout,
+    label: str,
+    made: bool,
 ) -> Claim:
     """Under the folder's lock: mark an empty or half-made folder ours, hand over a finished one."""
-    found = recognise(path, legacy)
+    found = recognise(path, legacy, layout)
     if found.kind is Kind.DONE:
-        return Claim(path, command, found, None, made)
-    if found.kind not in (Kind.EMPTY, Kind.HALF_MADE):
+        return Claim(path, command, found, None, made, layout=layout)
+    if found.kind not in (Kind.EMPTY, Kind.HALF_MADE) or refused(found):
         raise refusal(found, label)
     token = uuid.uuid4().hex
     _write_mark(path, Mark(command, State.MAKING, token, time.time(), Holder.mine()))
-    return Claim(path, command, found, token, made)
+    return Claim(path, command, found, token, made, layout=layout)
 
 
 @contextlib.contextmanager
@@ -296,25 +257,30 @@ def claim(
     path: Path,
     command: str,
     *,
+    layout: Layout,
     mode: str = "auto",
     legacy: Optional[Callable[[Path], Optional[Kind]]] = None,
     label: str = "",
+    within: Optional[Path] = None,
 ) -> Iterator[Claim]:
     """Hold path as this command's (see the module docstring)."""
     path = Path(path)
     outer = _active.get(os.path.realpath(path))
     if outer is not None:  # this process holds it already: the caller fills it, the outer claim decides
-        yield Claim(path, command, Found(path, Kind.MAKING, read_mark(path)), outer.token, False, inner=True)
+        found = Found(path, Kind.MAKING, read_mark(path))
+        yield Claim(path, command, found, outer.token, False, inner=True, layout=outer.layout)
         return
-    found = recognise(path, legacy)
-    if found.kind in (Kind.NOT_A_FOLDER, Kind.FOREIGN, Kind.MAKING):
+    if within is not None:
+        _no_links(path, within, label)  # before recognise: lstat would follow a linked parent
+    found = recognise(path, legacy, layout)
+    if refused(found):
         raise refusal(found, label)  # before the lock: nothing is written into another's folder
-    made = _make_dir(path, label)
+    made = _make_dir(path, label, within)
     removed = False
     try:
         with _folder_lock(path, command, mode, label) as lock:
             try:
-                owned = _take(path, command, legacy, label, made)
+                owned = _take(path, command, legacy, layout, label, made)
             except FolderRefused:
                 lock.unlink_held()  # it became another's since the look above: leave nothing of ours
                 raise

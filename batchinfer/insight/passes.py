@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import NotRequired, Optional, TypedDict
 
-from batchinfer.durable import read_json
 from batchinfer.insight.status import ShardState, StatusTotals
 from batchinfer.ownership import Kind
 from batchinfer.rundir import passes
@@ -24,6 +23,7 @@ PassStatus = TypedDict(
         "shards_done": int,
         "state": str,  # being made, half made, unfinished, finished or merged
         "sampling_overridden": list[str],
+        "strays": list[str],  # a half-made pass's names a redo never makes (ownership: refused until moved)
         "shard_states": NotRequired[list[ShardState]],
         "totals": NotRequired[StatusTotals],
     },
@@ -38,7 +38,8 @@ def pass_records(root: RunDir) -> list[PassStatus]:
         path = passes.pass_path(root, number)
         rec = passes.read_record(path)
         run = RunDir(path)
-        kind = passes.recognise(path).kind
+        found = passes.recognise(path)
+        kind = found.kind
         shards = run.shards() if run.exists() and kind is Kind.DONE else []
         done = sum(run.shard_folder(s.index).is_done() for s in shards)
         if kind is not Kind.DONE:
@@ -58,6 +59,7 @@ def pass_records(root: RunDir) -> list[PassStatus]:
                 "shards_done": done,
                 "state": state,
                 "sampling_overridden": list(run.config.input.sampling_overridden) if run.exists() else [],
+                "strays": list(found.strays),
             }
         )
     return out
@@ -79,7 +81,12 @@ def pass_lines(root: RunDir, records: list[PassStatus]) -> list[str]:
         if r.get("sampling_overridden"):
             keys = ", ".join(f"sampling.{k}" for k in r["sampling_overridden"])
             lines.append(f"  its {keys} wins over the rows' own values (input.sampling_column or the request's body)")
-        if r["state"] == "half made":
+        if r["state"] == "half made" and r.get("strays"):
+            lines.append(
+                f"  its redo was stopped while making it, and it holds {', '.join(r['strays'])}, which a redo never "
+                f"makes: move them out of {r['dir']}, then the next redo takes it over and makes it again"
+            )
+        elif r["state"] == "half made":
             lines.append("  its redo was stopped while making it: the next redo takes it over and makes it again")
     return lines
 
@@ -94,9 +101,8 @@ def unfinished_run(root: RunDir) -> Optional[RunDir]:
 
 def rows_per_pass(root: RunDir) -> Optional[dict[str, int]]:
     """Rows of DIR's merged output per pass (stats.json; None before any pass was merged)."""
-    if not root.stats_json.is_file():
-        return None
-    return read_json(root.stats_json).get("passes")
+    stats = root.stats()
+    return stats.get("passes") if stats is not None else None
 
 
 def report_lines(counts: Optional[dict[str, int]]) -> list[str]:

@@ -16,7 +16,6 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from batchinfer import security
 from batchinfer.config.engines import engine_devices, engines_per_task, task_gpus
 from batchinfer.config.schema import Config
-from batchinfer.durable import read_json
 from batchinfer.engine.crashes import CRASHES_TO_ISOLATE
 from batchinfer.engine.output import EngineOutput
 from batchinfer.errors import BatchinferError, EngineFailure, RunDirError, Stopped
@@ -109,7 +108,7 @@ def run_local(cfg: DictConfig, engine: Any = None, prepared: Optional[Callable[[
     run = prepare(cfg)
     todo = [s.index for s in run.shards() if not run.shard_folder(s.index).is_done()]
     if not todo and output_is_current(run):  # a finished pass (redo) not merged yet is merged below
-        rows = read_json(run.stats_json)["rows"]
+        rows = (run.stats() or {}).get("rows")
         print(f"{run.path} is already complete: {rows} rows in {run.output_path}; nothing to do")
         return run
     if todo:

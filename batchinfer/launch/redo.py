@@ -108,7 +108,13 @@ def new_pass(
     with (
         private_umask(private),
         ownership.claim(
-            path, "redo", mode=root.config.output.lock, legacy=passes.legacy_kind, label=f"pass {number} of"
+            path,
+            "redo",
+            layout=passes.LAYOUT,
+            mode=root.config.output.lock,
+            legacy=passes.legacy_kind,
+            label=f"pass {number} of",
+            within=root.path,  # a symlink planted at DIR/passes is refused, never followed
         ) as made,
     ):  # what is made here is removed if this raises, and only that
         faults.point(faults.PASS_FOLDER_MADE)

@@ -331,6 +331,7 @@ def resume(run_dir: str, overrides: list[str], force: bool = False, dry_run: boo
     if todo:
         check_model_unchanged(run)  # the tasks would refuse it too, each after its wait in the queue
     if not todo:
+        run.stats()  # a stats.json merge cannot read is refused, naming it, never called complete
         print(
             f"{run.path}: every shard is done; nothing to resume (`batchinfer merge {run.path}` if output is missing)"
         )

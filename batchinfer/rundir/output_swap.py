@@ -30,8 +30,9 @@ def check_own_output(run: RunDir, out: Path) -> None:
     of a merge killed before writing it) names it, and a folder holds only the files it names."""
     if not out.exists() and not out.is_symlink():
         return
-    for record in (run.stats_json, run.path / MERGING):
-        rec = read_json(record) if record.is_file() else {}
+    merging = run.path / MERGING
+    advice = f"it is an unfinished merge's record: remove it and {out.name}, then `batchinfer merge {run.path}`"
+    for rec in (run.stats() or {}, read_json(merging, advice) if merging.is_file() else {}):
         if rec.get("output") != out.name:
             continue
         if not out.is_dir() or out.is_symlink():

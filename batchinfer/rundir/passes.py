@@ -16,9 +16,10 @@ import pyarrow.parquet as pq
 from batchinfer import ownership
 from batchinfer.durable import read_json, write_json
 from batchinfer.errors import RunDirError
+from batchinfer.locks.holder import Verdict
 from batchinfer.ownership import Found, Kind
 from batchinfer.redaction import redact
-from batchinfer.rundir.store import RunDir
+from batchinfer.rundir.store import PREPARE_LAYOUT, RunDir
 
 PASSES_DIR = "passes"
 PASS_JSON = "pass.json"
@@ -28,6 +29,9 @@ SOURCE_ROW = "_batchinfer_row"
 PASS_COLUMN = "pass"
 PASS_FIELD = pa.field(PASS_COLUMN, pa.int32(), nullable=False)
 MERGED_PASSES = "merged_passes"  # stats.json: the passes a merge took, whatever rows they kept
+# What a redo makes in DIR/passes/N while it makes the pass (ownership.claim): its record, its
+# selection, and the pass's run directory as prepare makes it.
+LAYOUT = ownership.Layout("redo pass", (*PREPARE_LAYOUT.names, PASS_JSON, SELECTION))
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,8 @@ def root_of(run: RunDir) -> RunDir:
 
 def legacy_kind(path: Path) -> Optional[Kind]:
     """What a pass folder an older batchinfer made (no owner's mark) is: made once its run.yaml is
-    there, half made with only pass.json; anything else is not a pass (ownership.recognise)."""
+    there, half made with pass.json and only names a redo makes (ownership.recognise); anything else
+    is not a pass."""
     if not (path / PASS_JSON).is_file():
         return None
     return Kind.DONE if (path / "run.yaml").is_file() else Kind.HALF_MADE
@@ -121,12 +126,13 @@ def legacy_kind(path: Path) -> Optional[Kind]:
 
 def recognise(path: Path) -> Found:
     """What a pass folder is: made, being made by a live redo, half made by a dead one, ..."""
-    return ownership.recognise(path, legacy=legacy_kind)
+    return ownership.recognise(path, legacy=legacy_kind, layout=LAYOUT)
 
 
 def being_made(root: RunDir, number: int, found: Found) -> RunDirError:
     """The refusal of a pass folder another command is making (or that is not a pass)."""
-    if found.kind is Kind.MAKING and found.mark is not None:
+    alive = found.judged is None or found.judged.verdict is Verdict.ALIVE
+    if found.kind is Kind.MAKING and found.mark is not None and alive:
         return RunDirError(
             f"pass {number} of {root.path} is being made by {found.mark.describe()}; wait for it to finish"
         )
@@ -159,9 +165,9 @@ def unfinished_pass(root: RunDir) -> Optional[int]:
 
 def merged_passes(root: RunDir) -> Optional[list[int]]:
     """The passes DIR's current output holds (stats.json), or None when there is no current output."""
-    if not root.stats_json.is_file() or not root.output_path.exists():
+    stats = root.stats()
+    if stats is None or not root.output_path.exists():
         return None
-    stats = read_json(root.stats_json)
     if stats.get("fingerprint") != root.run["fingerprint"]:
         return None
     if MERGED_PASSES in stats:

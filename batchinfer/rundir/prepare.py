@@ -51,7 +51,7 @@ from batchinfer.rundir.model_record import KEY as MODEL_IDENTITY
 from batchinfer.rundir.model_record import identity_of, refuse_changed_model
 from batchinfer.rundir.reuse import checked_reuse
 from batchinfer.rundir.schema import output_schema, pooling_schema, schema_summary, schema_to_text
-from batchinfer.rundir.store import InputRecord, RunDir
+from batchinfer.rundir.store import FILES_DIR, PREPARE_LAYOUT, PREPARING, InputRecord, RunDir
 from batchinfer.security import exposure_warning, keep_restriction, make_private, private_umask, remove_path
 from batchinfer.versions import installed_versions
 
@@ -143,7 +143,9 @@ def _prepare(cfg: DictConfig) -> RunDir:
     check_writable(run.path)
     # One prepare of a folder at a time, and only of a folder it made (ownership.py): a second
     # prepare is refused naming the first, and a failure removes only what this one made.
-    with ownership.claim(run.path, PREPARE, mode=c["output"]["lock"], legacy=_made_by_older, label="output.dir") as own:
+    with ownership.claim(
+        run.path, PREPARE, layout=PREPARE_LAYOUT, mode=c["output"]["lock"], legacy=_made_by_older, label="output.dir"
+    ) as own:
         if own.existing:
             return _reopen(run, c, keys, own.found, identity)
         if own.adopted and own.found.mark is not None:
@@ -153,14 +155,12 @@ def _prepare(cfg: DictConfig) -> RunDir:
 
 
 PREPARE = "prepare"
-FILES_DIR = "files"
-# What a prepare of an older batchinfer wrote first into the folder it was making, removed once
-# run.yaml was there: such a folder is its own, half made.
-PREPARING = ".batchinfer-preparing"
 
 
 def _made_by_older(path: Path) -> Optional[ownership.Kind]:
-    """What an unmarked folder an older batchinfer made is: a run directory, or one half made."""
+    """What an unmarked folder an older batchinfer made is: a run directory, or one half made (its
+    PREPARING file there, and only names an older prepare made beside it: ownership.recognise
+    takes any other name for the user's, the folder for FOREIGN)."""
     if (path / "run.yaml").is_file():
         return ownership.Kind.DONE
     return ownership.Kind.HALF_MADE if (path / PREPARING).exists() else None

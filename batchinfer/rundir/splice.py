@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchinfer.durable import publish_stream, read_json
+from batchinfer.durable import publish_stream
 from batchinfer.errors import RunDirError
 from batchinfer.rundir.ordered_rows import Rows, shard_rows_in_order
 from batchinfer.rundir.passes import (
@@ -145,7 +145,7 @@ def unchanged_output(root: RunDir) -> Optional[MergeStats]:
         root.output_path,
         root.path,
     )
-    return dict(read_json(root.stats_json), unchanged=f"pass {number} is not finished")
+    return dict(root.stats() or {}, unchanged=f"pass {number} is not finished")
 
 
 def merged_view(root: RunDir) -> Iterator[pa.Table]:

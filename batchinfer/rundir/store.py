@@ -10,15 +10,37 @@ import pyarrow as pa
 import yaml
 
 from batchinfer.config.schema import Config, to_config
-from batchinfer.durable import atomic_write, read_json
+from batchinfer.durable import atomic_write, corrupt_record, read_json
 from batchinfer.errors import RunDirError
 from batchinfer.inputs.shards import Shard
 from batchinfer.models.identity import IdentityRecord
+from batchinfer.ownership import Layout
 from batchinfer.redaction import record_yaml, resolve_refs
 from batchinfer.rundir.schema import schema_from_text
 from batchinfer.rundir.shard_folder import ShardFolder
 
 OUTPUT_EXT = {"jsonl": "jsonl", "openai": "jsonl", "parquet": "parquet", "hf": "parquet"}
+FILES_DIR = "files"  # frozen copies of the files the config names
+# What a prepare of an older batchinfer wrote first into the folder it was making, removed once
+# run.yaml was there: such a folder is its own, half made.
+PREPARING = ".batchinfer-preparing"
+# What prepare makes at the top of the run directory it claims (ownership.claim), older versions'
+# prepares included: all a failed prepare, or one adopting a killed prepare's folder, may remove.
+# Any other name in a half-made run directory is the user's: the folder is refused, naming it.
+PREPARE_LAYOUT = Layout(
+    "run directory",
+    (
+        "run.yaml",
+        "plan.json",
+        "input",
+        "input.tmp",  # the input being converted (inputs/convert.py)
+        ".hf-cache",  # `datasets`' cache while converting
+        FILES_DIR,
+        ".tmp-*",  # durable writes' temporaries
+        PREPARING,
+        ".batchinfer-write-test-*",  # prepare's write probe
+    ),
+)
 
 
 def _resolved(obj: Any) -> Any:
@@ -184,9 +206,32 @@ class RunDir:
         return self.path / f"output.{OUTPUT_EXT[self.output_format]}"
 
     def shards(self) -> list[Shard]:
-        """The shard plan from plan.json."""
-        plan = read_json(self.plan_json)
-        return [Shard(s["index"], s["start"], s["stop"]) for s in plan["shards"]]
+        """The shard plan from plan.json (CorruptRecord naming it when it is not prepare's)."""
+        advice = (
+            "it is the run's shard plan, written once by prepare; restore it from a copy, or start the run "
+            "again in a new output.dir"
+        )
+        if not self.plan_json.is_file():
+            self.run  # noqa: B018  (a folder without run.yaml, or with another tool's, is refused as such)
+            raise RunDirError(f"{self.plan_json} is missing; {advice}")
+        plan = read_json(self.plan_json, advice)
+        try:
+            return [Shard(int(s["index"]), int(s["start"]), int(s["stop"])) for s in plan["shards"]]
+        except (KeyError, TypeError, ValueError):
+            raise corrupt_record(
+                self.plan_json, "not a shard plan (no shards with index, start, stop)", advice
+            ) from None
+
+    def stats(self) -> Optional[dict[str, Any]]:
+        """stats.json, what the last merge wrote (None: none yet); CorruptRecord naming it and what to do."""
+        if not self.stats_json.is_file():
+            return None
+        out = self.output_path.name
+        advice = f"merge writes it again: remove it and {out}, then `batchinfer merge {self.path}`"
+        stats = read_json(self.stats_json, advice)
+        if not isinstance(stats, dict):
+            raise corrupt_record(self.stats_json, f"a JSON {type(stats).__name__}, not merge's record", advice)
+        return stats
 
     def shard_dir(self, index: int) -> Path:
         """Folder of one shard's parts and markers (its files and their protocol: shard_folder)."""

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import re
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -31,6 +32,26 @@ log = logging.getLogger("batchinfer")
 TUNE_VERSION = 1
 TUNE = "tune"  # the command a tune folder's mark names (ownership.py)
 MIN_PILOT_ROWS = 8
+# What a tune makes at the top of its folder, older versions' included (ownership.claim): all a
+# failed tune, or one adopting a killed tune's folder, may remove; any other name is the user's.
+TUNE_LAYOUT = ownership.Layout(
+    "tune folder",
+    (
+        "pilot.parquet",
+        "rungs",
+        "trials",
+        "tune.json",
+        ".tune.json.tmp",
+        "tune.md",
+        "tune.png",
+        "conf",  # conf/tuned/best.yaml, the winner as a config group
+        "job.json",  # `tune ... cluster=slurm`: the tune job's record (tune/job.py) and its logs
+        ".job.json.tmp",
+        "logs",
+    ),
+)
+# What a finished older tune (no owner's mark) always made: a folder lacking any is not one.
+_OLDER_TUNE_MADE = ("pilot.parquet", "rungs", "trials", "tune.md")
 
 
 @dataclass
@@ -180,7 +201,10 @@ def tune_folder(cfg: DictConfig, opts: Options) -> tuple[Any, str, Path]:
 
 
 def _older_tune(path: Path) -> Optional[ownership.Kind]:
-    """A tune folder an older batchinfer made (no mark): a tune.json or a job.json it wrote."""
+    """A tune folder an older batchinfer made (no mark): nothing in it but names a tune makes, and
+    either a finished tune's whole layout (tune.json of its shape, tune.md, pilot.parquet, rungs/,
+    trials/) or a tune job's job.json. A folder that merely holds a file of such a name is the
+    user's: a tune run again in an older one writes over its files."""
 
     def record(name: str) -> Any:
         try:
@@ -188,10 +212,14 @@ def _older_tune(path: Path) -> Optional[ownership.Kind]:
         except (OSError, ValueError):
             return None
 
+    if TUNE_LAYOUT.strays(path):
+        return None
     result, job = record("tune.json"), record("job.json")
-    ours = isinstance(result, dict) and {"version", "fingerprint", "settings", "best"} <= set(result)
-    ours = ours or (isinstance(job, dict) and str(job.get("name", "")).startswith("bi-tune-"))
-    return ownership.Kind.DONE if ours else None
+    finished = isinstance(result, dict) and {"version", "fingerprint", "settings", "best"} <= set(result)
+    finished = finished and re.fullmatch(r"[0-9a-f]{64}", str(result.get("fingerprint"))) is not None
+    finished = finished and all((path / name).exists() for name in _OLDER_TUNE_MADE)
+    submitted = isinstance(job, dict) and str(job.get("name", "")).startswith("bi-tune-")
+    return ownership.Kind.DONE if finished or submitted else None
 
 
 @contextlib.contextmanager
@@ -200,7 +228,7 @@ def owned_folder(folder: Path, opts: Options) -> Iterator[Path]:
     another command is refused, never written into; a tune running in it is refused naming it; one
     a killed tune left half made is cleared; a finished tune's is tuned again."""
     label = "tune --out" if opts.out else "the tune folder"
-    with ownership.claim(folder, TUNE, legacy=_older_tune, label=label) as own:
+    with ownership.claim(folder, TUNE, layout=TUNE_LAYOUT, legacy=_older_tune, label=label) as own:
         mark = own.found.mark
         if own.existing and mark is not None and mark.command != TUNE:
             raise FolderRefused(
@@ -215,7 +243,7 @@ def fresh_trials(folder: Path) -> Path:
     """This tune's own trial folder, TUNE/trials/<time>-<pid>-<random>: a later tune never reopens
     a trial's run directories (their rates and rows are this tune's), even one in the same second."""
     parent = folder / "trials"
-    parent.mkdir(parents=True, exist_ok=True)
+    ownership.make_dirs(parent, within=folder)  # a symlink planted at TUNE/trials is refused
     # mkdtemp creates an absent name atomically: two tunes in one second (one process) differ.
     return Path(tempfile.mkdtemp(prefix=f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-", dir=parent))
 

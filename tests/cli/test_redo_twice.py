@@ -166,3 +166,39 @@ def test_a_redo_killed_between_its_pass_merge_and_dirs_is_merged_by_resume(
     after = read_output(run.path)
     assert [r["row"] for r in after if r["pass"] == 1] == done["length"]
     assert json.loads(run.stats_json.read_text())["merged_passes"] == [1]
+
+
+def test_a_killed_redos_pass_holding_a_users_file_is_refused_naming_it(
+    done: dict[str, Any], capsys: pytest.CaptureFixture
+) -> None:
+    """Taking over a half-made pass removes only what a redo makes there, never a file put there since."""
+    run, cfg = done["run"], done["cfg"]
+    res = run_cli(redo_args(run, "sampling.max_tokens=9"), env=dict(standin_env(), **{ENV: PASS_FOLDER_MADE}))
+    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+    path = pass_path(run, 1)
+    (path / "my-notes.txt").write_text("precious")
+    with pytest.raises(RunDirError) as e:
+        redo(str(run.path), LENGTH, ["sampling.max_tokens=9"], engine=StandinEngine(cfg))
+    assert f"{path} was left half made by batchinfer redo (host " in str(e.value)
+    assert f"pid {res.pid}" in str(e.value) and "it holds my-notes.txt" in str(e.value)
+    assert (path / "my-notes.txt").read_text() == "precious" and run.output_path.read_bytes() == done["output"]
+    (path / "my-notes.txt").unlink()
+    redo(str(run.path), LENGTH, ["sampling.max_tokens=9"], engine=StandinEngine(cfg))
+    assert [r["row"] for r in read_output(run.path) if r["pass"] == 1] == done["length"]
+
+
+def test_a_symlink_planted_at_passes_is_refused_never_followed(
+    done: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    run, cfg = done["run"], done["cfg"]
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("keep")
+    (run.path / "passes").symlink_to(victim, target_is_directory=True)
+    code, _, err = cli(redo_args(run, "sampling.max_tokens=9"), capsys)
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert f"{run.path / 'passes'} is a symlink (to {victim}); batchinfer makes nothing through a symlink" in err
+    assert sorted(p.name for p in victim.iterdir()) == ["keep"] and run.output_path.read_bytes() == done["output"]
+    (run.path / "passes").unlink()  # what the refusal says
+    redo(str(run.path), LENGTH, ["sampling.max_tokens=9"], engine=StandinEngine(cfg))
+    assert [r["row"] for r in read_output(run.path) if r["pass"] == 1] == done["length"]

@@ -2,7 +2,8 @@
 cycle and never run up the layers, and every login-node module imports without vllm or torch.
 
 Layers, bottom to top (a module imports at module level only its own package or lower ones):
-base modules (errors, security, redaction, faults, logs, versions, mounts, durable, locks, ownership) < models < config < inputs < requests
+base modules (errors, security, redaction, faults, logs, versions, mounts, durable, locks, ownership,
+folder_kinds) < models < config < inputs < requests
 < rundir < engine < launch < insight < cli. Only engine/vllm_engine.py imports vllm, inside
 functions. The checkers are plain functions, also run on a small synthetic package to show
 that they report what they look for."""
@@ -42,6 +43,7 @@ LAYERS = {
     "durable": 0,
     "locks": 0,
     "ownership": 0,
+    "folder_kinds": 0,
     "models": 1,
     "config": 2,
     "inputs": 3,

@@ -91,9 +91,10 @@ def test_a_symlink_is_never_followed(tmp_path: Path, downloads: list[str]) -> No
 
 def test_another_commands_folder_is_not_taken_for_a_model(tmp_path: Path, downloads: list[str]) -> None:
     from batchinfer.ownership import claim
+    from batchinfer.rundir.store import PREPARE_LAYOUT
 
     run = tmp_path / "run"
-    with claim(run, "prepare"):
+    with claim(run, "prepare", layout=PREPARE_LAYOUT):
         (run / "run.yaml").write_text("batchinfer: x")
     with pytest.raises(FolderRefused, match="is a folder batchinfer prepare made, not a prepared model"):
         locations.prepare_minilm(run)

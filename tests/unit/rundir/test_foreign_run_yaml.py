@@ -35,6 +35,7 @@ def commands(tmp_path: Path, d: Path) -> dict[str, list[str]]:
         "status": ["status", str(d)],
         "merge": ["merge", str(d)],
         "report": ["report", str(d)],
+        "resume": ["resume", str(d)],
         "redo": ["redo", str(d), "--where", "finish_reason == 'length'"],
         "output.dir": ["run", f"input.path={corpus}", model, f"output.dir={d}"],
         "output.reuse": ["run", f"input.path={corpus}", model, f"output.dir={tmp_path / 'new'}", f"output.reuse={d}"],

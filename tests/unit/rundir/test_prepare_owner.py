@@ -21,7 +21,7 @@ from batchinfer.config.compose import compose
 from batchinfer.durable import read_json
 from batchinfer.errors import FolderRefused, RunDirError
 from batchinfer.ownership import Kind, recognise
-from batchinfer.rundir.prepare import prepare
+from batchinfer.rundir.prepare import PREPARING, prepare
 
 FIRST = """
 import json, sys
@@ -131,3 +131,43 @@ def test_nothing_is_written_into_a_users_folder_not_even_a_probe(tmp_path: Path,
     with pytest.raises(FolderRefused, match="batchinfer did not make it"):
         prepare(compose(overrides(tmp_path, big, mine)))
     assert mine.stat().st_mtime_ns == stamp and [p.name for p in mine.iterdir()] == ["thesis.tex"]
+
+
+def test_a_killed_prepares_folder_holding_a_users_file_is_refused_naming_it(
+    tmp_path: Path, corpora: tuple[Path, Path]
+) -> None:
+    """The reported loss: a prepare SIGKILLed half way, then the user puts a file into its folder;
+    the next prepare took the folder over and removed that file without a word."""
+    big, small = corpora
+    out = tmp_path / "run"
+    with first_prepare(tmp_path, big, out) as first:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    (out / "my-notes.txt").write_text("precious")
+    before = tree(out)
+    with pytest.raises(FolderRefused) as e:
+        prepare(compose(overrides(tmp_path, small, out)))
+    message = str(e.value)
+    assert message.startswith(f"output.dir {out} was left half made by batchinfer prepare (host ")
+    assert f"pid {first.pid}" in message and "it holds my-notes.txt" in message and "\n" not in message
+    assert tree(out) == before and (out / "my-notes.txt").read_text() == "precious"
+    (out / "my-notes.txt").rename(tmp_path / "my-notes.txt")  # moved away, as the refusal says
+    run = prepare(compose(overrides(tmp_path, small, out)))
+    assert read_json(run.plan_json)["rows"] == 30 and recognise(out).kind is Kind.DONE
+
+
+def test_an_older_versions_marker_does_not_make_a_users_folder_its_own(
+    tmp_path: Path, corpora: tuple[Path, Path]
+) -> None:
+    """The reported loss: `.batchinfer-preparing` (what an older prepare wrote first) in a user's
+    folder made it "half made by an older batchinfer", and a failing prepare then emptied it."""
+    big, _ = corpora
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / PREPARING).touch()
+    (mine / "thesis.tex").write_text("years")
+    bad = [*overrides(tmp_path, big, mine), "input.id_column=nosuchcol"]  # a prepare that fails in _create
+    with pytest.raises(FolderRefused, match=r"is not empty and batchinfer did not make it \(it holds thesis.tex\)"):
+        prepare(compose(bad))
+    assert sorted(p.name for p in mine.iterdir()) == [PREPARING, "thesis.tex"]
+    assert (mine / "thesis.tex").read_text() == "years"

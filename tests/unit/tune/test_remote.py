@@ -157,6 +157,10 @@ def test_a_job_that_ends_without_a_result_is_named_with_its_error(
     (folder / "logs").mkdir(parents=True)
     earlier = {"version": 1, "fingerprint": "0" * 64, "settings": [], "best": {"name": None}}
     (folder / "tune.json").write_text(json.dumps(earlier))  # an earlier tune's: older than this job, not its result
+    for name in ("rungs", "trials"):  # and the rest of what a finished older tune made (tune/command.py)
+        (folder / name).mkdir()
+    (folder / "tune.md").write_text("earlier")
+    (folder / "pilot.parquet").write_text("earlier")
     os.utime(folder / "tune.json", (1, 1))
     fake_bin(
         "sbatch",

@@ -7,6 +7,7 @@ successive halving that records the trial folders it is given (no engine)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -150,3 +151,55 @@ def test_the_tune_job_is_never_requeued() -> None:
     extra = params["additional_parameters"]
     assert extra.get("no_requeue") is True and "requeue" not in extra
     assert _as_sbatch_flag("no_requeue", True) == "#SBATCH --no-requeue"
+
+
+def test_a_killed_tunes_folder_holding_a_users_file_is_refused_naming_it(
+    tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(command, "halve", fake_halve)
+    out = tmp_path / "T"
+    ov = overrides(tmp_path, tiny_model_path)
+    args = {"overrides": ov, "options": {"overrides": [], "rows": 8, "tries": TRIES, "out": str(out)}}
+    child = python_child(CHILD, json.dumps(args), str(Path(__file__).parent))
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "tuning", child.communicate()[1][-3000:]
+    finally:
+        child.kill()
+        child.wait()
+    (out / "my-notes.txt").write_text("precious")
+    with pytest.raises(FolderRefused) as e:
+        command.tune(compose(ov), Options([], rows=8, tries=TRIES, out=str(out)))
+    assert str(e.value).startswith(f"tune --out {out} was left half made by batchinfer tune (host ")
+    assert f"pid {child.pid}," in str(e.value) and "it holds my-notes.txt" in str(e.value)
+    assert (out / "my-notes.txt").read_text() == "precious" and (out / "pilot.parquet").is_file()
+    (out / "my-notes.txt").unlink()
+    result = command.tune(compose(ov), Options([], rows=8, tries=TRIES, out=str(out)))
+    assert result["best"]["name"] is not None and recognise(out).kind is Kind.DONE
+
+
+def test_a_users_folder_with_files_of_a_tunes_names_is_not_an_older_tune(
+    tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reported loss: a tune.json of an older tune's keys beside the user's pilot.parquet made
+    the folder "an older tune's", and the tune wrote over the user's file."""
+    monkeypatch.setattr(command, "halve", fake_halve)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "tune.json").write_text('{"version": 1, "fingerprint": "x", "settings": [], "best": {}}')
+    (mine / "pilot.parquet").write_text("my own pilot")
+    ov = overrides(tmp_path, tiny_model_path)
+    with pytest.raises(FolderRefused, match="is not empty and batchinfer did not make it"):
+        command.tune(compose(ov), Options([], rows=8, tries=TRIES, out=str(mine)))
+    assert (mine / "pilot.parquet").read_text() == "my own pilot" and sorted(os.listdir(mine)) == [
+        "pilot.parquet",
+        "tune.json",
+    ]
+    # a folder an older tune really made (a finished tune's, without the owner's mark) is still one
+    older = tmp_path / "older"
+    command.tune(compose(ov), Options([], rows=8, tries=TRIES, out=str(older)))
+    for name in os.listdir(older):
+        if name.startswith(".batchinfer-owner"):
+            (older / name).unlink()
+    assert command._older_tune(older) is Kind.DONE
+    (older / "notes.md").write_text("mine")  # and with a name no tune makes: the user's
+    assert command._older_tune(older) is None
