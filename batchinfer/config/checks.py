@@ -17,6 +17,7 @@ CHOICES = {
     "prompt.overlong": ("error_row", "truncate_left", "truncate_right", "fail"),
     "output.format": ("jsonl", "parquet", "openai", "hf"),
     "output.lock": LOCK_MODES,
+    "model.identity": ("sampled", "full"),
     "task.name": ("generate", *POOLING_TASKS),
     "input.format": (None, "jsonl", "json", "csv", "tsv", "parquet", "arrow", "hf_disk", "openai"),
 }

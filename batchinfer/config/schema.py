@@ -108,6 +108,10 @@ class ModelConfig:
     # JSON from structured outputs without free whitespace (xgrammar backend): small models
     # otherwise pad with whitespace until max_tokens and the JSON never closes.
     compact_json: bool = True
+    # How the model folder's files are known (models/identity.py): `sampled` hashes a weight file
+    # over 16 MiB by its size, first MiB and 32 blocks of 64 KiB; `full` hashes every byte (a
+    # same-size change between those blocks is seen too). Not in the fingerprint: outputs are the same.
+    identity: str = "sampled"
     lora: LoraConfig = field(default_factory=LoraConfig)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.errors import ConfigError
-from batchinfer.models.identity import ModelIdentity, model_identity
+from batchinfer.models.identity import SAMPLED, ModelIdentity, model_identity
 
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's: r is the adapter's rank
 
@@ -69,6 +69,6 @@ def check_lora(lora: Any, adapter_column: Optional[str]) -> None:
         adapter_rank(name, path)
 
 
-def adapter_identities(adapters: dict[str, str]) -> dict[str, ModelIdentity]:
-    """Each adapter folder's identity (models/identity.py), by name."""
-    return {name: model_identity(adapter_folder(path)) for name, path in sorted(adapters.items())}
+def adapter_identities(adapters: dict[str, str], mode: str = SAMPLED) -> dict[str, ModelIdentity]:
+    """Each adapter folder's identity (models/identity.py, its large files hashed as mode says), by name."""
+    return {name: model_identity(adapter_folder(path), mode) for name, path in sorted(adapters.items())}

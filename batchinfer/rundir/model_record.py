@@ -13,7 +13,7 @@ import logging
 from typing import Any, Optional
 
 from batchinfer.errors import RunDirError
-from batchinfer.models.identity import ModelIdentity, model_identity, recorded_identity
+from batchinfer.models.identity import SAMPLED, ModelIdentity, model_identity, recorded_identity
 from batchinfer.models.lora import adapter_identities
 from batchinfer.models.tokens import model_dir
 from batchinfer.rundir.store import RunRecord
@@ -22,17 +22,19 @@ log = logging.getLogger("batchinfer")
 KEY = "model_identity"  # run.yaml's key
 
 
-def identity_of(path: str, revision: Optional[str], adapters: Optional[dict[str, str]] = None) -> ModelIdentity:
+def identity_of(
+    path: str, revision: Optional[str], adapters: Optional[dict[str, str]] = None, mode: str = SAMPLED
+) -> ModelIdentity:
     """The identity of model.path (a folder, or a hub name's snapshot in the local cache) now, with
     each LoRA adapter's files as `lora/NAME/FILE` (model.lora.adapters): a changed adapter is a
-    changed model, named by its files."""
-    base = model_identity(model_dir(path, revision))
+    changed model, named by its files. Large files are hashed as mode (model.identity) says."""
+    base = model_identity(model_dir(path, revision), mode)
     if not adapters:
         return base
     files = list(base.files)
-    for name, identity in adapter_identities(adapters).items():
+    for name, identity in adapter_identities(adapters, mode).items():
         files += [dataclasses.replace(f, name=f"{LORA_PREFIX}{name}/{f.name}") for f in identity.files]
-    return ModelIdentity(folder=base.folder, files=tuple(sorted(files, key=lambda f: f.name)))
+    return ModelIdentity(folder=base.folder, files=tuple(sorted(files, key=lambda f: f.name)), mode=mode)
 
 
 LORA_PREFIX = "lora/"  # an adapter's files in a model identity
@@ -66,8 +68,11 @@ def refuse_changed_model(where: Any, record: RunRecord, now: ModelIdentity) -> N
 
 
 def check_model_unchanged(run: Any) -> None:
-    """Refuse to go on with a run (a RunDir) whose model folder changed since prepare."""
-    if recorded_identity(run.run.get(KEY)) is None:
+    """Refuse to go on with a run (a RunDir) whose model folder changed since prepare (hashed as
+    its record was: model.identity at prepare)."""
+    recorded = recorded_identity(run.run.get(KEY))
+    if recorded is None:
         return
     model = run.config.model
-    refuse_changed_model(run.path, run.run, identity_of(model.path, model.revision, model.lora.adapters))
+    now = identity_of(model.path, model.revision, model.lora.adapters, recorded.mode)
+    refuse_changed_model(run.path, run.run, now)

@@ -40,7 +40,7 @@ from batchinfer.inputs.reference import is_reference
 from batchinfer.inputs.shards import plan_shards
 from batchinfer.locks import flock_works
 from batchinfer.logs import plural
-from batchinfer.models.identity import IdentityRecord, ModelIdentity
+from batchinfer.models.identity import IdentityRecord, ModelIdentity, recorded_identity
 from batchinfer.models.locations import resolve_model
 from batchinfer.models.pooling import embedding_dim
 from batchinfer.models.tokens import model_dir
@@ -138,7 +138,8 @@ def _prepare(cfg: DictConfig) -> RunDir:
         legacy = run_dir_for(c, legacy_fingerprint(keys))  # a default DIR named by an older version
         if legacy.exists():
             run = legacy
-    identity = identity_of(c["model"]["path"], c["model"]["revision"], c["model"]["lora"]["adapters"])
+    model = c["model"]
+    identity = identity_of(model["path"], model["revision"], model["lora"]["adapters"], model["identity"])
     c["output"]["reuse"] = checked_reuse(c["output"]["reuse"], run, identity.digest)  # not in the fingerprint
     check_writable(run.path)
     # One prepare of a folder at a time, and only of a folder it made (ownership.py): a second
@@ -182,6 +183,10 @@ def _reopen(
             f"{run.path}{maker} was made with a different config: {shown}. These change outputs, so the "
             f"run cannot continue in this directory; use another output.dir or restore the old values"
         )
+    recorded = recorded_identity(old.get(MODEL_IDENTITY))
+    if recorded is not None and recorded.mode != identity.mode:  # checked as it was recorded
+        model = c["model"]
+        identity = identity_of(model["path"], model["revision"], model["lora"]["adapters"], recorded.mode)
     refuse_changed_model(run.path, old, identity)
     c = freeze_paths(run, c)
     if old["config"] != c:

@@ -65,7 +65,10 @@ def same_model(other: RunDir, identity: Optional[str]) -> bool:
     elif identity is None:
         why = "records model files, and this run (prepared by an earlier batchinfer) records none"
     else:
-        why = "was prepared with other model files (another model, or other weights at the same path)"
+        why = (
+            "was prepared with other model files (another model, or other weights at the same path; or "
+            "known by another model.identity)"
+        )
     log.warning("output.reuse: %s %s; none of its answers are reused", other.path, why)
     return False
 

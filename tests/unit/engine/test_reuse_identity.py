@@ -153,3 +153,69 @@ def test_identity_names_sizes_and_sampled_contents(tmp_path: Path, monkeypatch: 
     ]
     (d / "config.json").write_text("{} ")
     assert two.changes(ident.model_identity(d)) == ["config.json changed size (2 -> 3 bytes)"]
+
+
+def small_sampling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampling of files over 1,000 bytes (as of weight shards over 16 MiB), at test scale."""
+    monkeypatch.setattr(ident, "WHOLE_BYTES", 1000)
+    monkeypatch.setattr(ident, "HEAD_BYTES", 100)
+    monkeypatch.setattr(ident, "SAMPLE_BYTES", 10)
+
+
+def between_blocks(size: int) -> int:
+    """A byte of a sampled file that no sampled block covers (inside neither head nor a block)."""
+    step = (size - ident.HEAD_BYTES - ident.SAMPLE_BYTES) // ident.SAMPLES
+    return ident.HEAD_BYTES + 5 * step + ident.SAMPLE_BYTES + 1
+
+
+def test_full_identity_sees_a_same_size_change_the_sampled_one_cannot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fine-tune rewriting a few tensors of a large shard in place, the rest frozen: the sampled
+    identity (the default) does not see it, as docs/redo-reuse.md says; model.identity=full does."""
+    small_sampling(monkeypatch)
+    weights = bytearray(range(256)) * 40  # 10,240 bytes: sampled
+    d = model_folder(tmp_path, bytes(weights))
+    sampled, full = ident.model_identity(d), ident.model_identity(d, ident.FULL)
+    assert [f.whole for f in full.files] == [True, True] and full.mode == "full"
+    assert ident.ModelIdentity.from_dict(full.to_dict()) == full and full.to_dict()["mode"] == "full"
+    weights[between_blocks(len(weights))] ^= 0xFF
+    model_folder(tmp_path, bytes(weights))
+    assert ident.model_identity(d).digest == sampled.digest  # the default's documented blind spot
+    now = ident.model_identity(d, ident.FULL)
+    assert now.digest != full.digest
+    assert full.changes(now) == [
+        f"{WEIGHTS} changed contents (sha256 {full.files[1].sha256[:12]} -> {now.files[1].sha256[:12]})"
+    ]
+
+
+def test_model_identity_full_reuses_nothing_and_refuses_resume_after_a_same_size_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchinfer.launch.submit import resume
+
+    small_sampling(monkeypatch)
+    weights = bytearray(range(256)) * 40
+    model_folder(tmp_path, bytes(weights))
+    first = prepare(compose(overrides(tmp_path, "first", "model.identity=full")))
+    run_all(first)
+    assert first.run[KEY]["mode"] == "full" and first.run[KEY]["files"][WEIGHTS]["whole"] is True
+    half = prepare(compose(overrides(tmp_path, "half", "model.identity=full", "sharding.num_shards=2")))
+    run_shards(half, [0], engine=keyed(FakeEngine(), half))
+    weights[between_blocks(len(weights))] ^= 0xFF  # the fine-tune in place
+    model_folder(tmp_path, bytes(weights))
+    second = prepare(compose(overrides(tmp_path, "second", "model.identity=full", f"output.reuse={first.path}")))
+    assert len(run_all(second).added) == 8 and not any(r[REUSED_COLUMN] for r in read_output(second.path))
+    with pytest.raises(RunDirError, match=f"{WEIGHTS} changed contents"):
+        resume(str(half.path), [], force=True, dry_run=True)
+    with pytest.raises(RunDirError, match=f"{WEIGHTS} changed contents"):  # reopened: checked as recorded (full)
+        prepare(compose(overrides(tmp_path, "half", "sharding.num_shards=2")))
+
+
+def test_model_identity_takes_sampled_or_full(tmp_path: Path) -> None:
+    from batchinfer.config.checks import validate
+    from batchinfer.errors import ConfigError
+
+    model_folder(tmp_path, b"\x01" * 10)
+    with pytest.raises(ConfigError, match=r"model.identity='all' is not one of: sampled, full"):
+        validate(compose(overrides(tmp_path, "x", "model.identity=all")))
