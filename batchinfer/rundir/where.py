@@ -29,6 +29,7 @@ OPS = {"==": "equal", "!=": "not_equal", "<": "less", "<=": "less_equal", ">": "
 KEYWORDS = {"and", "or", "not", "is", "null", "true", "false"}
 MAX_NESTING = 100  # `not`s and parentheses inside one another
 MAX_TESTS = 1000  # tests joined by `and`/`or` (pyarrow's expressions crash the process at ~10,000)
+INT64 = (-(2**63), 2**63 - 1)  # what an integer literal becomes in Arrow; past it pa.scalar overflows
 _TOKEN = re.compile(
     r"""(?P<space>\s+)
     |(?P<string>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')
@@ -199,6 +200,14 @@ class _Parser:
         elif tok.kind == "number":
             value = float(tok.text) if re.search(r"[.eE]", tok.text) else int(tok.text)
             ok = pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_decimal(typ)
+            if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+                shown = tok.text if len(tok.text) <= 30 else f"{tok.text[:12]}...({len(tok.text)} digits)"
+                raise _error(
+                    self.text,
+                    tok.pos,
+                    f"{shown} is outside the 64-bit integer range {INT64[0]} to {INT64[1]} that {name} is compared in",
+                    "; use a number inside it",
+                )
         elif tok.kind == "keyword" and tok.text in ("true", "false"):
             value = tok.text == "true"
             ok = pa.types.is_boolean(typ)

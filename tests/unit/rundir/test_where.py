@@ -84,3 +84,19 @@ def test_errors_name_the_position_and_the_known_columns(expr: str, position: int
         assert line == f"  {expr}" and caret.index("^") == position + 1  # the caret under that character
     for w in words:
         assert w in msg, msg
+
+
+@pytest.mark.parametrize("literal", ["99999999999999999999999", "-9223372036854775809", "9" * 400])
+def test_an_integer_past_int64_is_refused_naming_the_limit(literal: str) -> None:
+    expr = f"row >= {literal}"
+    with pytest.raises(WhereError) as e:  # was an OverflowError traceback from pa.scalar
+        compile_where(expr, SCHEMA)
+    msg = str(e.value)
+    assert msg.startswith("--where at character 8:"), msg
+    assert "outside the 64-bit integer range -9223372036854775808 to 9223372036854775807" in msg, msg
+    assert msg.splitlines()[-1].index("^") == 9  # the caret under the literal
+
+
+@pytest.mark.parametrize("literal", ["9223372036854775807", "-9223372036854775808"])
+def test_the_int64_limits_themselves_compile(literal: str) -> None:
+    assert ids(f"row <= {literal}") == (["a", "b", "c", "d", "e"] if literal[0] != "-" else [])
