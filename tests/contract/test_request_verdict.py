@@ -343,7 +343,7 @@ def test_rows_are_judged_under_the_backend_the_engine_gets(
     """The backend the verdict judges a run's rows under is the one llm_kwargs gives vLLM."""
     from vllm.config import StructuredOutputsConfig
 
-    from batchinfer.engine.vllm_engine import llm_kwargs
+    from batchinfer.engine.engine_args import llm_kwargs
 
     cfg = compose([f"model.path={tiny_model_path}", "model.max_model_len=128", *overrides])
     given = llm_kwargs(cfg).get("structured_outputs_config") or {}

@@ -12,7 +12,7 @@ from support.corpus import WORDS, assert_own_output, read_output, write_corpus
 from support.runs import run_overrides as overrides
 
 from batchinfer.config.compose import compose
-from batchinfer.engine.vllm_engine import CPU_BLOCK_SIZE
+from batchinfer.engine.engine_args import CPU_BLOCK_SIZE
 from batchinfer.launch.local import run_local
 
 ROWS = 40

@@ -99,7 +99,7 @@ def prepared(tmp_path: Path, n: int = 12, *extra: str) -> RunDir:
 
 def keyed(eng: FakeEngine, run: RunDir) -> FakeEngine:
     """The fake engine, keyed to run's model config (as the engine a run checks it was given)."""
-    from batchinfer.engine.vllm_engine import model_key
+    from batchinfer.engine.engine_args import model_key
 
     eng.key = model_key(run.config)  # type: ignore[attr-defined]
     return eng

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from batchinfer.config.schema import Config, ModelConfig
-from batchinfer.engine import vllm_engine
-from batchinfer.engine.vllm_engine import CPU_BLOCK_SIZE, llm_kwargs
+from batchinfer.engine import engine_args
+from batchinfer.engine.engine_args import CPU_BLOCK_SIZE, llm_kwargs
 
 
 @pytest.fixture
 def cpu_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vllm_engine, "cpu_build", lambda: True)
+    monkeypatch.setattr(engine_args, "cpu_build", lambda: True)
 
 
 def kwargs(**model: object) -> dict:
@@ -28,6 +28,6 @@ def test_cpu_build_starts_with_32_token_blocks_unless_set() -> None:
 
 
 def test_gpu_build_keeps_vllms_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vllm_engine, "cpu_build", lambda: False)
+    monkeypatch.setattr(engine_args, "cpu_build", lambda: False)
     assert "block_size" not in kwargs()
     assert kwargs(block_size=32)["block_size"] == 32

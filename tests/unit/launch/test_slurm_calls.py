@@ -38,7 +38,7 @@ class SteppingEngine(FakeEngine):
     """The fake engine, keyed to the run, calling on_step first at every step."""
 
     def __init__(self, run: RunDir, on_step: Any = None):
-        from batchinfer.engine.vllm_engine import model_key
+        from batchinfer.engine.engine_args import model_key
 
         super().__init__(per_step=3)
         self.key = model_key(run.config)

@@ -12,7 +12,7 @@ from support.fake_engine import FakeEngine, fake_overrides, keyed
 
 from batchinfer.config.compose import compose
 from batchinfer.config.schema import to_config
-from batchinfer.engine.vllm_engine import llm_kwargs
+from batchinfer.engine.engine_args import llm_kwargs
 from batchinfer.errors import ConfigError, RunDirError
 from batchinfer.launch.local import run_shards
 from batchinfer.models.lora import adapter_ids
