@@ -161,8 +161,8 @@ class ShardWorker:
             self.dtype = getattr(engine, "dtype", self.cfg.model.dtype)
             t_ready = time.monotonic()
             record.seconds.startup += t_ready - t0
-            if self.bar is not None and t_ready - t0 > 1.0:
-                self.bar.unpause()  # rows/s and ETA from generation, not from the engine's start-up
+            if self.bar is not None:
+                self.bar.ready()  # the bar's clock starts once, when the engine is ready
             if record.prefix_cache is None and getattr(engine, "prefix_caching", False):
                 record.prefix_cache = PrefixCache()
             ShardScheduler(self, shard, record, engine, committed, t_ready).run()

@@ -37,8 +37,9 @@ LOCK_RETRY_WAITS = (10.0, 30.0, 60.0)
 
 
 def progress_bar(total: int, initial: int, desc: str, file: Any = None, eta_after_commit: bool = False) -> Any:
-    """tqdm on a terminal; plain lines about every 5 s in logs. With eta_after_commit, rows/s and the
-    ETA are left out until the first commit (see RowBar)."""
+    """tqdm on a terminal; plain lines about every 5 s in logs. With eta_after_commit, the bar is drawn
+    once the engine is ready (its clock starts there), rows/s and the ETA from the first commit on
+    (see RowBar)."""
     from batchinfer.engine.rowbar import RowBar
 
     file = file or sys.stderr
@@ -218,7 +219,7 @@ class ShardLoop:
     def count_in(self, shard: Shard) -> None:
         """Add a shard to the bar, for a loop that learns its shards one at a time."""
         self.bar.total += shard.rows
-        self.bar.update(rows_done(self.rundir, shard.index))
+        self.bar.count_done(rows_done(self.rundir, shard.index))
 
     def run(self, shards: Iterable[Shard]) -> None:
         """Run each shard to its end on this loop's engine."""

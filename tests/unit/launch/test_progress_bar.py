@@ -1,16 +1,25 @@
-"""The shard loop's progress bar: no rows/s or ETA until the first commit, then from the rows
-finished after it; and the one line a finished `run` ends with."""
+"""The shard loop's progress bar, as drawn, on a fake clock: drawn and timed from the engine being
+ready, no rows/s or ETA until the first commit, then from every row finished since ready; log lines
+above it; and the one line a finished `run` ends with."""
 
 from __future__ import annotations
 
 import io
+import logging
+import re
+import sys
+from typing import Any
+from unittest import mock
 
+import pytest
+
+from batchinfer.launch.local import bar_aware_logging
 from batchinfer.launch.shardloop import progress_bar
 from batchinfer.rundir.stats import summary_line
 
 
 class Clock:
-    """A clock the test moves."""
+    """A clock the test moves, read by the bar (tqdm's own _time) and nothing else."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -19,26 +28,99 @@ class Clock:
         return self.now
 
 
-def test_no_estimate_before_the_first_commit_then_one_from_the_rows_after_it() -> None:
-    bar = progress_bar(722, 0, "run", file=io.StringIO(), eta_after_commit=True)
+def run_bar(total: int = 722, initial: int = 0) -> tuple[Any, Clock, io.StringIO]:
+    """The shard loop's bar on a text stream, timed by a fake clock from its creation on."""
     clock = Clock()
-    bar._time = clock
-    bar.start_t = clock.now
+    out = io.StringIO()
+    with mock.patch("tqdm.std.time", clock):  # tqdm's clock (its _time) is looked up at creation
+        bar = progress_bar(total, initial, "run", file=out, eta_after_commit=True)
+    assert bar._time is clock
+    return bar, clock, out
+
+
+def last_line(out: io.StringIO) -> str:
+    """The bar as last drawn (tqdm redraws its line after a carriage return or a newline)."""
+    return re.split(r"[\r\n]", out.getvalue().rstrip("\n"))[-1]
+
+
+def test_the_bar_is_drawn_and_timed_from_the_engine_being_ready() -> None:
+    bar, clock, out = run_bar()
+    clock.now += 99.5  # the engine starts; log lines redraw bars meanwhile
+    bar.refresh()
+    assert out.getvalue() == ""  # nothing drawn while the engine starts (it showed 0/722 [01:39<?)
+    bar.ready()
+    assert last_line(out) == "run:   0%|          | 0/722 [00:00<?, ?row/s]"
+    clock.now += 30
+    bar.ready()  # a later shard's start: the clock runs on (it restarted at 00:00 before)
+    bar.update(0)
+    bar.refresh()
+    assert last_line(out).endswith("0/722 [00:30<?, ?row/s]")
+    bar.close()
+
+
+def test_no_estimate_before_the_first_commit_then_one_from_every_row_since_ready() -> None:
+    bar, clock, out = run_bar()
+    bar.ready()
     clock.now += 14  # the first row of a batch finishes after the prefill of all of it
     bar.update(1)
-    assert "1/722 [" in str(bar) and "<?, ?row/s]" in str(bar)  # tqdm alone: 2:48:34 for 721 rows
-    clock.now += 10
-    bar.update(99)
+    bar.refresh()
+    assert last_line(out).endswith("1/722 [00:14<?, ?row/s]")  # tqdm alone: 2:48:34 for 721 rows
+    clock.now += 48
+    bar.update(523)
     bar.committed()
-    assert "<?, ?row/s]" in str(bar)
-    clock.now += 10
-    bar.update(50)  # 50 rows in 10 s since the commit: 572 left at 5 rows/s
-    assert "150/722 [" in str(bar) and "<01:54,  5.00row/s]" in str(bar)
-    bar.committed()  # later commits keep the first one's start
+    clock.now += 1  # then one row a second after the commit, as batches end in bursts
+    bar.update(1)
+    bar.refresh()
+    # 525 rows in 63 s: 8.33 rows/s, 197 left in 24 s (it said 6.99 s/row and 22:56 here)
+    assert last_line(out).endswith("525/722 [01:03<00:23,  8.33row/s]")
+    clock.now += 14
+    bar.update(197)
+    bar.close()
+    assert last_line(out).endswith("722/722 [01:17<00:00,  9.38row/s]")
+
+
+def test_a_resumed_run_counts_only_the_rows_done_here() -> None:
+    bar, clock, out = run_bar(total=1000, initial=600)
+    bar.count_done(100)  # a shard handed to this engine later, 100 of its rows committed before
+    bar.ready()
     clock.now += 10
     bar.update(50)
-    assert "200/722 [00:44<01:44,  5.00row/s]" in str(bar)
+    bar.committed()
+    bar.refresh()
+    assert last_line(out).endswith("750/1000 [00:10<00:50,  5.00row/s]")
     bar.close()
+
+
+def test_a_bar_never_drawn_leaves_nothing() -> None:
+    bar, clock, out = run_bar()
+    clock.now += 5
+    bar.close()  # the engine failed to start
+    assert out.getvalue() == ""
+
+
+def test_log_lines_are_written_above_the_bar_not_onto_it(capsys: pytest.CaptureFixture[str]) -> None:
+    logger = logging.getLogger("batchinfer")
+    handler = logging.StreamHandler(sys.stderr)  # the console handler the CLI sets up
+    logger.addHandler(handler)
+    try:
+        with bar_aware_logging():
+            clock = Clock()
+            with mock.patch("tqdm.std.time", clock):
+                bar = progress_bar(722, 0, "run", file=sys.stderr, eta_after_commit=True)
+            logger.warning("starting vLLM engine")  # before the bar is drawn: nothing of it around
+            bar.ready()
+            bar.update(3)
+            logger.warning("shard 0: a line while the bar is drawn")
+            clock.now += 1
+            bar.refresh()
+            bar.close()
+    finally:
+        logger.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert err.startswith("starting vLLM engine\n"), repr(err)
+    lines = re.split(r"[\r\n]", err)
+    assert "shard 0: a line while the bar is drawn" in lines  # a line of its own, not after the bar
+    assert re.split(r"[\r\n]", err.rstrip("\n"))[-1].endswith("3/722 [00:01<?, ?row/s]")
 
 
 def test_without_eta_after_commit_the_bar_is_tqdm_s_own() -> None:
