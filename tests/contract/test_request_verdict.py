@@ -66,6 +66,10 @@ TABLE = [
     Value({"top_k": -1}),
     Value({"min_p": 1.5}),
     Value({"max_tokens": 0}),
+    Value({"max_tokens": 10**12}),  # past the context: vLLM stops it there ("length")
+    Value({"max_tokens": 2**64 - 1}),
+    Value({"max_tokens": 2**64}),  # OverflowError in vLLM's msgpack encoder, at add_request
+    Value({"min_tokens": 2**64, "max_tokens": 2**64}),
     Value({"min_tokens": 5, "max_tokens": 4}),
     Value({"min_tokens": 4, "max_tokens": 4}),
     Value({"min_tokens": -1}),

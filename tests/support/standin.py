@@ -185,6 +185,8 @@ class StandinEngine:
         if self.refuse_every and number % self.refuse_every == 0:
             raise vllm_refusal(f"the stand-in refuses this request ({len(token_ids)} tokens)")
         check_logprobs(params, self.max_logprobs)
+        if any(isinstance(v, int) and not -(2**63) <= v < 2**64 for v in params.values()):
+            raise OverflowError("can't serialize ints < -2**63 or > 2**64 - 1")  # vLLM's msgpack encoder
         self.queue[request_id] = (list(token_ids), int(params["max_tokens"]), number)
         marker = os.environ.get(POISON_ENV)
         self.dead = self.dead or bool(marker and marker in self.tokenizer.decode(token_ids))
@@ -200,10 +202,12 @@ class StandinEngine:
         return [self._answer(rid, *self.queue.pop(rid)) for rid in done]
 
     def _answer(self, request_id: str, ids: list[int], max_tokens: int, number: int) -> Completion:
-        """The prompt's last token, repeated 1..max_tokens times (how many: the digest's choice)."""
-        n = 1 + number % max_tokens
+        """The prompt's last token, repeated 1..max_tokens times (how many: the digest's choice), and
+        at most up to max_model_len, where vLLM stops a request whatever its max_tokens ("length")."""
+        cap = max(1, min(max_tokens, self.max_model_len - len(ids)))
+        n = 1 + number % cap
         text = self.tokenizer.decode(ids[-1:]) * n
-        reason = "length" if n == max_tokens else "stop"
+        reason = "length" if n == cap else "stop"
         return Completion(request_id, [text], reason, len(ids), n)
 
     def split_reasoning(self, text: str) -> tuple[Optional[str], str]:

