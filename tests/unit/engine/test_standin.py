@@ -88,7 +88,9 @@ def test_a_max_tokens_past_the_context_stops_at_it_as_vllm_does(tmp_path: Path, 
     sampling.write_text(
         "".join(json.dumps({"id": r["id"], "text": r["text"], "s": {"max_tokens": 10**12}}) + "\n" for r in rows)
     )
-    ov = run_overrides(tiny_model_path, sampling, tmp_path / "run2", "model.max_model_len=64", "input.sampling_column=s")
+    ov = run_overrides(
+        tiny_model_path, sampling, tmp_path / "run2", "model.max_model_len=64", "input.sampling_column=s"
+    )
     out = read_output(run_local(compose(ov), engine=StandinEngine(compose(ov))).path)
     assert [r["id"] for r in out] == [r["id"] for r in rows] and not any(r["error"] for r in out)
     assert all(r["prompt_tokens"] + r["output_tokens"] <= 64 for r in out)
