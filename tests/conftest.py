@@ -121,13 +121,14 @@ def tiny_adapters(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Pat
 
 
 def lora_overrides(adapters: dict[str, Path]) -> list[str]:
-    """model.lora.adapters for the tiny adapters (the LoRA engine's config: add model_overrides)."""
-    return [f"+model.lora.adapters.{name}={path}" for name, path in adapters.items()]
+    """model.lora.adapters for the tiny adapters, one adapter slot (the LoRA engine's config: add
+    model_overrides): a run of several adapters must take them one after another."""
+    return [*(f"+model.lora.adapters.{name}={path}" for name, path in adapters.items()), "model.lora.max_loras=1"]
 
 
 @pytest.fixture(scope="session")
 def lora_engine(tiny_model_path: Path, tiny_adapters: dict[str, Path]) -> Any:
-    """One real vLLM engine with LoRA enabled for the three tiny adapters, shared by the LoRA tests."""
+    """One real vLLM engine with LoRA enabled for the three tiny adapters (one slot), shared by the LoRA tests."""
     from batchinfer.config.compose import compose
     from batchinfer.engine.vllm_engine import Engine
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Optional
 
 from batchinfer.engine.phases import CLOCK
 from batchinfer.engine.stream import ResultCache, result_bytes
@@ -24,11 +24,18 @@ def work_order(key: RequestKey) -> tuple[Any, ...]:
     return (ids[:PREFIX_TOKENS], len(ids), ids, key.own, -1 if key.own_row is None else key.own_row)
 
 
+def adapter_rank(adapter: Optional[str], last: Optional[str]) -> tuple[bool, bool, str]:
+    """A request's place by LoRA adapter in its window: the adapter the queue ended with first (no
+    swap across windows), then the others by name, the base model (None) before them."""
+    return (adapter != last, adapter is not None, adapter or "")
+
+
 class Feed:
     """A shard's requests, prepared a slice of rows at a time. A duplicate joins its identical
     request while that is not finished, or takes its result from the cache once it is; a window's
-    new requests join the queue in work_order once the window is read. Window sizes: `sizes` first
-    (the isolated rows, then a small first window), then `window` rows each."""
+    new requests join the queue once the window is read, adapter by adapter (adapter_rank), each
+    adapter's in work_order. Window sizes: `sizes` first (the isolated rows, then a small first
+    window), then `window` rows each."""
 
     def __init__(
         self,
@@ -46,6 +53,7 @@ class Feed:
         self.cache = ResultCache()
         self.exhausted = False
         self._building: list[RequestKey] = []
+        self.last_adapter: Optional[str] = None  # the LoRA adapter of the last request queued
         self._read = 0  # rows read into the window being built
         self._size = self.sizes.popleft() if self.sizes else window
 
@@ -83,9 +91,14 @@ class Feed:
             self.cache.put(key.digest(), result, result_bytes(result))
 
     def _flush(self) -> None:
-        """The window being built joins the queue in work order; the next window starts."""
+        """The window being built joins the queue adapter by adapter, in work order; the next window starts."""
         with CLOCK("order"):
-            self.queue.extend(sorted(self._building, key=work_order))
+            last = self.queue[-1].adapter if self.queue else self.last_adapter
+            if last is None and all(k.adapter is None for k in self._building):
+                self.queue.extend(sorted(self._building, key=work_order))  # no LoRA adapters
+            else:
+                self.queue.extend(sorted(self._building, key=lambda k: (adapter_rank(k.adapter, last), work_order(k))))
+                self.last_adapter = self.queue[-1].adapter if self.queue else last
         self._building = []
         self._read = 0
         self._size = self.sizes.popleft() if self.sizes else self.window

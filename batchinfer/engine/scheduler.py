@@ -17,6 +17,7 @@ from batchinfer.config.schema import Config
 from batchinfer.engine.ahead import Ahead, Item
 from batchinfer.engine.crashes import Crashes, count_suspects
 from batchinfer.engine.feed import Feed
+from batchinfer.engine.lora_slots import LoraSlots
 from batchinfer.engine.phases import CLOCK
 from batchinfer.engine.rowbar import RowBar
 from batchinfer.engine.stopflag import StopFlag
@@ -103,6 +104,7 @@ class ShardScheduler:
         self.feed = Feed(self.ahead, worker.task_rows.result_row, sizes, self.window)
         self.pending: list[OutputRow] = worker.crash_rows(self.crashes.crashed_rows)  # rows to commit
         self.in_flight: dict[str, RequestKey] = {}  # request id -> key, sent and not finished
+        self.slots = LoraSlots(getattr(engine, "max_loras", None))  # LoRA adapters in flight
         self.n_isolate = 0  # isolated requests still to finish: while any, one request at a time
         self.finished = 0  # rows finished in this attempt (for the trace)
         self.seq = 0
@@ -177,6 +179,8 @@ class ShardScheduler:
 
     def _submit(self) -> None:
         while self.feed.queue and len(self.in_flight) < (1 if self.n_isolate else self.target):
+            if not self.slots.admits(self.feed.queue[0].adapter):
+                break  # one more adapter than the engine's slots: after those in flight finish
             key = self.feed.queue.popleft()
             rid = f"{self.shard.index}-{self.attempt}-{self.seq}"
             self.seq += 1
@@ -203,6 +207,7 @@ class ShardScheduler:
                     self.record.first_request_seconds,
                 )
             self.in_flight[rid] = key
+            self.slots.sent(key.adapter)
             if key in self.worker.task_rows.poisoned:
                 faults.kill_engine()
 
@@ -255,6 +260,7 @@ class ShardScheduler:
         if key is None:  # an earlier attempt's request on this reused engine: not ours
             log.warning("shard %d: ignoring a result for unknown request %s", self.shard.index, c.request_id)
             return
+        self.slots.done(key.adapter)
         members = self.feed.groups.pop(key)
         self.n_isolate = max(0, self.n_isolate - 1)
         self.pending.extend(self.worker.task_rows.result_row(m, c) for m in members)

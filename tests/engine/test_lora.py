@@ -1,6 +1,7 @@
 """LoRA adapters on the real engine (one shared LoRA engine, conftest.lora_engine): a run under an
-adapter answers as vLLM's own LLM.chat with that LoRARequest does, and a per-row run's base-model
-rows answer as a run without adapters."""
+adapter answers as vLLM's own LLM.chat with that LoRARequest does; in a per-row run of three
+adapters and the base model interleaved each row answers as its adapter's own run, the base-model
+rows as a run without adapters, and the engine loads each adapter about once a window."""
 
 from __future__ import annotations
 
@@ -59,19 +60,35 @@ def vllm_chat_base(engine: Any, texts: list[str], max_tokens: int) -> list[str]:
     return [o.outputs[0].text for o in outs]
 
 
-def test_per_row_adapters_each_row_answers_as_vllm_under_its_adapter(
-    tmp_path: Path, tiny_model_path: Path, tiny_adapters: dict[str, Path], lora_engine: Any
+def test_three_adapters_and_the_base_model_interleaved_answer_as_their_own_runs(
+    tmp_path: Path, tiny_model_path: Path, tiny_adapters: dict[str, Path], lora_engine: Any, engine: Any
 ) -> None:
-    rows = write_corpus(tmp_path / "words.jsonl", 30, seed=47)
-    names = ["a1", "a3", "a2", "a1", "a2"]
+    rows = write_corpus(tmp_path / "words.jsonl", 40, seed=47)
+    names = ["a1", None, "a3", "a2", None, "a1", "a2", "a3"]
     rows = [dict(r, task=names[i % len(names)]) for i, r in enumerate(rows)]
     corpus = write_rows(tmp_path / "c.jsonl", rows)
-    ov = run_overrides(
-        tiny_model_path, corpus, tmp_path / "mixed", *lora_overrides(tiny_adapters), "input.adapter_column=task"
-    )
+    lora = lora_overrides(tiny_adapters)
+    loads = lora_engine.lora_loads()
+    ov = run_overrides(tiny_model_path, corpus, tmp_path / "mixed", *lora, "input.adapter_column=task")
     mixed = read_output(run_local(compose(ov), engine=lora_engine).path)
+    loads = lora_engine.lora_loads() - loads
     assert [r["adapter"] for r in mixed] == [r["task"] for r in rows]
-    texts = [r["text"] for r in rows]
+    assert all(r["error"] is None for r in mixed)
+    # One slot, two windows (32 rows, then 8; max_num_seqs=16), each adapter by adapter, the second
+    # going on with the adapter the first ended with: a1 a2 a3, then a3 a1 a2 -> 5 loads (4 when
+    # a1 was in the slot already). In row order one slot would take a load at almost every row.
+    assert loads in (4, 5), loads
     for name in ("a1", "a2", "a3"):
+        ov = run_overrides(tiny_model_path, corpus, tmp_path / name, *lora, f"model.lora.default={name}")
+        one = read_output(run_local(compose(ov), engine=lora_engine).path)
         mine = [i for i, r in enumerate(rows) if r["task"] == name]
-        assert [mixed[i]["text"] for i in mine] == vllm_chat(lora_engine, [texts[i] for i in mine], name, 6), name
+        assert [mixed[i]["text"] for i in mine] == [one[i]["text"] for i in mine], name
+    # the base-model rows answer as a run without adapters (the shared engine without LoRA) does
+    plain = read_output(
+        run_local(compose(run_overrides(tiny_model_path, corpus, tmp_path / "plain")), engine=engine).path
+    )
+    assert "adapter" not in plain[0]
+    base = [i for i, r in enumerate(rows) if r["task"] is None]
+    assert [mixed[i]["text"] for i in base] == [plain[i]["text"] for i in base]
+    adapted = [i for i, r in enumerate(rows) if r["task"] is not None]
+    assert sum(mixed[i]["text"] != plain[i]["text"] for i in adapted) >= len(adapted) // 2  # adapters change answers

@@ -28,6 +28,7 @@ class FakeEngine:
     max_num_seqs = 4
     startup_seconds = 0.0
     device = "fake device"
+    max_loras: Optional[int] = None  # LoRA adapter slots (a LoRA engine's; vllm_engine.Engine.max_loras)
 
     def __init__(self, per_step: int = 3, refuse: Iterable[str] = (), poison: Iterable[str] = ()):
         self.per_step = per_step
@@ -38,6 +39,8 @@ class FakeEngine:
         self.refused = {tuple(self.ids(t)) for t in refuse}
         self.poisoned = {tuple(self.ids(t)) for t in poison}
         self.in_flight: list[int] = []  # requests queued at each step
+        self.sent_adapters: list[Optional[str]] = []  # the adapter of each request added, in order (None: base model)
+        self.loras_in_flight: list[set[str]] = []  # the adapters of the requests queued at each step
         self.died_with: list[list[int]] | None = None  # the requests queued when it died
         self.aborted: list[list[int]] = []  # requests dropped by abort_all
 
@@ -66,6 +69,7 @@ class FakeEngine:
         check_logprobs(params, MAX_LOGPROBS)
         self.queue.append((request_id, token_ids))
         self.added.append(token_ids)
+        self.sent_adapters.append(adapter)
 
     def step(self) -> list[Completion]:
         if any(tuple(ids) in self.poisoned for _, ids in self.queue):
@@ -73,6 +77,7 @@ class FakeEngine:
             raise RuntimeError("vLLM engine core died")  # what the real engine's watchdog raises
         self.steps += 1
         self.in_flight.append(len(self.queue))
+        self.loras_in_flight.append({self.adapters[rid] for rid, _ in self.queue if rid in self.adapters})
         ready = sorted(self.queue, key=lambda q: (digest(q[1]) + self.steps) % 7)[: self.per_step]
         self.queue = [q for q in self.queue if q not in ready]
         return [Completion(rid, [self.answer(ids, self.adapters.get(rid))], "stop", len(ids), 1) for rid, ids in ready]

@@ -118,13 +118,51 @@ def test_changed_adapter_is_refused_on_resume_naming_it(tmp_path: Path, adapters
         prepare(compose(ov))
 
 
-def test_base_rows_beside_adapter_rows_are_error_rows(tmp_path: Path, adapters: list[str]) -> None:
+def test_null_adapter_without_default_is_the_base_model(tmp_path: Path, adapters: list[str]) -> None:
     corpus = write_rows(tmp_path / "c.jsonl", ROWS[:3])
     run = prepare(
         compose(fake_overrides(tmp_path, corpus, "input.id_column=id", "input.adapter_column=task", *adapters))
     )
-    run_shards(run, [0], engine=keyed(FakeEngine(), run))
+    eng = keyed(FakeEngine(), run)
+    run_shards(run, [0], engine=eng)
     merge(run)
     out = read_output(run.path)
-    assert [r["adapter"] for r in out[:2]] == ["alpha", "beta"] and out[2]["error"]["kind"] == "adapter"
-    assert "model.lora.default is unset" in out[2]["error"]["message"]
+    ids = eng.ids("one")
+    assert [r["adapter"] for r in out] == ["alpha", "beta", None] and all(r["error"] is None for r in out)
+    assert out[2]["text"] == FakeEngine.answer(ids) not in (out[0]["text"], out[1]["text"])
+
+
+def changes(seq: list) -> int:
+    """How often consecutive items differ."""
+    return sum(a != b for a, b in zip(seq, seq[1:], strict=False))
+
+
+def test_rows_go_adapter_by_adapter_never_more_adapters_in_flight_than_slots(
+    tmp_path: Path, adapters: list[str]
+) -> None:
+    gamma = adapter(tmp_path, "gamma", 8)
+    names = ["alpha", None, "beta", "gamma", "beta", "alpha", None, "gamma"]
+    rows = [{"id": f"r{i}", "text": f"text {i}", "task": names[i % len(names)]} for i in range(40)]
+    corpus = write_rows(tmp_path / "c.jsonl", rows)
+    ov = fake_overrides(
+        tmp_path,
+        corpus,
+        "input.id_column=id",
+        "input.adapter_column=task",
+        *adapters,
+        f"+model.lora.adapters.gamma={gamma}",
+    )
+    run = prepare(compose([*ov, "model.lora.max_loras=1"]))
+    eng = keyed(FakeEngine(), run)
+    eng.max_loras = 1
+    run_shards(run, [0], engine=eng)
+    merge(run)
+    out = read_output(run.path)
+    assert [r["adapter"] for r in out] == [r["task"] for r in rows]
+    assert [r["text"] for r in out] == [FakeEngine.answer(eng.ids(r["text"]), r["task"]) for r in rows]
+    assert max(len(s) for s in eng.loras_in_flight) == 1  # one slot: one adapter in flight at a time
+    # two windows (8 rows, then the rest), each adapter by adapter, the second going on with the
+    # adapter the first ended with: at most 3 + 3 changes of adapter among the 40 requests sent
+    sent = [a for a in eng.sent_adapters if a is not None]
+    assert len(eng.sent_adapters) == 40 and changes(sent) <= 6, eng.sent_adapters
+    assert changes([r["task"] for r in rows if r["task"]]) == 29  # in input order it would change at almost every row
