@@ -15,6 +15,7 @@ from typing import Any, BinaryIO, Optional
 from batchinfer import faults
 from batchinfer.errors import CorruptRecord, StorageError
 from batchinfer.redaction import plain_json, record_json
+from batchinfer.security import record_mode
 
 TMP_PREFIX = ".tmp-"
 
@@ -61,14 +62,16 @@ def temporary_name(path: Path) -> Path:
     return path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
-def atomic_write(path: Path, data: bytes, points: Optional[faults.WritePoints] = None) -> None:
+def atomic_write(
+    path: Path, data: bytes, points: Optional[faults.WritePoints] = None, mode: Optional[int] = None
+) -> None:
     """Write data under a temporary name, fsync, rename into place, fsync the folder (points: its
-    fault points, for tests).
+    fault points, for tests; mode: the file's, else the umask's).
 
     A refused write (disk full, read-only) removes the temporary and raises StorageError."""
     tmp = temporary_name(path)
     try:
-        _write_temporary(tmp, data, points)
+        _write_temporary(tmp, data, points, mode)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as e:
@@ -180,8 +183,10 @@ class _FaultingFile:
         return getattr(self.f, name)
 
 
-def _write_temporary(tmp: Path, data: bytes, points: Optional[faults.WritePoints]) -> None:
-    with open(tmp, "wb") as f:
+def _write_temporary(tmp: Path, data: bytes, points: Optional[faults.WritePoints], mode: Optional[int] = None) -> None:
+    # Made with its mode, never wider for a moment: the umask can only narrow it.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
+    with os.fdopen(fd, "wb") as f:
         if points:
             f.write(data[: len(data) // 2])
             f.flush()
@@ -211,8 +216,16 @@ def write_json(path: Path, obj: Any, redact: bool = True) -> None:
     """Atomically write a JSON record, redacted (redaction.record_json). redact=False only for a
     record of batchinfer's own state holding no config value (tests/contract lists them): a
     field such as an ownership mark's `token` is a name, not a secret."""
-    text = record_json(obj, indent=2, sort_keys=True, default=str) if redact else plain_json(obj)
-    atomic_write(path, (text + "\n").encode())
+    if redact:
+        write_record(path, record_json(obj, indent=2, sort_keys=True, default=str) + "\n")
+    else:
+        atomic_write(path, (plain_json(obj) + "\n").encode())
+
+
+def write_record(path: Path, text: str) -> None:
+    """Atomically write a record already redacted (redaction.record_json, record_yaml), owner-only
+    when it marks a secret's place (security.record_mode)."""
+    atomic_write(path, text.encode(), mode=record_mode(path.parent, text))
 
 
 def read_json(path: Path, advice: str = "") -> Any:

@@ -23,33 +23,29 @@ import yaml
 REDACTED = "<redacted>"
 
 # Whole word parts only: `max_tokens`, `sort_keys`, `tokenizer`, `passes` and `keep` are not secrets.
+# (A DSN carries its key, Sentry's, or a password, a database's.)
 SECRET_WORDS = frozenset(
-    {
-        "token",
-        "key",
-        "apikey",
-        "secret",
-        "secrets",
-        "password",
-        "passwords",
-        "passwd",
-        "pass",
-        "pwd",
-        "passphrase",
-        "credential",
-        "credentials",
-        "auth",
-        "authorization",
-        "jwt",
-        "cookie",
-        "cookies",
-        "webhook",
-        "webhooks",
-        "pat",
-    }
+    "token key apikey secret secrets password passwords passwd pass pwd passphrase credential credentials auth "
+    "authorization jwt cookie cookies webhook webhooks pat bearer dsn sessionid sessid".split()
 )
-# Environment variables written as one word (PGPASSWORD, HFTOKEN): a secret word at the end.
-SECRET_SUFFIXES = ("token", "password", "passwd", "passphrase", "secret", "apikey", "credential", "credentials")
+# A word written without separators (PGPASSWORD, AWSSECRETKEY, csrftoken), matched as secret scanners
+# match it. Anywhere in the word: words no English word holds by chance.
+SECRET_INFIXES = ("password", "passwd", "passphrase", "credential", "apikey", "privkey", "privatekey")
+# At its end: HFTOKEN, MYSQLPWD, OAUTH, SESSIONID, SENTRYDSN (tokenizers, passes, secretary: no).
+SECRET_ENDINGS = tuple("token secret secrets pwd jwt cookie webhook bearer auth sessionid sessid dsn".split())
+# "key", "pass" and "pat" end many ordinary words (monkey, compass, compat): a secret only after one
+# of these (PASSKEY, DBPASS, GITHUBPAT), as detect-secrets' keyword list has it.
+QUALIFIED_ENDINGS = {
+    "key": tuple(
+        "secret api priv private access auth ssh pass sign signing encryption crypt master client service account "
+        "db database session hmac license app admin root storage shared sas deploy webhook token gpg pgp rsa".split()
+    ),
+    "pass": tuple(
+        "db database key user admin root mysql pg postgres smtp mail ldap ftp redis mongo sql app proxy login sudo "
+        "ssh vault basic http".split()
+    ),
+    "pat": tuple("github gh gitlab gl ado azure devops hf bitbucket personal access".split()),
+}
 # Word parts of snake_case, kebab-case, dotted and camelCase names (HFToken -> HF, Token).
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
 
@@ -57,34 +53,75 @@ _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
 # "1234"), which would be struck out of every record; secret scanners and CI masks draw the line
 # at 8 characters too (GitLab refuses to mask shorter ones). Shorter secrets are caught by name.
 MIN_VALUE_LENGTH = 8
-# Names with a secret word that hold no secret: the shell's working folders (pwd); and (for
-# redaction by value) a secret's location (a socket, a file, a folder), which records name as paths.
+# Names with a secret word that hold no secret: the shell's working folders (pwd); and a secret's
+# location (a socket, a file, a folder) as the name's last word part, which records name as paths.
 NOT_SECRET_ENV = frozenset({"PWD", "OLDPWD"})
-LOCATION_PARTS = frozenset({"path", "file", "dir", "sock", "socket", "home", "url_file"})
+LOCATION_PARTS = frozenset({"path", "file", "dir", "sock", "socket", "home"})
 
 # Subtrees whose keys are the user's columns, not settings: few-shot examples, run.yaml's column summary.
 ROW_DATA = ("prompt.examples", "output_schema.columns")
 
-_URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:/@'\"]+):([^\s@/'\"]+)@")
+# scheme://user:password@: one slash or more, as a path's normalisation leaves it (https:/bob:pw@host).
+_URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*:/+[^\s:/@'\"${}]+):([^\s@/'\"]+)@")
 # NAME=value as a shell line or an override writes it (+cluster.env.DB_PASS=x); $NAME values are references.
-_ASSIGNMENT = re.compile(r"(?<![\w$.\-])([+~]{0,2}[A-Za-z_][\w.\-]*)=(\"[^\"]*\"|'[^']*'|[^\s;&|,)\]}]+)")
+_ASSIGNMENT = re.compile(r"(?<![\w$.\-])([+~]{0,2}[A-Za-z_][\w.\-]*)=(\"[^\"]*\"|'[^']*'|[^\s;&|,)\]}`]+)")
 # --token VALUE, --api-key=VALUE: an option with a secret name and its argument.
-_FLAG = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*)(=|[ \t]+)(\"[^\"]*\"|'[^']*'|[^\s;&|]+)")
+_FLAG = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*)(=|[ \t]+)(\"[^\"]*\"|'[^']*'|[^\s;&|`]+)")
+# A value in a command line: up to a space, a quote or a shell separator.
+_VALUE = r"(?P<secret>[^\s'\";&|`]+)"
+# Commands that take a secret in their own syntax: the secret (and a header's name or a setting's
+# name, where the form has one: it must name a secret) found as a secret scanner finds it.
+_COMMAND_SECRETS = (
+    # curl -H 'Authorization: Bearer X', --header="X-Api-Key: X", git's http.extraheader "AUTHORIZATION: basic X"
+    re.compile(
+        r"(?:(?<![\w-])-H|--header|extraheader)(?:\s+|=)['\"]?(?P<name>[A-Za-z][\w-]*)[ \t]*:[ \t]*"
+        r"(?:(?i:bearer|basic|token|bot|digest|apikey)[ \t]+)?" + _VALUE
+    ),
+    # mysql -pX: the password glued to -p
+    re.compile(r"\b(?:mysql\w*|mariadb[\w-]*)\b[^;&|\n]*?[ \t]-p" + _VALUE),
+    # curl -u alice:X (--user, --proxy-user, -U): the part after the user name
+    re.compile(r"\bcurl\b[^;&|\n]*?[ \t](?:-u|--user|--proxy-user|-U)(?:[ \t]+|=)['\"]?[^\s:'\"]*:" + _VALUE),
+    # sshpass -p X
+    re.compile(r"\bsshpass\b[^;&|\n]*?[ \t]-p[ \t]*" + _VALUE),
+    # aws configure set aws_secret_access_key X, git config user.password X, npm config set //r/:_authToken X
+    re.compile(
+        r"\bconfig(?:ure)?\b(?:[ \t]+--?[\w.-]+)*(?:[ \t]+set)?[ \t]+(?P<name>[\w.\-/:@]+)[ \t]+['\"]?" + _VALUE
+    ),
+    # https://TOKEN@github.com/...: a user without a password in an http(s) URL is a token
+    re.compile(r"\bhttps?://(?P<secret>[^\s:/@'\"${}]+)@"),
+)
+# What a message writes where a value goes (`export HF_TOKEN=...`, --token <TOKEN>): no value.
+_PLACEHOLDER = re.compile(r"\.\.\.|\u2026|<[^<>\s]*>|\*{3,}")
 ENV_REF = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)(?:,[^}]*)?\}")
 
 # Secrets given in the config (cluster.env, cluster.env_inherit) of this process: name -> value.
 _carried: dict[str, str] = {}
+# Values of secret-named keys as typed in overrides (and URL passwords there): value -> name, struck
+# from every line of this process by value, before the config is composed (a type error echoes them).
+_typed: dict[str, str] = {}
 
 
 @functools.lru_cache(maxsize=4096)
 def is_secret_name(name: str) -> bool:
-    """Whether a config key, option or environment variable name looks like it holds a secret."""
+    """Whether a config key, option or environment variable name looks like it holds a secret: a
+    secret word as a word part, or inside a word written without separators (AWSSECRETKEY, hftoken);
+    a name that ends in a location (MY_KEY_FILE, HF_TOKEN_PATH) holds no secret, only where one is."""
     if name in NOT_SECRET_ENV:
         return False
-    parts = _WORD.findall(str(name))
-    if any(part.lower() in SECRET_WORDS for part in parts):
+    parts = [p.lower() for p in _WORD.findall(str(name))]
+    if not parts or parts[-1] in LOCATION_PARTS:
+        return False
+    return any(_secret_word(p) for p in parts) or _secret_word("".join(parts))
+
+
+def _secret_word(word: str) -> bool:
+    """One lower-case word part (or a whole name's parts joined: SESSION_ID) that names a secret."""
+    if word in SECRET_WORDS or any(w in word for w in SECRET_INFIXES) or word.endswith(SECRET_ENDINGS):
         return True
-    return any(part.isupper() and part.lower().endswith(SECRET_SUFFIXES) for part in parts)
+    for ending, before in QUALIFIED_ENDINGS.items():
+        if word.endswith(ending) and word[: -len(ending)].endswith(before):
+            return True
+    return False
 
 
 def has_url_password(value: Any) -> bool:
@@ -125,22 +162,32 @@ def carry(name: str, value: Any) -> None:
         _carried[name] = str(value)
 
 
+def strike_overrides(overrides: list[str]) -> None:
+    """Remember the secrets typed in Hydra overrides (a secret-named key's value, a URL's password):
+    an error about any key that echoes one, before the config is checked, prints it struck."""
+    for ov in overrides:
+        key, sep, value = ov.partition("=")
+        name = key.lstrip("+~").rsplit(".", 1)[-1]
+        value = _unquoted(value)
+        env = key.lstrip("+~").startswith("cluster.env.")  # struck as cluster.env's secrets are, by reference
+        if sep and is_secret_name(name) and _named_value(value, name):
+            _typed[value] = name if env else ""
+        for m in _URL_PASSWORD.finditer(value):
+            _typed[m.group(2)] = ""
+
+
 def carried() -> dict[str, str]:
     """The secrets given in the config of this process (name -> value), for a child's environment."""
     return dict(_carried)
 
 
-def _holds_secret(name: str) -> bool:
-    if not is_secret_name(name):
-        return False
-    return not any(p.lower() in LOCATION_PARTS for p in _WORD.findall(name)[-1:])
-
-
 def secret_values() -> list[tuple[str, str]]:
     """(value, name) of every secret known here, longest value first: secret-named variables of this
-    environment and secrets given in the config, values of MIN_VALUE_LENGTH characters or more."""
-    found = {v: k for k, v in os.environ.items() if len(v) >= MIN_VALUE_LENGTH and _holds_secret(k)}
+    environment, secrets given in the config and typed in overrides (name "": no variable holds it),
+    values of MIN_VALUE_LENGTH characters or more."""
+    found = {v: k for k, v in os.environ.items() if len(v) >= MIN_VALUE_LENGTH and is_secret_name(k)}
     found.update({v: k for k, v in _carried.items() if len(v) >= MIN_VALUE_LENGTH})
+    found.update({v: k for v, k in _typed.items() if len(v) >= MIN_VALUE_LENGTH})
     return sorted(found.items(), key=lambda kv: -len(kv[0]))
 
 
@@ -148,10 +195,28 @@ def _unquoted(value: str) -> str:
     return value[1:-1] if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"" else value
 
 
-def _named_value(value: str) -> bool:
-    """A value that is a secret to strike: not a reference ($NAME, ${oc.env:NAME}) nor already struck."""
+def _named_value(value: str, name: str = "") -> bool:
+    """A value that is a secret to strike: not a reference ($NAME, ${oc.env:NAME}), already struck, a
+    message's placeholder (`...`, <TOKEN>) nor the name itself (`token=token` in a traceback)."""
     inner = _unquoted(value)
-    return bool(inner) and not inner.startswith("$") and REDACTED not in inner
+    if not inner or inner.startswith("$") or REDACTED in inner or _PLACEHOLDER.fullmatch(inner):
+        return False
+    return inner != name.lstrip("+~-").rsplit(".", 1)[-1]
+
+
+def _command_secrets(text: str) -> str:
+    """Secrets in the syntax of commands that take one (_COMMAND_SECRETS) struck, the rest kept."""
+
+    def strike(m: re.Match[str]) -> str:
+        named = "name" not in m.re.groupindex or is_secret_name(m.group("name"))
+        if not named or not _named_value(m.group("secret")):
+            return m.group(0)
+        start, end = m.span("secret")
+        return m.group(0)[: start - m.start()] + REDACTED + m.group(0)[end - m.start() :]
+
+    for form in _COMMAND_SECRETS:
+        text = form.sub(strike, text)
+    return text
 
 
 def redact_text(text: str, values: Optional[list[tuple[str, str]]] = None) -> str:
@@ -162,19 +227,20 @@ def redact_text(text: str, values: Optional[list[tuple[str, str]]] = None) -> st
     text = _URL_PASSWORD.sub(lambda m: f"{m.group(1)}:{REDACTED}@", text)
     for value, name in secret_values() if values is None else values:
         if value in text:
-            text = text.replace(value, env_ref(name))
+            text = text.replace(value, env_ref(name) if name else REDACTED)
 
     def assignment(m: re.Match[str]) -> str:
         key = m.group(1).rsplit(".", 1)[-1]
-        return f"{m.group(1)}={REDACTED}" if is_secret_name(key) and _named_value(m.group(2)) else m.group(0)
+        secret = is_secret_name(key) and _named_value(m.group(2), key)
+        return f"{m.group(1)}={REDACTED}" if secret else m.group(0)
 
     def flag(m: re.Match[str]) -> str:
         name = m.group(1).lstrip("-")
-        if not is_secret_name(name) or not _named_value(m.group(3)) or m.group(3).startswith("-"):
+        if not is_secret_name(name) or not _named_value(m.group(3), name) or m.group(3).startswith("-"):
             return m.group(0)
         return f"{m.group(1)}{m.group(2)}{REDACTED}"
 
-    return _FLAG.sub(flag, _ASSIGNMENT.sub(assignment, text))
+    return _command_secrets(_FLAG.sub(flag, _ASSIGNMENT.sub(assignment, text)))
 
 
 def redact(obj: Any, path: str = "") -> Any:

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from batchinfer.errors import ConfigError
 from batchinfer.redaction import (
+    ENV_REF,
     REDACTED,
     ROW_DATA,
     carry,
@@ -171,6 +172,32 @@ def export_option(
         return extra
     listed = str(extra["export"]).split(",")
     return dict(extra, export=",".join(listed + [n for n in dict.fromkeys(names) if n not in listed]))
+
+
+# `$NAME` / `${NAME}` in a script: a reference to a variable, the secret's place when NAME is secret-named.
+_SHELL_REF = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def holds_secret_place(text: str) -> bool:
+    """Whether a record (as written: redacted) marks where a secret goes: a struck value, a
+    `${oc.env:NAME}` reference, or a script's `${NAME}` of a secret-named variable."""
+    if REDACTED in text or ENV_REF.search(text):
+        return True
+    return any(is_secret_name(name) for name in _SHELL_REF.findall(text))
+
+
+def record_mode(folder: Path, text: str) -> Optional[int]:
+    """The mode of a record written into folder: None (the umask decides) unless it marks a secret's
+    place (holds_secret_place); then owner-only, 0600, so a redaction missed is read by no one else.
+    In a group-private folder (output.private=group: 0750, no way in for others) 0640, so the
+    group the run is shared with still reads it."""
+    if not holds_secret_place(text):
+        return None
+    try:
+        mode = folder.stat().st_mode
+    except OSError:
+        return 0o600
+    return 0o640 if mode & stat.S_IXGRP and not mode & stat.S_IXOTH else 0o600
 
 
 def private_mode(value: Any) -> Optional[str]:

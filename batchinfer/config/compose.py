@@ -10,11 +10,11 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from batchinfer.config.checks import takes, validate
-from batchinfer.config.keys import unknown_key_message, unknown_keys
+from batchinfer.config.keys import schema_keys, unknown_key_message, unknown_keys
 from batchinfer.config.schema import escape_interpolation
 from batchinfer.config.store import conf_dir, register_configs
 from batchinfer.errors import ConfigError
-from batchinfer.redaction import REDACTED
+from batchinfer.redaction import REDACTED, has_url_password, is_secret_name, strike_overrides
 
 # Values typed in a shell that Hydra's grammar would reject or interpolate ({, [, #, ${): taken as typed.
 LITERAL_KEYS = ("prompt.template", "prompt.system", "task.query", "task.document")
@@ -70,6 +70,7 @@ def compose(overrides: list[str], config_dir: Optional[str] = None) -> DictConfi
     from omegaconf.errors import OmegaConfBaseException
 
     register_configs()
+    strike_overrides(list(overrides))  # an error below may echo a value: a secret's is printed struck
     overrides = quote_literals(list(overrides))
     if config_dir:
         cdir = Path(config_dir).expanduser().resolve()
@@ -105,6 +106,7 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    strike_overrides(list(overrides))
     try:
         for ov in OverridesParser.create().parse_overrides(quote_literals(overrides)):
             OmegaConf.update(cfg, ov.key_or_group, ov.value(), merge=True, force_add=ov.is_add())
@@ -123,15 +125,34 @@ def _override_error(e: Exception) -> str:
     from omegaconf.errors import ValidationError
 
     missing = re.search(r"Could not override '([^']+)'", str(e))
-    if missing:  # Hydra's advice (write +key) would add a key nothing reads
-        return unknown_key_message(missing.group(1))
+    if missing:  # Hydra's advice (write +key) would add a key nothing reads, or echo the value
+        return new_key_message(missing.group(1)) or unknown_key_message(missing.group(1))
     cause = e.__cause__
     key = getattr(cause, "full_key", None)
     if not isinstance(cause, ValidationError) or not key:
         return _first_lines(str(e))
     reason = str(cause).splitlines()[0]
+    value = getattr(cause, "value", None)
+    if value is not None and (is_secret_name(key.rsplit(".", 1)[-1]) or has_url_password(str(value))):
+        reason = reason.replace(str(value), REDACTED)  # a secret's value, whatever its type, is not echoed
     allowed = takes(key)
     return f"{key}: {reason}" + (f"; {key} takes {allowed}" if allowed else "")
+
+
+def new_key_message(key: str) -> Optional[str]:
+    """For a key of a free-form section (cluster.env, sbatch_extra, ...) written without `+`: how to
+    add it; None for any other key. The value is not echoed (it may be a secret)."""
+    section, name = key.rsplit(".", 1) if "." in key else ("", key)
+    parent, names = schema_keys(section) if section else ("", [])
+    if section.rsplit(".", 1)[-1] not in names or schema_keys(key)[1]:
+        return None  # not a key of the schema, or a section with keys of its own
+    msg = f"{section} has no key {name} yet: write +{key}=... to add it"
+    if section == "cluster.env":
+        msg += (
+            f" (or, for a secret, pass it by name: `export {name}` in this shell and "
+            f"cluster.env_inherit=[{name}], so its value is on no command line)"
+        )
+    return msg
 
 
 def require_run_keys(cfg: DictConfig, input_required: bool = True) -> None:

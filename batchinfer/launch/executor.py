@@ -4,6 +4,7 @@ whose Python holds USR2 pending from its first statement."""
 from __future__ import annotations
 
 import functools
+import os
 import shlex
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from batchinfer import security
 from batchinfer.launch import slurm
 from batchinfer.redaction import redact_text, shell_refs
 
@@ -48,6 +50,14 @@ def script_text(text: str) -> str:
     return shell_refs(redact_text(text))
 
 
+def write_script(path: Path, text: str) -> None:
+    """Write an sbatch script, owner-only when it marks a secret's place (security.record_mode)."""
+    mode = security.record_mode(path.parent, text)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 @functools.cache
 def _timed_executor_class() -> type:
     """submitit's SlurmExecutor with sbatch run under SBATCH_TIMEOUT_S (submitit sets none).
@@ -76,8 +86,8 @@ def _timed_executor_class() -> type:
             tmp_uuid = uuid.uuid4().hex
             folder = utils.JobPaths.get_first_id_independent_folder(self.folder)
             submission_file_path = folder / f".submission_file_{tmp_uuid}.sh"
-            with submission_file_path.open("w") as f:
-                f.write(script_text(self._make_submission_file_text(command, tmp_uuid)))
+            text = script_text(self._make_submission_file_text(command, tmp_uuid))
+            write_script(submission_file_path, text)
             cmd = self._make_submission_command(submission_file_path)
             res = slurm.run_command(cmd, timeout=SBATCH_TIMEOUT_S)
             if res.returncode != 0:

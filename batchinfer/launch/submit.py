@@ -7,6 +7,7 @@ import logging
 import os
 import pkgutil
 import shlex
+import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -66,8 +67,12 @@ def job_name(run: RunDir, number: int) -> str:
 
 def _record(run: RunDir, line: JobsLine) -> None:
     """Append one line to DIR/jobs.jsonl and make it durable before the next sbatch."""
+    text = record_json(line) + "\n"
     with security.private_umask(run.config.output.private), open(run.path / "jobs.jsonl", "a") as f:
-        f.write(record_json(line) + "\n")
+        mode = security.record_mode(run.path, text)
+        if mode is not None:
+            os.fchmod(f.fileno(), stat.S_IMODE(os.fstat(f.fileno()).st_mode) & mode)  # its other lines too
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
 

@@ -10,7 +10,7 @@ import pyarrow as pa
 import yaml
 
 from batchinfer.config.schema import Config, to_config
-from batchinfer.durable import atomic_write, corrupt_record, read_json
+from batchinfer.durable import corrupt_record, read_json, write_record
 from batchinfer.errors import RunDirError
 from batchinfer.inputs.shards import Shard
 from batchinfer.models.identity import IdentityRecord
@@ -161,7 +161,7 @@ class RunDir:
 
     def write_run(self, record: RunRecord) -> None:
         """Write run.yaml atomically, redacted (redaction.record_yaml); the record as given is kept in memory."""
-        atomic_write(self.run_yaml, record_yaml(record).encode())
+        write_record(self.run_yaml, record_yaml(record))
         self._run = record
         self._config = None
 

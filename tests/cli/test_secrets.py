@@ -112,3 +112,40 @@ def test_no_command_writes_or_prints_a_secret(tmp_path: Path, tiny_model_path: P
     hits = leaks([out, tmp_path / "literal", tune], printed)
     print(f"planted secrets searched in the files of {out} and {tune} and {len(printed)} outputs: {len(hits)} hits")
     assert not hits, hits
+
+
+def test_errors_print_no_secret_and_a_record_holding_ones_place_is_owner_only(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """The console end to end (the redacting stream of the real CLI): a URL's password in the
+    input.path error after the path's normalisation, a secret echoed by a type error, a cluster.env
+    key without `+`, a bearer token in cluster.setup; then run.yaml made 0600 under umask 022."""
+    secret = "hf_PLANTEDcli0123456789"
+    corpus, out = tmp_path / "c.jsonl", tmp_path / "run"
+    write_corpus(corpus, 4, seed=3)
+    ov = run_overrides(tiny_model_path, corpus, out)
+    env = standin_env()
+
+    def cli(*args: str) -> tuple[int, str]:
+        res = run_cli(list(args), env=env, preexec_fn=lambda: os.umask(0o022))
+        return res.returncode, res.stdout + res.stderr
+
+    bearer = f"cluster.setup=['curl -H \"Authorization: Bearer {secret}\" https://x/y']"
+    said = {
+        "path": cli("validate", *ov, f"input.path=https://bob:{secret}@host/x.jsonl"),
+        "type": cli("validate", *ov, f"+cluster.env.HF_TOKEN={secret}", f"cluster.time={secret}"),
+        "no plus": cli("validate", *ov, f"cluster.env.HF_TOKEN={secret}"),
+        "setup": cli("validate", *ov, bearer),
+    }
+    assert {k: code for k, (code, _) in said.items()} == dict.fromkeys(said, 2)
+    assert [k for k, (_, text) in said.items() if secret in text] == []
+    assert "(resolved to " in said["path"][1] and said["path"][1].count("bob:<redacted>@host") == 2
+    assert "cluster.time: Value '${oc.env:HF_TOKEN}' of type 'str'" in said["type"][1]
+    assert "cluster.env has no key HF_TOKEN yet: write +cluster.env.HF_TOKEN=..." in said["no plus"][1]
+    assert "cluster.setup[0] gives a secret" in said["setup"][1]
+    code, text = cli("run", *ov, f"+cluster.env.HF_TOKEN={secret}")
+    assert code == 0, text
+    run_yaml = out / "run.yaml"
+    assert "HF_TOKEN: <redacted>" in run_yaml.read_text() and secret not in run_yaml.read_text()
+    assert stat.S_IMODE(run_yaml.stat().st_mode) == 0o600
+    assert stat.S_IMODE((out / "output.parquet").stat().st_mode) == 0o644  # no secret's place: the umask's

@@ -137,3 +137,175 @@ def test_what_is_made_from_a_private_input_stays_private(tmp_path: Path) -> None
     src.chmod(0o644)
     assert security.keep_restriction(made, [src]) is None
     assert os.access(made, os.R_OK)
+
+
+# Secrets in the syntax of the commands that take them, as cluster.setup lines write them: each
+# struck, the rest of the line kept (issue 42's attack on cluster.setup).
+P = "PLANTEDsetup-0123456789"
+COMMAND_FORMS = [
+    (
+        f"curl -H 'Authorization: Bearer {P}' https://api.x/v1",
+        "curl -H 'Authorization: Bearer <redacted>' https://api.x/v1",
+    ),
+    (f'curl --header="X-Api-Key: {P}" https://api.x', 'curl --header="X-Api-Key: <redacted>" https://api.x'),
+    (f"mysql -u root -p{P} db < q.sql", "mysql -u root -p<redacted> db < q.sql"),
+    (f"mysqldump --password={P} db", "mysqldump --password=<redacted> db"),
+    (f"curl -u alice:{P} https://x/f -o f", "curl -u alice:<redacted> https://x/f -o f"),
+    (f"git clone https://{P}@github.com/o/r.git", "git clone https://<redacted>@github.com/o/r.git"),
+    (f"git clone https://bob:{P}@host/r.git", "git clone https://bob:<redacted>@host/r.git"),
+    (f"sshpass -p {P} scp a host:b", "sshpass -p <redacted> scp a host:b"),
+    (f"aws configure set aws_secret_access_key {P}", "aws configure set aws_secret_access_key <redacted>"),
+    (f"export HF_TOKEN={P}", "export HF_TOKEN=<redacted>"),
+    (
+        f'git config --global http.extraheader "AUTHORIZATION: basic {P}"',
+        'git config --global http.extraheader "AUTHORIZATION: basic <redacted>"',
+    ),
+]
+# Lines of the same commands holding no secret: kept as they are.
+COMMAND_KEPT = [
+    "curl -H 'Accept: application/json' -u alice:$PW https://x",
+    "mkdir -p /scratch/x && mysql -p db",
+    "git clone git@github.com:o/r.git && git config user.name alice",
+    "docker run -u 1000:1000 img",
+    'curl -H "Authorization: Bearer $HF_TOKEN" https://x',
+]
+
+
+@pytest.mark.parametrize("line,shown", COMMAND_FORMS)
+def test_a_secret_in_a_commands_own_syntax_is_struck(line: str, shown: str) -> None:
+    assert redact_text(line) == shown
+    assert P not in record_json({"cluster": {"setup": [line]}})
+
+
+@pytest.mark.parametrize("line", COMMAND_KEPT)
+def test_the_same_commands_without_a_secret_are_kept(line: str) -> None:
+    assert redact_text(line) == line
+
+
+def test_a_setup_line_with_a_secret_is_refused_and_no_message_or_script_holds_it() -> None:
+    from batchinfer.config.schema import ClusterConfig
+
+    for line, _ in COMMAND_FORMS:
+        with pytest.raises(ConfigError, match=r"cluster.setup\[0\] (gives a secret|sets [A-Za-z_]+, which looks like a secret)") as e:
+            security.check_config_secrets({"cluster": {"setup": [line]}})
+        assert P not in redact_text(str(e.value))
+    # what the sbatch script would hold of such a line (were it given): struck
+    script = "\n".join(slurm.setup_lines(ClusterConfig(setup=[line for line, _ in COMMAND_FORMS])))
+    assert P not in script and script.count(REDACTED) == len(COMMAND_FORMS)
+
+
+# Names as secret scanners match them, words written without separators included; and names that
+# only look alike (a location, a word that ends like one), which must stay readable.
+SECRET_JOINED = [
+    "SECRETKEY",
+    "AWSSECRETKEY",
+    "SSH_PRIVKEY",
+    "csrftoken",
+    "hftoken",
+    "BEARER",
+    "SESSIONID",
+    "DBPASS",
+    "MYSQLPWD",
+    "GITHUBPAT",
+    "PASSKEY",
+    "SENTRY_DSN",
+    "SESSION_ID",
+    "OAUTH",
+]
+NOT_SECRET_ALIKE = [
+    "MY_KEY_FILE",
+    "KEYBOARD_LAYOUT",
+    "MONKEY",
+    "TOKENIZERS_PARALLELISM",
+    "HF_HUB_OFFLINE",
+    "PASSES",
+    "max_tokens",
+    "compat",
+    "secretary",
+    "HF_TOKEN_PATH",
+    "bypass",
+]
+
+
+def test_names_inside_words_are_secrets_and_look_alikes_are_not() -> None:
+    assert [n for n in SECRET_JOINED if not is_secret_name(n)] == []
+    assert [n for n in NOT_SECRET_ALIKE if is_secret_name(n)] == []
+    env = {n: f"v-{n}" for n in SECRET_JOINED + NOT_SECRET_ALIKE}
+    assert redact({"cluster": {"env": env}}) == {
+        "cluster": {"env": {n: REDACTED if n in SECRET_JOINED else f"v-{n}" for n in env}}
+    }
+
+
+def test_a_url_password_is_struck_after_a_paths_normalisation(tmp_path: Path) -> None:
+    from batchinfer.errors import InputError
+    from batchinfer.inputs.paths import input_files
+
+    with pytest.raises(InputError) as e:
+        input_files(f"https://bob:{P}@host/x.jsonl")
+    assert "https:/bob:" in str(e.value)  # abspath made one slash of two
+    assert P not in redact_text(str(e.value)) and redact_text(str(e.value)).count(f"bob:{REDACTED}@host") == 2
+
+
+def test_a_type_error_echoes_no_secret_by_name_or_by_value() -> None:
+    with pytest.raises(ConfigError) as e:
+        compose(["+cluster.env.HF_TOKEN=[1,2]"])
+    assert str(e.value) == f"cluster.env.HF_TOKEN: Cannot convert 'list' to string: '{REDACTED}'"
+    typed = "hf_PLANTEDtyped0123456789"
+    with pytest.raises(ConfigError) as e:
+        compose([f"+cluster.env.HF_TOKEN={typed}", f"cluster.time={typed}"])
+    assert redact_text(str(e.value)).startswith("cluster.time: Value '${oc.env:HF_TOKEN}' of type 'str'")
+
+
+def test_a_cluster_env_key_without_plus_says_how_to_add_it_and_not_its_value() -> None:
+    with pytest.raises(ConfigError) as e:
+        compose([f"cluster.env.HF_TOKEN={P}"])
+    assert str(e.value) == (
+        "cluster.env has no key HF_TOKEN yet: write +cluster.env.HF_TOKEN=... to add it (or, for a secret, "
+        "pass it by name: `export HF_TOKEN` in this shell and cluster.env_inherit=[HF_TOKEN], so its value "
+        "is on no command line)"
+    )
+
+
+def test_refusals_naming_a_secret_key_are_printed_as_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    refusals = []
+    for bad in (
+        lambda: security.check_config_secrets({"cluster": {"setup": ["export HF_TOKEN=abc"]}}),
+        lambda: security.check_config_secrets({"model": {"api_key": "abc"}}),
+        lambda: security.secret_env({}, ["HF_TOKEN"]),
+        lambda: security.secret_env({"HF_TOKEN": REDACTED}),
+    ):
+        with pytest.raises(ConfigError) as e:
+            bad()
+        refusals.append(str(e.value))
+    assert "`export HF_TOKEN=...` before running batchinfer" in refusals[0]
+    assert [redact_text(m) for m in refusals] == refusals
+    assert redact_text("login(token=token, key=key)") == "login(token=token, key=key)"
+
+
+def test_records_marking_a_secrets_place_are_owner_only(tmp_path: Path) -> None:
+    from batchinfer.durable import write_json
+    from batchinfer.launch.executor import write_script
+
+    old = os.umask(0o022)
+    try:
+        write_json(tmp_path / "secret.json", {"cluster": {"env": {"HF_TOKEN": "x"}}})
+        write_json(tmp_path / "ref.json", {"prompt": {"system": "${oc.env:HF_TOKEN}"}})
+        write_json(tmp_path / "plain.json", {"cluster": {"env": {"MY_KEY_FILE": "/k"}}})
+        write_script(tmp_path / "s.sh", 'export PLAIN="${HF_TOKEN}"\n')
+        write_script(tmp_path / "p.sh", 'export PLAIN="${HOME}"\n')
+        shared = tmp_path / "group"
+        shared.mkdir(mode=0o750)
+        write_json(shared / "secret.json", {"cluster": {"env": {"HF_TOKEN": "x"}}})
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in tmp_path.rglob("*.*")}
+    assert modes == {
+        "secret.json": 0o600,
+        "ref.json": 0o600,
+        "plain.json": 0o644,
+        "s.sh": 0o600,
+        "p.sh": 0o644,
+        "group/secret.json": 0o640,
+    }
+    assert (tmp_path / "secret.json").read_text().count(REDACTED) == 1
