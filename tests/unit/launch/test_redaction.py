@@ -186,7 +186,9 @@ def test_a_setup_line_with_a_secret_is_refused_and_no_message_or_script_holds_it
     from batchinfer.config.schema import ClusterConfig
 
     for line, _ in COMMAND_FORMS:
-        with pytest.raises(ConfigError, match=r"cluster.setup\[0\] (gives a secret|sets [A-Za-z_]+, which looks like a secret)") as e:
+        with pytest.raises(
+            ConfigError, match=r"cluster.setup\[0\] (gives a secret|sets [A-Za-z_]+, which looks like a secret)"
+        ) as e:
             security.check_config_secrets({"cluster": {"setup": [line]}})
         assert P not in redact_text(str(e.value))
     # what the sbatch script would hold of such a line (were it given): struck
