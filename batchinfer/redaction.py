@@ -84,8 +84,10 @@ _COMMAND_SECRETS = (
     # sshpass -p X
     re.compile(r"\bsshpass\b[^;&|\n]*?[ \t]-p[ \t]*" + _VALUE),
     # aws configure set aws_secret_access_key X, git config user.password X, npm config set //r/:_authToken X
+    # (a tool's command only: a prompt saying "the config key is ..." stays as written)
     re.compile(
-        r"\bconfig(?:ure)?\b(?:[ \t]+--?[\w.-]+)*(?:[ \t]+set)?[ \t]+(?P<name>[\w.\-/:@]+)[ \t]+['\"]?" + _VALUE
+        r"\b(?:aws|git|npm|pnpm|yarn|pip|gh|conda|poetry)[ \t]+config(?:ure)?\b(?:[ \t]+--?[\w.-]+)*(?:[ \t]+set)?"
+        r"[ \t]+(?P<name>[\w.\-/:@]+)[ \t]+['\"]?" + _VALUE
     ),
     # https://TOKEN@github.com/...: a user without a password in an http(s) URL is a token
     re.compile(r"\bhttps?://(?P<secret>[^\s:/@'\"${}]+)@"),

@@ -168,6 +168,7 @@ COMMAND_KEPT = [
     "git clone git@github.com:o/r.git && git config user.name alice",
     "docker run -u 1000:1000 img",
     'curl -H "Authorization: Bearer $HF_TOKEN" https://x',
+    "Answer from the config key given below.",  # a prompt's words, not a tool's command
 ]
 
 
