@@ -89,14 +89,43 @@ def compose(overrides: list[str], config_dir: Optional[str] = None) -> DictConfi
         raise ConfigError(_override_error(e)) from None
     finally:
         GlobalHydra.instance().clear()
-    unknown = unknown_keys(cfg)
-    if unknown:
-        raise ConfigError(unknown_key_message(unknown[0]))
-    validate(cfg)
+    from omegaconf.errors import InterpolationResolutionError
+
+    try:
+        unknown = unknown_keys(cfg)
+        if unknown:
+            raise ConfigError(unknown_key_message(unknown[0]))
+        validate(cfg)
+    except InterpolationResolutionError as e:  # an unset ${oc.env:NAME}: a traceback before
+        raise ConfigError(_unresolved(cfg, e)) from None
     from batchinfer.config.model_fit import check_model_fit
 
     check_model_fit(cfg)
     return cfg
+
+
+def _unresolved(cfg: DictConfig, e: Exception) -> str:
+    """An interpolation that cannot be resolved, named with the keys that hold it and what to do."""
+    from omegaconf import OmegaConf
+
+    found = re.search(r"Environment variable '([^']+)' not found", str(e))
+    if not found:
+        return str(e).splitlines()[0]
+    name, keys = found.group(1), []
+
+    def walk(node: object, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{prefix}[{i}]")
+        elif isinstance(node, str) and f"oc.env:{name}" in node:
+            keys.append(prefix)
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    where = ", ".join(keys) or "a config value"
+    return f"{where} refers to ${{oc.env:{name}}}, which is not set in this shell: `export {name}=...` first, or give {where} a plain value"
 
 
 def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:

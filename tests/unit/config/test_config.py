@@ -292,3 +292,13 @@ def test_structured_outputs_schema_is_read_and_checked_at_compose(tmp_path: Path
         assert str(e.value).startswith(message), (override, str(e.value))
     (tmp_path / "ok.json").write_text('{"type": "object", "properties": {"a": {"enum": [{"type": "x"}]}}}')
     assert compose([f"{key}={tmp_path}/ok.json"]).sampling.structured_outputs.json == f"{tmp_path}/ok.json"
+
+
+def test_an_unset_environment_reference_is_named_with_its_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BI_UNSET_ACCOUNT", raising=False)
+    with pytest.raises(ConfigError) as e:
+        compose(["cluster.account=${oc.env:BI_UNSET_ACCOUNT}"])
+    assert str(e.value) == (
+        "cluster.account refers to ${oc.env:BI_UNSET_ACCOUNT}, which is not set in this shell: "
+        "`export BI_UNSET_ACCOUNT=...` first, or give cluster.account a plain value"
+    )
