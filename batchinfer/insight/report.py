@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Optional, TypedDict
 
 from batchinfer.insight import forecast_check
+from batchinfer.insight.adapters import AdapterRow, adapter_lines, adapter_rows
 from batchinfer.insight.cost import CostRecord
 from batchinfer.insight.passes import report_lines, rows_per_pass
 from batchinfer.redaction import redact_text
@@ -36,6 +37,7 @@ class Report(TypedDict):
     totals: Totals
     cost: CostRecord
     engines: Optional[list[EngineRow]]
+    adapters: Optional[list[AdapterRow]]  # committed rows and tokens per LoRA adapter (None: no adapters)
     shards: list[ShardStats]
     forecast: Any  # forecast_check.compare's (None: the run recorded no forecast)
 
@@ -70,6 +72,7 @@ def build_report(
             nodes=task_nodes(run.config),
         ),
         "engines": engine_table(shards),
+        "adapters": adapter_rows(run),
         "shards": shards,
     }
     rep["forecast"] = forecast_check.compare(run, tot, rep["cost"])  # None: the run recorded no forecast
@@ -158,6 +161,7 @@ def format_report(rep: Report, charts: list[Path]) -> str:
         "Prefix cache hits: prompt tokens vLLM served from its prefix cache.",
         "",
         *([*engine_lines(rep["engines"]), ""] if rep.get("engines") else []),
+        *([*adapter_lines(rep["adapters"]), ""] if rep.get("adapters") else []),
         "## Cost",
         "",
         *cost_lines(rep["cost"]),

@@ -51,6 +51,25 @@ def _check_columns(c: Config, ds: Any) -> Checked:
     return ids
 
 
+def adapter_counts(c: Config, ds: Any) -> Optional[dict[str, int]]:
+    """Rows per LoRA adapter the rows name (all rows, even in a sample; null: model.lora.default,
+    else the base model; a name model.lora.adapters lacks is counted too, its rows are error rows);
+    None without adapters."""
+    from collections import Counter
+
+    from batchinfer.insight.adapters import BASE
+
+    lora = c.model.lora
+    if not lora.adapters:
+        return None
+    default = lora.default or BASE
+    column = c.input.adapter_column
+    if not column or column not in ds.column_names:
+        return {default: ds.num_rows}
+    counts = Counter(default if v is None else str(v) for v in ds.data.column(column).to_pylist())
+    return dict(sorted(counts.items(), key=lambda kv: (kv[0] != BASE, kv[0])))
+
+
 def _check_all(
     c: Config, ds: Any, dest: Path, folder: Path, tok: Any, max_len: int, todo: Sequence[int], jobs: int, progress: bool
 ) -> Checked:
@@ -104,6 +123,7 @@ def validate(
         todo: Sequence[int] = Sample(rows, sample) if sample and sample < rows else range(rows)
         found = _check_all(c, ds, dest, folder, tok, max_len, todo, jobs or allowed_cpus(), progress)
         notes = [n for n in [messages_note(c.prompt, ds.data)] if n]
+        adapters = adapter_counts(c, ds)
         del ds  # memory-mapped from tmp
     found.stops.kinds |= ids.stops.kinds  # after the rows' own stops, as the report lists them
-    return build_report(Validated(c, len(files), rows, max_len, max_len_source, len(todo), found, notes))
+    return build_report(Validated(c, len(files), rows, max_len, max_len_source, len(todo), found, notes, adapters))

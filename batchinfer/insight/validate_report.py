@@ -23,6 +23,7 @@ class Validated:
     checked: int  # rows checked: all, or a sample's
     found: Checked  # ids problems already among found.stops
     notes: list[str] = field(default_factory=list)  # what the run does that the config does not say
+    adapters: Optional[dict[str, int]] = None  # rows per LoRA adapter name (None: no adapters)
 
 
 OVERLONG = {
@@ -58,6 +59,7 @@ def build_report(v: Validated) -> dict[str, Any]:
         "model": {"path": m.path, "max_model_len": v.max_len, "max_model_len_source": v.max_len_source},
         "prompt": {"mode": v.c.prompt.mode, "overlong": policy},
         "notes": v.notes,
+        "adapters": v.adapters,
         "sample": sampled,
         "stops": {"count": stops.total(), "by_kind": stops.kinds},
         "error_rows": {"count": errors.total(), "by_kind": errors.kinds},
@@ -99,6 +101,8 @@ def format_report(r: dict[str, Any]) -> str:
             bar = "#" * max(1 if b["rows"] else 0, round(40 * b["rows"] / peak))
             lines.append(f"  {b['from']:>7,} - {b['to']:<7,} {b['rows']:>9,}  {bar}".rstrip())
     lines.append(f"overlong     {r['overlong']['outcome']} (prompt.overlong={r['overlong']['policy']})")
+    if r.get("adapters"):
+        lines.append("adapters     " + ", ".join(f"{name} {n:,} rows" for name, n in r["adapters"].items()))
     lines += [f"note         {note}" for note in r.get("notes") or []]
     for title, section in (("stops run", r["stops"]), ("error rows", r["error_rows"])):
         for kind, entry in section["by_kind"].items():

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from support.corpus import read_output, write_rows
 from support.fake_engine import FakeEngine, fake_overrides, keyed
+from support.runs import model_overrides
 
 from batchinfer.config.compose import compose
 from batchinfer.config.schema import to_config
@@ -166,3 +167,39 @@ def test_rows_go_adapter_by_adapter_never_more_adapters_in_flight_than_slots(
     sent = [a for a in eng.sent_adapters if a is not None]
     assert len(eng.sent_adapters) == 40 and changes(sent) <= 6, eng.sent_adapters
     assert changes([r["task"] for r in rows if r["task"]]) == 29  # in input order it would change at almost every row
+
+
+def test_report_shows_rows_and_tokens_per_adapter(tmp_path: Path, adapters: list[str]) -> None:
+    from batchinfer.insight.report import build_report, format_report
+
+    corpus = write_rows(tmp_path / "c.jsonl", ROWS)
+    ov = fake_overrides(tmp_path, corpus, "input.id_column=id", "input.adapter_column=task", *adapters)
+    run = prepare(compose(ov))
+    run_shards(run, [0], engine=keyed(FakeEngine(), run))
+    merge(run)
+    out = read_output(run.path)
+    rep = build_report(run)
+    by = {a["adapter"]: a for a in rep["adapters"]}
+    assert list(by) == [None, "alpha", "beta"]  # the base model first; r3's unknown adapter is an error row
+    for name, a in by.items():
+        mine = [r for r in out if r["adapter"] == name]
+        assert a["rows"] == len(mine) and a["prompt_tokens"] == sum(r["prompt_tokens"] or 0 for r in mine), name
+        assert a["output_tokens"] == sum(r["output_tokens"] or 0 for r in mine) > 0, name
+    assert (by[None]["rows"], by[None]["error_rows"], by["alpha"]["rows"], by["alpha"]["error_rows"]) == (2, 1, 2, 0)
+    text = format_report(rep, [])
+    assert "## Adapters" in text and "| (base model) | 2 | 1 |" in text and "| alpha | 2 | 0 |" in text
+
+
+def test_validate_reports_rows_per_adapter(tmp_path: Path, adapters: list[str], tiny_model_path: Path) -> None:
+    from batchinfer.insight.validate import validate
+    from batchinfer.insight.validate_report import format_report
+
+    corpus = write_rows(tmp_path / "c.jsonl", ROWS)
+    base = [f"input.path={corpus}", *model_overrides(tiny_model_path), f"output.dir={tmp_path}/run", *adapters]
+    rep = validate(compose([*base, "input.adapter_column=task"]), jobs=1, progress=False)
+    assert rep["adapters"] == {"(base model)": 1, "alpha": 2, "beta": 1, "gamma": 1}
+    assert rep["error_rows"]["by_kind"]["adapter"]["count"] == 1  # gamma: no such adapter
+    assert "adapters     (base model) 1 rows, alpha 2 rows, beta 1 rows, gamma 1 rows" in format_report(rep)
+    rep = validate(compose([*base, "input.adapter_column=task", "model.lora.default=beta"]), jobs=1, progress=False)
+    assert rep["adapters"] == {"alpha": 2, "beta": 2, "gamma": 1}
+    assert validate(compose([*base, "model.lora.default=alpha"]), jobs=1, progress=False)["adapters"] == {"alpha": 5}

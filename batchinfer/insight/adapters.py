@@ -1,0 +1,79 @@
+"""Rows and tokens per LoRA adapter (model.lora) of a run's committed rows, for `report`: read from
+each shard's committed files (the compacted file of a finished shard, else its parts)."""
+
+from __future__ import annotations
+
+from typing import Optional, TypedDict
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from batchinfer.rundir.schema import jsonl_columns
+from batchinfer.rundir.store import RunDir
+
+BASE = "(base model)"  # the label of rows without an adapter
+COLUMNS = ("adapter", "prompt_tokens", "output_tokens", "error")
+
+
+class AdapterRow(TypedDict):
+    """One adapter's committed rows in report.json's `adapters` (adapter None: the base model)."""
+
+    adapter: Optional[str]
+    rows: int
+    error_rows: int
+    prompt_tokens: int
+    output_tokens: int
+
+
+def committed_columns(run: RunDir) -> pa.Table:
+    """COLUMNS of every committed row of the run (each row is committed once)."""
+    columns = [c for c in COLUMNS if c in run.schema.names]
+    tables = []
+    for shard in run.shards():
+        for path in run.shard_folder(shard.index).committed_files():
+            if path.suffix == ".parquet":
+                tables.append(pq.read_table(path, columns=columns))
+            else:
+                tables.append(jsonl_columns(path.read_bytes(), run.schema, columns))
+    schema = pa.schema([run.schema.field(c) for c in columns])
+    return pa.concat_tables([t.cast(schema) for t in tables]) if tables else schema.empty_table()
+
+
+def adapter_rows(run: RunDir) -> Optional[list[AdapterRow]]:
+    """Committed rows, error rows and tokens per adapter, by name (the base model first); None for
+    a run without adapters."""
+    if "adapter" not in run.schema.names:
+        return None
+    t = committed_columns(run)
+    t = t.append_column("failed", pc.cast(pc.is_valid(t["error"]), pa.int64()))
+    sums = t.group_by("adapter").aggregate(
+        [("failed", "count"), ("failed", "sum"), ("prompt_tokens", "sum"), ("output_tokens", "sum")]
+    )
+    out = [
+        AdapterRow(
+            adapter=r["adapter"],
+            rows=r["failed_count"],
+            error_rows=r["failed_sum"] or 0,
+            prompt_tokens=r["prompt_tokens_sum"] or 0,
+            output_tokens=r["output_tokens_sum"] or 0,
+        )
+        for r in sums.to_pylist()
+    ]
+    return sorted(out, key=lambda a: (a["adapter"] is not None, a["adapter"] or ""))
+
+
+def adapter_lines(rows: list[AdapterRow]) -> list[str]:
+    """report.md's table of rows and tokens per adapter."""
+    lines = [
+        "## Adapters",
+        "",
+        "| adapter | rows | error rows | prompt tokens | output tokens |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for a in rows:
+        name = a["adapter"] if a["adapter"] is not None else BASE
+        lines.append(
+            f"| {name} | {a['rows']:,} | {a['error_rows']:,} | {a['prompt_tokens']:,} | {a['output_tokens']:,} |"
+        )
+    return lines
