@@ -19,6 +19,7 @@ from batchinfer.insight.plan_records import (
     PromptTokens,
 )
 from batchinfer.models import node_sizing, sizing
+from batchinfer.models.lora import lora_bytes
 from batchinfer.models.maxlen import max_model_len
 
 if TYPE_CHECKING:
@@ -138,7 +139,10 @@ def model_section(c: Config, folder: Path) -> tuple[sizing.ModelSize, ModelSecti
     method = q.method
     if model.quant_method:
         method = model.quant_method  # the checkpoint's own; vLLM reads it from config.json
-    wbytes = sizing.weight_bytes(model, q.method, m.dtype)
+    # LoRA slots (model.lora) are held beside the weights, split over the GPUs as they are
+    shape = (model.layers, model.hidden, model.heads, model.kv_heads, model.head_dim, model.intermediate)
+    adapters = lora_bytes(m.lora, shape, sizing.kv_dtype_bytes("auto", m.dtype))
+    wbytes = sizing.weight_bytes(model, q.method, m.dtype) + adapters
     if model.encoder_only:  # the activations' dtype is the model's; kv_cache_dtype does not apply
         elem = sizing.kv_dtype_bytes("auto", m.dtype)
         per_token, act = 0, sizing.activation_bytes_per_token(model, elem)
@@ -161,6 +165,7 @@ def model_section(c: Config, folder: Path) -> tuple[sizing.ModelSize, ModelSecti
         "checkpoint_quantized": model.quant_method is not None,
         "weight_bytes_per_param": sizing.weight_bytes_per_param(model, q.method, m.dtype),
         "weight_bytes": wbytes,
+        "lora_bytes": adapters,
         "kv_cache": not model.encoder_only,
         "kv_cache_dtype": q.kv_cache_dtype,
         "kv_bytes_per_element": elem,

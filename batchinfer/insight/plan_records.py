@@ -56,7 +56,8 @@ class ModelSection(TypedDict):
     quantization: Optional[str]
     checkpoint_quantized: bool
     weight_bytes_per_param: float
-    weight_bytes: int
+    weight_bytes: int  # lora_bytes included
+    lora_bytes: int  # LoRA adapter slots (model.lora): max_loras x max_lora_rank; 0 without adapters
     kv_cache: bool
     kv_cache_dtype: str
     kv_bytes_per_element: int

@@ -99,8 +99,13 @@ def _model_lines(ms: ModelSection) -> list[str]:
     lines = [
         f"model    {ms['path']}: {_params(ms['params'])} parameters ({ms['params_source']}){kind}",
         f"weights  {per_param:g} byte{'' if per_param == 1 else 's'} per parameter (quantization {quant}) = "
-        f"{ms['weight_bytes'] / GB:,.2f} GB",
+        f"{(ms['weight_bytes'] - ms.get('lora_bytes', 0)) / GB:,.2f} GB",
     ]
+    if ms.get("lora_bytes"):
+        lines.append(
+            f"         + {ms['lora_bytes'] / GB:,.3f} GB of LoRA adapter slots (model.lora: max_loras x max_lora_rank) "
+            f"= {ms['weight_bytes'] / GB:,.2f} GB"
+        )
     if kv:
         return lines + [
             f"kv       2 (K, V) x {ms['layers']} layers x {ms['kv_heads']} KV heads x head_dim {ms['head_dim']} x "

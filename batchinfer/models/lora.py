@@ -77,3 +77,22 @@ def check_lora(lora: Any, adapter_column: Optional[str]) -> None:
 def adapter_identities(adapters: dict[str, str], mode: str = SAMPLED) -> dict[str, ModelIdentity]:
     """Each adapter folder's identity (models/identity.py, its large files hashed as mode says), by name."""
     return {name: model_identity(adapter_folder(path), mode) for name, path in sorted(adapters.items())}
+
+
+def lora_elements_per_slot(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> int:
+    """Elements of one adapter slot of rank 1 in vLLM's stacked LoRA weights of a dense decoder:
+    every layer's qkv, o, gate_up and down projections get an A (rank x in) and a B (out x rank)
+    per slice, whatever modules an adapter targets (vLLM allocates them all at start)."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    a = 3 * hidden + q + 2 * hidden + inter  # qkv (3 slices), o, gate_up (2 slices), down: in features
+    b = (q + 2 * kv) + hidden + 2 * inter + hidden  # their out features
+    return layers * (a + b)
+
+
+def lora_bytes(lora: Any, shape: tuple[int, int, int, int, int, int], elem_bytes: int) -> int:
+    """Bytes vLLM holds for LoRA slots: max_loras x max_lora_rank x lora_elements_per_slot(shape) in
+    the model's dtype; 0 without adapters. shape: layers, hidden, heads, kv_heads, head_dim, intermediate."""
+    kw = lora_engine_kwargs(lora)
+    if not kw:
+        return 0
+    return kw["max_loras"] * kw["max_lora_rank"] * lora_elements_per_slot(*shape) * elem_bytes

@@ -203,3 +203,25 @@ def test_validate_reports_rows_per_adapter(tmp_path: Path, adapters: list[str], 
     rep = validate(compose([*base, "input.adapter_column=task", "model.lora.default=beta"]), jobs=1, progress=False)
     assert rep["adapters"] == {"alpha": 2, "beta": 2, "gamma": 1}
     assert validate(compose([*base, "model.lora.default=alpha"]), jobs=1, progress=False)["adapters"] == {"alpha": 5}
+
+
+def test_plan_adds_the_adapter_slots_to_the_weights(tmp_path: Path, adapters: list[str], tiny_model_path: Path) -> None:
+    from batchinfer.insight.plan import estimate
+    from batchinfer.insight.plan_text import format_plan
+
+    corpus = write_rows(tmp_path / "c.jsonl", ROWS)
+    base = [
+        f"input.path={corpus}",
+        *model_overrides(tiny_model_path),
+        f"output.dir={tmp_path}/run",
+        "model.dtype=bfloat16",
+    ]
+    plain, lora = estimate(compose(base)), estimate(compose([*base, *adapters]))
+    # tiny Llama: 2 layers, hidden 128, 2 heads x 64, 1 KV head, MLP 256. Per layer and rank, in
+    # features 3x128 + 128 + 2x128 + 256 = 1,024 and out features (128 + 2x64) + 128 + 2x256 + 128
+    # = 1,024; two slots (both adapters) of rank 16 (the larger r), 2 bytes each
+    assert lora["model"]["lora_bytes"] == 2 * 16 * 2 * (1024 + 1024) * 2 == 262_144
+    assert plain["model"]["lora_bytes"] == 0
+    assert lora["model"]["weight_bytes"] - plain["model"]["weight_bytes"] == 262_144
+    assert lora["gpus"][0]["weight_bytes_per_gpu"] > plain["gpus"][0]["weight_bytes_per_gpu"]
+    assert "GB of LoRA adapter slots (model.lora: max_loras x max_lora_rank)" in format_plan(lora)
