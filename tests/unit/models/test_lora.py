@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.corpus import read_output, write_rows
 from support.fake_engine import FakeEngine, fake_overrides, keyed
-from support.runs import model_overrides
+from support.runs import fake_model_dir, model_overrides
 
 from batchinfer.config.compose import compose
 from batchinfer.config.schema import to_config
-from batchinfer.engine.engine_args import llm_kwargs
+from batchinfer.engine.engine_args import llm_kwargs, model_key
 from batchinfer.errors import ConfigError, RunDirError
 from batchinfer.launch.local import run_shards
 from batchinfer.models.lora import adapter_ids
@@ -225,3 +226,33 @@ def test_plan_adds_the_adapter_slots_to_the_weights(tmp_path: Path, adapters: li
     assert lora["model"]["weight_bytes"] - plain["model"]["weight_bytes"] == 262_144
     assert lora["gpus"][0]["weight_bytes_per_gpu"] > plain["gpus"][0]["weight_bytes_per_gpu"]
     assert "GB of LoRA adapter slots (model.lora: max_loras x max_lora_rank)" in format_plan(lora)
+
+
+def test_reuse_and_redo_with_adapters(tmp_path: Path, adapters: list[str]) -> None:
+    from batchinfer.launch.local import run_local
+    from batchinfer.launch.redo import redo
+
+    corpus = write_rows(tmp_path / "c.jsonl", [{"id": f"r{i}", "text": f"text {i}"} for i in range(6)])
+
+    def run(name: str, *extra: str) -> tuple[Any, FakeEngine]:
+        ov = [f"input.path={corpus}", f"model.path={fake_model_dir(tmp_path)}", f"output.dir={tmp_path / name}"]
+        cfg = compose([*ov, "input.id_column=id", *adapters, *extra])
+        eng = FakeEngine()
+        eng.key = model_key(to_config(cfg))  # type: ignore[attr-defined]
+        return run_local(cfg, engine=eng), eng
+
+    first, _ = run("first", "model.lora.default=alpha")
+    again, eng = run("again", "model.lora.default=alpha", f"output.reuse={first.path}")
+    assert eng.added == [] and [r["text"] for r in read_output(again.path)] == [
+        r["text"] for r in read_output(first.path)
+    ]
+    other, eng = run("other", "model.lora.default=beta", f"output.reuse={first.path}")
+    assert len(eng.added) == 6  # another adapter's answers are not this one's
+    assert all(r["adapter"] == "beta" for r in read_output(other.path))
+    # redo some rows under another adapter: those rows change, with their adapter column
+    eng = FakeEngine()
+    eng.key = model_key(first.config)  # type: ignore[attr-defined]
+    redo(str(first.path), "row < 2", ["model.lora.default=beta"], engine=eng)
+    out = read_output(first.path)
+    assert [r["adapter"] for r in out] == ["beta", "beta", "alpha", "alpha", "alpha", "alpha"]
+    assert [r["text"] for r in out[:2]] == [FakeEngine.answer(eng.ids(f"text {i}"), "beta") for i in range(2)]
