@@ -154,7 +154,10 @@ def _matrix_hashes(matrix: Any, lengths: Any) -> Any:
     words = words.view(np.uint64)
     h = lengths.astype(np.uint64)
     for j in range(words.shape[1]):
-        h = splitmix64_array(h ^ words[:, j])
+        # Only the words of each row's own bytes: a row's hash must not depend on the longest id beside
+        # it, or equal ids in two chunks whose longest ids differ would hash apart and pass as unique.
+        mixed = splitmix64_array(h ^ words[:, j])
+        h = mixed if j == 0 else np.where(lengths > 8 * j, mixed, h)
     return h
 
 

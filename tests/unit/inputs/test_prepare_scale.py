@@ -329,6 +329,17 @@ def test_id_check_finds_what_a_dict_finds(monkeypatch: pytest.MonkeyPatch, kind:
     assert id_problems(pa.chunked_array([[1, 2, 3]]), "id") == (0, [])
 
 
+def test_an_id_repeated_beside_ids_of_other_lengths_is_found() -> None:
+    """A string id's hash mixes its own bytes only: the same id in two chunks whose longest ids differ
+    (8 and 31 bytes) hashes alike, in the passes over the ids (grouped by 262,144 ids)."""
+    n = 1 << 18
+    short = pa.array(["doc-1"] + [f"a{i:07d}" for i in range(n)])
+    long = pa.array(["doc-1"] + [f"b{i:030d}" for i in range(n)])
+    expected = (1, [f"duplicate id 'doc-1' in rows 0 and {n + 1}; ids must be unique"])
+    ids = pa.chunked_array([short, long])
+    assert id_problems(ids, "id", 1) == expected
+
+
 def test_id_check_of_other_id_types() -> None:
     import datetime as dt
     from decimal import Decimal
