@@ -20,7 +20,7 @@ from batchinfer.inputs.datasets_reader import (
     read_jsonl_extended,
     read_with_datasets,
 )
-from batchinfer.inputs.idcheck import IdChunks, check_id_type, check_ids
+from batchinfer.inputs.idcheck import IdChunks, IdHashes, check_id_type, check_ids
 from batchinfer.inputs.json_faults import big_integer_fault, huge_float_rows, non_finite_fault
 from batchinfer.inputs.jsonl_stream import DATA_FILE, jsonl_to_arrow
 from batchinfer.inputs.reference import (
@@ -77,12 +77,11 @@ def convert_input(
         cache = dest.with_name(".hf-cache")
         remove_path(cache, ignore_errors=True)  # a symlink here would send datasets' cache outside DIR
     try:
-        ds = None
-        fast = jsonl_to_arrow(files, tmp, cache / "ids.arrow", id_column) if fmt == "jsonl" else None
+        ds, hashed = None, None  # hashed: the ids' hashes, where the stream took them as it wrote them
+        fast = jsonl_to_arrow(files, tmp, id_column) if fmt == "jsonl" else None
         if isinstance(fast, tuple):
-            rows, schema = fast
-            # The ids' own file: passes over them read ~20 bytes a row, not the whole data file.
-            ids: IdChunks = lambda: _stream_column(cache / "ids.arrow")  # noqa: E731
+            rows, schema, hashed = fast  # the id column is read again only to name a null or repeated id
+            ids: IdChunks = lambda: _stream_column(tmp / DATA_FILE, schema.get_field_index(id_column or ""))  # noqa: E731
         else:
             remove_path(tmp, ignore_errors=True)
             try:
@@ -107,7 +106,7 @@ def convert_input(
             fault = fault or (non_finite_fault(files, fmt, ds.features) if ds is not None else None)
             if fault:
                 raise InputError(fault)
-        _check_input(shown, rows, schema, id_column, columns, ids, strict_ids)
+        _check_input(shown, rows, schema, id_column, columns, ids, strict_ids, hashed)
         if ds is not None:
             ds.save_to_disk(str(tmp))
         os.replace(tmp, dest)
@@ -125,8 +124,10 @@ def _check_input(
     columns: Optional[list[str]],
     ids: IdChunks,
     strict_ids: bool,
+    hashed: Optional[IdHashes] = None,
 ) -> None:
-    """Rows present, the id column there (and its ids unique with strict_ids), input.columns there."""
+    """Rows present, the id column there (and its ids unique with strict_ids), input.columns there.
+    hashed: the ids' hashes, where they were taken as the ids were written."""
     if rows == 0:
         raise InputError(f"{shown}: no rows; there is nothing to run")
     if id_column is not None:
@@ -136,7 +137,7 @@ def _check_input(
             )
         check_id_type(shown, schema.field(id_column).type, ids, id_column)
         if strict_ids:
-            check_ids(shown, ids, id_column)
+            check_ids(shown, ids, id_column, hashed)
     for col in columns or []:
         column_type(schema, col, shown)
 
@@ -177,12 +178,10 @@ def _stream_batches(path: Path) -> Iterable[pa.RecordBatch]:
         yield from pa.ipc.open_stream(f)
 
 
-def _stream_column(path: Path) -> Iterable[pa.Array]:
-    """The one column of an Arrow stream file, batch by batch, read rather than memory-mapped so
-    that a pass over it leaves no resident pages behind."""
-    with pa.OSFile(str(path)) as f:
-        for batch in pa.ipc.open_stream(f):
-            yield batch.column(0)
+def _stream_column(path: Path, at: int) -> Iterable[pa.Array]:
+    """Column `at` of an Arrow stream file, batch by batch, memory-mapped: only its pages are read."""
+    for batch in _stream_batches(path):
+        yield batch.column(at)
 
 
 def open_input(dest: Path) -> Any:

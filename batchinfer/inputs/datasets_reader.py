@@ -351,7 +351,14 @@ def _json_as_null(t: pa.DataType) -> pa.DataType:
 def first_chunk(path: Path) -> bytes:
     """The bytes `datasets`' JSON builder takes its types from: the first 10 MB and the rest of that
     line, a UTF-8 BOM dropped."""
+    return first_chunk_and_rest(path)[0]
+
+
+def first_chunk_and_rest(path: Path) -> tuple[bytes, int, bool]:
+    """`first_chunk`, how many bytes of the (decompressed) file it took (a BOM included), and whether
+    the file goes on after it."""
     with open_text(path) as f:
         head = f.read(DATASETS_CHUNK_BYTES)
         head += f.readline()
-    return head.removeprefix(b"\xef\xbb\xbf")
+        more = bool(f.read(1))
+    return head.removeprefix(b"\xef\xbb\xbf"), len(head), more

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -16,25 +16,73 @@ from batchinfer.hashing import splitmix64_array
 IdChunks = Callable[[], Iterable[pa.Array]]
 
 
-def id_problems(ids: Union[pa.ChunkedArray, IdChunks], column: str, limit: int = 5) -> tuple[int, list[str]]:
+class IdHashes:
+    """The 64-bit hashes of a column's non-null ids, taken chunk by chunk while the column is written
+    (`add`), so that checking the ids needs no pass over them unless one is null or repeats: 8 bytes
+    a row. `usable` is False for ids without such a hash (lists, structs)."""
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+        self.rows = 0
+        self.nulls = 0
+        self.usable = True
+
+    def add(self, chunk: pa.Array) -> None:
+        """The hashes of one more chunk of the column, in row order."""
+        self.rows += len(chunk)
+        self.nulls += chunk.null_count
+        if not self.usable:
+            return
+        chunk = _plain(chunk)
+        h = _id_hashes(chunk)
+        if h is None:
+            self.usable, self.parts = False, []
+            return
+        self.parts.append(h[chunk.is_valid().to_numpy(zero_copy_only=False)] if chunk.null_count else h)
+
+    def take_sorted(self) -> Any:
+        """Every hash in one array, sorted in place; the parts are let go one by one, so the copy
+        costs at most one part's bytes more."""
+        import numpy as np
+
+        hashes = np.empty(sum(len(h) for h in self.parts), np.uint64)
+        at = 0
+        self.parts.reverse()
+        while self.parts:
+            h = self.parts.pop()
+            hashes[at : at + len(h)] = h
+            at += len(h)
+        hashes.sort()
+        return hashes
+
+
+def id_problems(
+    ids: Union[pa.ChunkedArray, IdChunks], column: str, limit: int = 5, hashed: Optional[IdHashes] = None
+) -> tuple[int, list[str]]:
     """Null and duplicate ids: how many rows have one, and the first `limit` in row order said as
-    messages. ids is a column or a function giving its chunks anew for each pass over them."""
+    messages. ids is a column or a function giving its chunks anew for each pass over them; hashed,
+    where given, holds their hashes already (taken as they were written): the ids are then read
+    only to name a null or repeated one."""
     import numpy as np
 
     chunks: IdChunks = (lambda: ids.chunks) if isinstance(ids, pa.ChunkedArray) else ids  # type: ignore[union-attr]
     found: list[tuple[int, str]] = []  # (row, message), at most `limit` of each kind
-    nulls, total = _null_rows(chunks, limit, found, column)
-    # One 64-bit hash per id is all that is kept of the ids: 8 bytes a row, sorted in place.
-    hashes = np.empty(total - nulls, np.uint64)
-    at = 0
-    for chunk in _grouped(chunks()):
-        h = _id_hashes(chunk)
-        if h is None:
-            return nulls + _id_problems_python(chunks, limit, found), [msg for _, msg in sorted(found)[:limit]]
-        h = h[chunk.is_valid().to_numpy(zero_copy_only=False)] if chunk.null_count else h
-        hashes[at : at + len(h)] = h
-        at += len(h)
-    hashes.sort()
+    if hashed is not None and hashed.usable:
+        nulls = _null_rows(chunks, limit, found, column)[0] if hashed.nulls else 0
+        hashes = hashed.take_sorted()
+    else:
+        nulls, total = _null_rows(chunks, limit, found, column)
+        # One 64-bit hash per id is all that is kept of the ids: 8 bytes a row, sorted in place.
+        hashes = np.empty(total - nulls, np.uint64)
+        at = 0
+        for chunk in _grouped(chunks()):
+            h = _id_hashes(chunk)
+            if h is None:
+                return nulls + _id_problems_python(chunks, limit, found), [msg for _, msg in sorted(found)[:limit]]
+            h = h[chunk.is_valid().to_numpy(zero_copy_only=False)] if chunk.null_count else h
+            hashes[at : at + len(h)] = h
+            at += len(h)
+        hashes.sort()
     repeated = np.unique(hashes[1:][hashes[1:] == hashes[:-1]])
     del hashes
     dups = _duplicates(*_with_hashes_in(chunks, repeated), limit, found) if len(repeated) else 0
@@ -204,9 +252,12 @@ def _id_problems_python(chunks: IdChunks, limit: int, found: list[tuple[int, str
     return count
 
 
-def check_ids(path: Any, ids: Union[pa.ChunkedArray, IdChunks], column: str = "id") -> None:
-    """Ids must be present and unique; the error names the first bad row, its id and the row it repeats."""
-    count, shown = id_problems(ids, column, limit=1)
+def check_ids(
+    path: Any, ids: Union[pa.ChunkedArray, IdChunks], column: str = "id", hashed: Optional[IdHashes] = None
+) -> None:
+    """Ids must be present and unique; the error names the first bad row, its id and the row it repeats.
+    hashed: their hashes, taken as they were written (`id_problems`)."""
+    count, shown = id_problems(ids, column, limit=1, hashed=hashed)
     if count:
         raise InputError(f"{path}: {shown[0]}")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -15,7 +14,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchinfer.inputs.compressed import COMPRESSION_SUFFIXES
-from batchinfer.inputs.datasets_reader import first_chunk
+from batchinfer.inputs.datasets_reader import first_chunk_and_rest
+from batchinfer.inputs.idcheck import IdHashes
 from batchinfer.inputs.object_lines import Guarded, NotObjectLine, objects_only
 from batchinfer.inputs.textfiles import (
     ARROW_SAFE_DEPTH,
@@ -25,6 +25,7 @@ from batchinfer.inputs.textfiles import (
     dates_as_text,
     find_conflict,
     line_chunks,
+    longest_line,
     nests_deeper,
     unify_schemas,
 )
@@ -42,17 +43,18 @@ DATA_FILE = "data-00000-of-00001.arrow"
 
 
 def jsonl_to_arrow(
-    files: list[Path], dest: Path, ids_file: Path, id_column: Optional[str]
-) -> Union[tuple[int, pa.Schema], TypeConflict, None]:
-    """JSON lines streamed by pyarrow into one Arrow file in `Dataset.save_to_disk`'s layout at dest,
-    the id column also into ids_file; the row count and schema. The types are the first chunk's or,
+    files: list[Path], dest: Path, id_column: Optional[str]
+) -> Union[tuple[int, pa.Schema, Optional[IdHashes]], TypeConflict, None]:
+    """JSON lines streamed by pyarrow into one Arrow file in `Dataset.save_to_disk`'s layout at dest;
+    the row count, schema and the id column's hashes, taken as it was written (None without an id
+    column). The types are the first chunk's or,
     where a later row or file does not fit them, one schema over all rows (`_one_schema`). Else the
     line-by-line check and `datasets` decide: None where a line pyarrow cannot read, one that is not
     exactly one object, or a file `datasets` would read into other types; the first value no type
     promotion joins with its column's (which `datasets` may still read, e.g. as JSON text)."""
     import pyarrow.json as paj
 
-    head = first_chunk(files[0])
+    head, head_size, more = first_chunk_and_rest(files[0])
     if not objects_only(head) or nests_deeper(head, ARROW_SAFE_DEPTH):
         return None  # the line-by-line check names the line (pyarrow would crash on `null`, or go too deep)
     try:
@@ -63,11 +65,15 @@ def jsonl_to_arrow(
     features = _features_as_datasets_reads(schema)
     if features is None or (any(_keys_may_vary(b) for b in table.to_batches()) and _objects_vary(head)):
         return None
+    # The first chunk's rows as read for its types are its rows under them (where no date became text):
+    # the stream goes on after it instead of parsing it again.
+    reuse = table.num_rows and table.schema.equals(features.arrow_schema)
+    first = _Head(table, head, head_size, more) if reuse else None
     del table
     # A row must fit in a block: blocks well above the first chunk's longest line, 16x if a later one does not.
-    longest = max((len(line) for line in head.splitlines()), default=0)
+    longest = longest_line(head)
     block = max(JSONL_BLOCK_BYTES, 1 << (4 * longest).bit_length())
-    rows = _stream_in_blocks(files, dest, ids_file, id_column, features, block)
+    rows = _stream_in_blocks(files, dest, id_column, features, block, first)
     if isinstance(rows, _Misfit):
         one = _one_schema(files, features.arrow_schema, rows)
         if not isinstance(one, pa.Schema):
@@ -78,11 +84,11 @@ def jsonl_to_arrow(
         features = _features_as_datasets_reads(one)
         if features is None:
             return None
-        rows = _stream_in_blocks(files, dest, ids_file, id_column, features, block)
-    if not isinstance(rows, int):
+        rows = _stream_in_blocks(files, dest, id_column, features, block)
+    if not isinstance(rows, tuple):
         return None
     _write_dataset_state(dest, features)
-    return rows, features.arrow_schema
+    return rows[0], features.arrow_schema, rows[1]
 
 
 class _Misfit(Exception):
@@ -95,14 +101,14 @@ class _Misfit(Exception):
 
 
 def _stream_in_blocks(
-    files: list[Path], dest: Path, ids_file: Path, id_column: Optional[str], features: Any, block: int
+    files: list[Path], dest: Path, id_column: Optional[str], features: Any, block: int, head: Optional[_Head] = None
 ) -> Any:
     """`_stream_jsonl` into a new dest with blocks of `block` bytes, or 16x where a row is longer: the
-    row count, None (left to the line-by-line check), or where a value does not fit the types, _Misfit."""
+    row count and id hashes, None (left to the line-by-line check), or where a value does not fit the types, _Misfit."""
     for size in (block, 16 * block):
         remove_path(dest, ignore_errors=True)
         try:
-            return _stream_jsonl(files, dest, ids_file, id_column, features, size)
+            return _stream_jsonl(files, dest, id_column, features, size, head)
         except _Misfit as e:
             return e
         except pa.ArrowInvalid as e:
@@ -144,11 +150,13 @@ def _one_schema(files: list[Path], schema: pa.Schema, fitted: _Misfit) -> Union[
 
 
 def _stream_jsonl(
-    files: list[Path], dest: Path, ids_file: Path, id_column: Optional[str], features: Any, block: int
-) -> Optional[int]:
-    """Every file streamed with the types of features into dest's data file and the ids into ids_file;
-    the row count, or None where a file's rows are not its lines with content. A block pyarrow refuses
-    under those types (a field not in them, a value of another type) raises _Misfit."""
+    files: list[Path], dest: Path, id_column: Optional[str], features: Any, block: int, head: Optional[_Head] = None
+) -> Optional[tuple[int, Optional[IdHashes]]]:
+    """Every file streamed with the types of features into dest's data file, the ids hashed as they are
+    written; the row count and the hashes, or None where a file's rows are not its lines with content.
+    A block pyarrow refuses under those types (a field not in them, a value of another type) raises
+    _Misfit. head: the first file's first chunk already read under those types (its rows come first,
+    and that file is read from where the chunk ends)."""
     import pyarrow.json as paj
 
     schema = features.arrow_schema
@@ -158,51 +166,53 @@ def _stream_jsonl(
     rows = 0
     dest.mkdir(parents=True)
     with ExitStack() as stack:
-        # Lines are counted in a thread beside the parse (numpy counts without holding the GIL).
-        counter = ThreadPoolExecutor(1)
-        stack.callback(counter.shutdown, cancel_futures=True)
-        lines = [counter.submit(count_lines, path) for path in files]
         data = stack.enter_context(
             pa.ipc.new_stream(stack.enter_context(pa.OSFile(str(dest / DATA_FILE), "wb")), schema)
         )
-        if id_at >= 0:
-            ids_file.parent.mkdir(parents=True, exist_ok=True)
-            id_schema = pa.schema([schema.field(id_at).remove_metadata()])
-            ids = stack.enter_context(pa.ipc.new_stream(stack.enter_context(pa.OSFile(str(ids_file), "wb")), id_schema))
-        else:
-            ids = id_schema = None
+        ids = IdHashes() if id_at >= 0 else None
         pending: list[pa.RecordBatch] = []
         pending_bytes = 0
-        for at, (path, counted) in enumerate(zip(files, lines, strict=True)):
-            source = _arrow_source(path)
+        for at, path in enumerate(files):
+            skip = head.size if head is not None and at == 0 else 0
+            source = _arrow_source(path, skip)
             if source is None:
                 return None
             stack.enter_context(source)
-            file_rows = 0
+            file_rows = lines = 0
+            more = True  # bytes to read: all of a file, or the first one's after its first chunk
+            if skip and head is not None:
+                for batch in head.table.to_batches():
+                    batch = pa.record_batch(batch.columns, schema=schema)
+                    batch.validate(full=True)
+                    pending.append(batch)
+                    pending_bytes += batch.nbytes
+                file_rows, lines, more = head.table.num_rows, head.lines, head.more
             try:
-                for batch in paj.open_json(source, read_options=read_options, parse_options=parse_options):
+                batches = paj.open_json(source, read_options=read_options, parse_options=parse_options) if more else []
+                for batch in batches:
                     # pyarrow passes invalid UTF-8 through into strings: the line-by-line check names it.
                     batch.validate(full=True)
                     pending.append(batch)
                     pending_bytes += batch.nbytes
                     if pending_bytes >= WRITE_BATCH_BYTES:
-                        _write_batches(pending, data, ids, id_at, id_schema)
+                        _write_batches(pending, data, ids, id_at)
                         pending_bytes = 0
                     file_rows += batch.num_rows
             except pa.ArrowInvalid as e:
                 if "straddl" in str(e):
                     raise
                 raise _Misfit(at, file_rows) from e
-            # pyarrow also reads two objects on a line, or one over several lines: each line must be one row.
-            if file_rows != counted.result() and file_rows != count_lines(path, exact=True):
+            # pyarrow also reads two objects on a line, or one over several lines: each line must be one
+            # row. The lines were counted as pyarrow read them; blank ones, where there are, by a pass more.
+            if file_rows != lines + source.starts.lines and file_rows != count_lines(path, exact=True):
                 return None
             rows += file_rows
-        _write_batches(pending, data, ids, id_at, id_schema)
-    return rows
+        _write_batches(pending, data, ids, id_at)
+    return rows, ids
 
 
-def _write_batches(pending: list[pa.RecordBatch], data: Any, ids: Any, id_at: int, id_schema: Any) -> None:
-    """The pending batches as one, written to the data file and its id column to the ids file; pending
+def _write_batches(pending: list[pa.RecordBatch], data: Any, ids: Optional[IdHashes], id_at: int) -> None:
+    """The pending batches as one, written to the data file, its id column hashed into ids; pending
     is emptied. Every reader of the input maps a run of pages around each batch's header (~64 KB): a
     batch per 1 MB block would cost every task ~25 MB per million rows."""
     if not pending:
@@ -214,20 +224,43 @@ def _write_batches(pending: list[pa.RecordBatch], data: Any, ids: Any, id_at: in
     for batch in joined:
         data.write_batch(batch)
         if ids is not None:
-            ids.write_batch(pa.record_batch([batch.column(id_at)], schema=id_schema))
+            ids.add(batch.column(id_at))
     pending.clear()
 
 
-def _arrow_source(path: Path) -> Any:
+def _arrow_source(path: Path, skip: int = 0) -> Any:
     """What pyarrow reads path from, decompressing it natively, each line checked to start with `{`
-    before pyarrow sees it (`object_lines`); None for a compression it lacks."""
+    before pyarrow sees it (`object_lines`); None for a compression it lacks. skip: where to start, in
+    the (decompressed) bytes: a line's start after the first."""
     name = path.name.lower()
     for suffix, codec in ARROW_CODECS.items():
         if name.endswith(suffix):
-            return Guarded(pa.input_stream(str(path), compression=codec)) if pa.Codec.is_available(codec) else None
+            if not pa.Codec.is_available(codec):
+                return None
+            stream = pa.input_stream(str(path), compression=codec)
+            left = skip
+            while left > 0:  # decompressed, not seekable: read up to there
+                got = len(stream.read(min(left, 1 << 20)))
+                if not got:
+                    break
+                left -= got
+            return Guarded(stream, at_start=not skip)
     if name.endswith(COMPRESSION_SUFFIXES):
         return None
-    return Guarded(open(path, "rb", buffering=0))
+    raw = open(path, "rb", buffering=0)
+    raw.seek(skip)
+    return Guarded(raw, at_start=not skip)
+
+
+class _Head:
+    """The first file's first chunk as read for its types: its table, its line count, its size in the
+    (decompressed) file (a BOM included) and whether the file goes on after it."""
+
+    def __init__(self, table: pa.Table, chunk: bytes, size: int, more: bool) -> None:
+        self.table = table
+        self.lines = chunk.count(b"\n") + (bool(chunk) and not chunk.endswith(b"\n"))
+        self.size = size
+        self.more = more
 
 
 def _features_as_datasets_reads(schema: pa.Schema) -> Any:

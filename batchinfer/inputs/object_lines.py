@@ -1,7 +1,9 @@
 """JSON lines bytes checked to start every line with `{` before pyarrow's JSON reader sees them: a
 block that starts with `null` crashes the process (a segfault, pyarrow 26), and a `null` line
 elsewhere becomes a row of nulls. A regular expression over the bytes (~3 ms per 10 MB), not a
-parse: lines that fail it are left to the line-by-line check, which names them."""
+parse: lines that fail it are left to the line-by-line check, which names them. Where every newline but a
+block's last is followed by `{`, numpy says so without the expression; the newlines counted
+on the way are the file's line count, so the stream is read once."""
 
 from __future__ import annotations
 
@@ -21,19 +23,42 @@ class NotObjectLine(ValueError):
 
 def objects_only(chunk: bytes) -> bool:
     """Whether every line of chunk (whole lines from a line's start) starts with `{` or is blank."""
-    first = chunk.removeprefix(BOM).lstrip(_BLANK)[:1]
-    return first in (b"{", b"\n", b"") and _NOT_OBJECT.search(chunk) is None
+    return LineStarts().fits(chunk)
 
 
 class LineStarts:
-    """The same check over a stream's blocks in turn, lines cut between blocks included."""
+    """The same check over a stream's blocks in turn, lines cut between blocks included. at_start:
+    the stream is a file's start, where a BOM may be (else a line's start further in)."""
 
-    def __init__(self) -> None:
+    def __init__(self, at_start: bool = True) -> None:
         self.fresh = True  # the open line holds only JSON whitespace so far
-        self.bom = BOM  # what of a leading BOM is still to come
+        self.bom = BOM if at_start else b""  # what of a leading BOM is still to come
+        self.newlines = 0
+        self.ends_line = True  # the last byte seen is a newline (or none was seen)
+
+    @property
+    def lines(self) -> int:
+        """The lines seen so far, a last one without a newline included (`textfiles.count_lines`)."""
+        return self.newlines + (not self.ends_line)
 
     def fits(self, block: bytes) -> bool:
         """Whether the lines of block (the stream's next bytes) start with `{` so far."""
+        if not block:
+            return True
+        import numpy as np
+
+        data = np.frombuffer(block, np.uint8)
+        after = np.flatnonzero(data == 10) + 1  # numpy: 2x faster than bytes.count, which counts byte by byte
+        self.newlines += len(after)
+        self.ends_line = block.endswith(b"\n")
+        # Good input: the byte after every newline but a last one is `{`, and a line opened here starts with it.
+        if (
+            not self.bom
+            and (not self.fresh or block[:1] == b"{")
+            and bool((data[after[: len(after) - self.ends_line]] == ord("{")).all())
+        ):
+            self.fresh = self.ends_line
+            return True
         if self.bom:
             if block.startswith(self.bom):
                 block, self.bom = block[len(self.bom) :], b""
@@ -60,10 +85,10 @@ class Guarded(io.RawIOBase):
     """A binary stream (a file, a pyarrow input stream) read through `LineStarts`: a line that does
     not start with `{` raises NotObjectLine before the bytes reach the reader."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, at_start: bool = True) -> None:
         super().__init__()
         self.inner = inner
-        self.starts = LineStarts()
+        self.starts = LineStarts(at_start)
 
     def readable(self) -> bool:
         return True

@@ -100,11 +100,30 @@ def json_kind(value: Any) -> str:
 
 def nests_deeper(chunk: bytes, depth: int) -> bool:
     """Whether a line of JSON lines nests objects and lists deeper than depth; only lines with that
-    many opening brackets are looked at closely."""
+    many opening brackets are looked at closely (found with numpy: a loop over the lines of a 10 MB
+    chunk of short lines would take a tenth of a second)."""
+    import numpy as np
+
+    data = np.frombuffer(chunk, np.uint8)
+    starts = np.concatenate(([0], np.flatnonzero(data == 10) + 1))
+    if len(chunk) - starts[-1] <= depth and (len(starts) < 2 or np.diff(starts).max() <= depth):
+        return False  # no line holds that many bytes
+    opening = np.flatnonzero((data == ord("[")) | (data == ord("{")))
+    per_line = np.bincount(np.searchsorted(starts, opening, side="right") - 1, minlength=len(starts))
+    ends = np.append(starts[1:] - 1, len(chunk))
     return any(
-        line.count(b"[") + line.count(b"{") > depth and json_depth(line.decode("utf-8", "replace")) > depth
-        for line in chunk.split(b"\n")
+        json_depth(chunk[starts[i] : ends[i]].decode("utf-8", "replace")) > depth
+        for i in np.flatnonzero(per_line > depth)
     )
+
+
+def longest_line(chunk: bytes) -> int:
+    """The length in bytes of the longest line of chunk (its newline apart)."""
+    import numpy as np
+
+    ends = np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10)
+    bounds = np.concatenate(([-1], ends, [len(chunk)]))
+    return int(np.diff(bounds).max()) - 1 if len(chunk) else 0
 
 
 def json_depth(text: str) -> int:

@@ -103,15 +103,21 @@ def test_a_line_that_is_no_object_is_refused_by_line(tmp_path: Path, line: str, 
         (b'{"a": 1}\n{"b": 2} null\n', True),  # not at a line's start: pyarrow makes two rows, the line count tells
         (b"  \n 5\n", False),
         (b'{"a": 1}\n"s"', False),
+        (b'{"a": 1}\n{"b": 2}\n{"c": 3}\n', True),  # what good input is: counted, never searched
+        (b'{"a": 1}\n{"b": 2}\nnull\n{"c": 3}', False),
+        (b'{"a": 1}\n{"b": 2}\n {"c": 3}', True),
     ],
 )
 def test_line_starts_are_checked_across_any_cut_between_reads(data: bytes, fits: bool) -> None:
     from batchinfer.inputs.object_lines import LineStarts, objects_only
 
     assert objects_only(data) is fits
+    lines = data.count(b"\n") + (not data.endswith(b"\n"))  # what count_lines says of such a file
     for cut in range(len(data) + 1):
         starts = LineStarts()
         assert (starts.fits(data[:cut]) and starts.fits(data[cut:])) is fits, cut
+        if fits:  # the lines counted on the way, as the stream's line count
+            assert starts.lines == lines, cut
 
 
 # ---------------------------------------------------------------- a row's own sampling values

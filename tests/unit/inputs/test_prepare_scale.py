@@ -166,13 +166,16 @@ INPUTS = [
 ]
 
 
+@pytest.mark.parametrize("chunk", [1 << 16, 1 << 12])
 @pytest.mark.parametrize("name", INPUTS)
 def test_same_rows_and_types_as_datasets_read_them(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, calls: dict[str, int], name: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, calls: dict[str, int], name: str, chunk: int
 ) -> None:
     """Every kind of JSON lines input gives the rows and types `datasets` gave before (the old
-    conversion); pyarrow's stream alone does it where it can, with no line-by-line scan."""
-    monkeypatch.setattr(datasets_reader, "DATASETS_CHUNK_BYTES", 1 << 16)
+    conversion); pyarrow's stream alone does it where it can, with no line-by-line scan. With the
+    first chunk made 4 KB, most files go on past it: their stream starts where it ends (a BOM, a
+    compressed file's decompressed bytes, CRLF and blank lines included)."""
+    monkeypatch.setattr(datasets_reader, "DATASETS_CHUNK_BYTES", chunk)
     files, fast = varied_inputs(tmp_path / "in")[name]
     ds, rows = converted(tmp_path, files)
     ref = as_datasets_read(tmp_path, files)
@@ -183,6 +186,32 @@ def test_same_rows_and_types_as_datasets_read_them(
     pick = [rows - 1, 0]
     assert same_rows(ds.select(pick).to_list(), ref.select(pick).to_list())
     assert calls == ({"scan": 0, "old_path": 0} if fast else {"scan": len(files), "old_path": 1})
+
+
+def test_the_first_chunk_is_parsed_once_and_a_bad_line_after_it_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, calls: dict[str, int]
+) -> None:
+    """The rows of the first chunk, read for the types, are written as they are: the stream of that
+    file starts after it (at its size, a BOM counted). A line that is no object right after it is
+    still refused by its line."""
+    monkeypatch.setattr(datasets_reader, "DATASETS_CHUNK_BYTES", 1 << 12)
+    starts: list[int] = []
+    source = jsonl_stream._arrow_source
+    monkeypatch.setattr(jsonl_stream, "_arrow_source", lambda path, skip=0: starts.append(skip) or source(path, skip))
+    lines = [json.dumps(row(i)) for i in range(500)]
+    p = tmp_path / "c.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + "".join(line + "\n" for line in lines).encode())
+    ds, rows = converted(tmp_path, [p])
+    assert rows == 500 and ds.to_list() == [row(i) for i in range(500)] and calls == {"scan": 0, "old_path": 0}
+    head = len(datasets_reader.first_chunk(p))
+    assert starts == [head + 3] and p.read_bytes()[head + 2 : head + 3] == b"\n"
+    # The same lines without the BOM, `null` the first line after the first chunk
+    after = datasets_reader.first_chunk(write_lines(tmp_path / "plain.jsonl", lines)).count(b"\n")
+    bad = write_lines(tmp_path / "bad.jsonl", lines[:after] + ["null"] + lines[after:])
+    assert datasets_reader.first_chunk(bad).count(b"\n") == after
+    with pytest.raises(InputError) as e:
+        converted(tmp_path / "b", [bad])
+    assert str(e.value).startswith(f"{bad}:{after + 1}: expected a JSON object per line, got null")
 
 
 def test_a_row_longer_than_a_block_after_the_first_chunk(
@@ -331,13 +360,34 @@ def test_id_check_finds_what_a_dict_finds(monkeypatch: pytest.MonkeyPatch, kind:
 
 def test_an_id_repeated_beside_ids_of_other_lengths_is_found() -> None:
     """A string id's hash mixes its own bytes only: the same id in two chunks whose longest ids differ
-    (8 and 31 bytes) hashes alike, in the passes over the ids (grouped by 262,144 ids)."""
+    (8 and 31 bytes) hashes alike, in the passes over the ids (grouped by 262,144) and in the hashes
+    taken as they are written (IdHashes, chunk by chunk)."""
     n = 1 << 18
     short = pa.array(["doc-1"] + [f"a{i:07d}" for i in range(n)])
     long = pa.array(["doc-1"] + [f"b{i:030d}" for i in range(n)])
     expected = (1, [f"duplicate id 'doc-1' in rows 0 and {n + 1}; ids must be unique"])
     ids = pa.chunked_array([short, long])
     assert id_problems(ids, "id", 1) == expected
+    hashed = idcheck.IdHashes()
+    for chunk in ids.chunks:
+        hashed.add(chunk)
+    assert id_problems(ids, "id", 1, hashed) == expected
+
+
+@pytest.mark.parametrize("kind", ["int", "str", "long str"])
+def test_hashes_taken_while_writing_find_what_a_dict_finds(kind: str) -> None:
+    """The ids' hashes gathered chunk by chunk (IdHashes): the same count and rows as a dict."""
+    rng = random.Random(kind)
+    values = random_ids(rng, 20_000, "int" if kind == "int" else "str")
+    if kind == "long str":
+        values = [v if v is None else v * rng.choice([1, 1, 40]) for v in values]
+    values[15_000] = values[3]  # at least one duplicate
+    ids = chunked(rng, values)
+    hashed = idcheck.IdHashes()
+    for chunk in ids.chunks:
+        hashed.add(chunk)
+    assert hashed.rows == len(values) and hashed.usable
+    assert id_problems(ids, "id", 5, hashed) == dict_id_problems(values, "id", 5)
 
 
 def test_id_check_of_other_id_types() -> None:
