@@ -9,6 +9,8 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,7 +34,7 @@ from batchinfer.durable import atomic_write, write_json
 from batchinfer.errors import ConfigError, FolderRefused, RunDirError
 from batchinfer.inputs.columns import column_type
 from batchinfer.inputs.convert import convert_input, open_input
-from batchinfer.inputs.fingerprint import file_fingerprint
+from batchinfer.inputs.fingerprint import FingerprintJob, file_fingerprint
 from batchinfer.inputs.formats import detect_format
 from batchinfer.inputs.openai_batch import ROW_SAMPLING
 from batchinfer.inputs.paths import GLOB_CHARS, input_files, looks_like_hub_dataset
@@ -61,10 +63,14 @@ log = logging.getLogger("batchinfer")
 def resolve_config(cfg: DictConfig) -> tuple[dict[str, Any], InputRecord]:
     """Plain config with the input resolved, and the input's fingerprint record."""
     c, files = resolve_input(cfg)
-    previous = None
+    return c, file_fingerprint(files, _previous_input(c), c["input"]["format"])
+
+
+def _previous_input(c: dict[str, Any]) -> Optional[InputRecord]:
+    """The input record of the run directory output.dir names, if there is one."""
     if c["output"]["dir"] and RunDir(c["output"]["dir"]).exists():
-        previous = RunDir(c["output"]["dir"]).run["input"]
-    return c, file_fingerprint(files, previous, c["input"]["format"])
+        return RunDir(c["output"]["dir"]).run["input"]
+    return None
 
 
 def resolve_input(cfg: DictConfig, input_required: bool = True) -> tuple[dict[str, Any], list[Path]]:
@@ -129,30 +135,56 @@ def prepare(cfg: DictConfig) -> RunDir:
 
 
 def _prepare(cfg: DictConfig) -> RunDir:
-    c, input_record = resolve_config(cfg)
+    c, files = resolve_input(cfg)
     contents = read_config_files(c)  # read once: the fingerprint and the frozen copies share these bytes
-    keys = fingerprint_keys(c, input_record["fingerprint"], contents)
-    fp = fingerprint(keys)
-    run = run_dir_for(c, fp)
-    if not run.exists() and not c["output"]["dir"]:
-        legacy = run_dir_for(c, legacy_fingerprint(keys))  # a default DIR named by an older version
-        if legacy.exists():
-            run = legacy
-    model = c["model"]
-    identity = identity_of(model["path"], model["revision"], model["lora"]["adapters"], model["identity"])
-    c["output"]["reuse"] = checked_reuse(c["output"]["reuse"], run, identity.digest)  # not in the fingerprint
-    check_writable(run.path)
-    # One prepare of a folder at a time, and only of a folder it made (ownership.py): a second
-    # prepare is refused naming the first, and a failure removes only what this one made.
-    with ownership.claim(
-        run.path, PREPARE, layout=PREPARE_LAYOUT, mode=c["output"]["lock"], legacy=_made_by_older, label="output.dir"
-    ) as own:
-        if own.existing:
-            return _reopen(run, c, keys, own.found, identity)
-        if own.adopted and own.found.mark is not None:
-            own.clear()  # a prepare killed half way: its contents, never anyone else's
-        _create(run, c, keys, fp, input_record, contents, identity.to_dict())
+    # The input is hashed in a thread: where output.dir names a folder to make, beside the conversion
+    # (which does not need the hash); where the hash names the folder or is compared, before.
+    with FingerprintJob(files, _previous_input(c), c["input"]["format"]) as job:
+        keyed = copy.deepcopy(c)
+
+        def identify() -> _Identity:
+            record = job.result()
+            keys = fingerprint_keys(keyed, record["fingerprint"], contents)
+            return _Identity(record, keys, fingerprint(keys))
+
+        if c["output"]["dir"]:
+            run = RunDir(c["output"]["dir"])
+        else:
+            ident = identify()
+            run = run_dir_for(c, ident.fp)
+            if not run.exists():
+                legacy = run_dir_for(c, legacy_fingerprint(ident.keys))  # a default DIR named by an older version
+                if legacy.exists():
+                    run = legacy
+        model = c["model"]
+        identity = identity_of(model["path"], model["revision"], model["lora"]["adapters"], model["identity"])
+        c["output"]["reuse"] = checked_reuse(c["output"]["reuse"], run, identity.digest)  # not in the fingerprint
+        check_writable(run.path)
+        # One prepare of a folder at a time, and only of a folder it made (ownership.py): a second
+        # prepare is refused naming the first, and a failure removes only what this one made.
+        with ownership.claim(
+            run.path,
+            PREPARE,
+            layout=PREPARE_LAYOUT,
+            mode=c["output"]["lock"],
+            legacy=_made_by_older,
+            label="output.dir",
+        ) as own:
+            if own.existing:
+                return _reopen(run, c, identify().keys, own.found, identity)
+            if own.adopted and own.found.mark is not None:
+                own.clear()  # a prepare killed half way: its contents, never anyone else's
+            _create(run, c, identify, contents, identity.to_dict())
     return run
+
+
+@dataclass(frozen=True)
+class _Identity:
+    """What identifies a run's outputs: the input's fingerprint record, the fingerprint keys, their hash."""
+
+    input_record: InputRecord
+    keys: dict[str, Any]
+    fp: str
 
 
 PREPARE = "prepare"
@@ -238,12 +270,12 @@ def _freeze_files(run: RunDir, c: dict[str, Any], contents: dict[str, bytes]) ->
 def _create(
     run: RunDir,
     c: dict[str, Any],
-    keys: dict[str, Any],
-    fp: str,
-    input_record: InputRecord,
+    identify: Callable[[], _Identity],
     contents: dict[str, bytes],
     identity: IdentityRecord,
 ) -> None:
+    """Make the run directory: frozen files, DIR/input, plan, run.yaml. identify() gives the input's
+    fingerprint, asked for once the input is converted (the hash runs meanwhile)."""
     files = _freeze_files(run, c, contents)
     c = _with_paths(c, {key: str(run.path.absolute() / rec["path"]) for key, rec in files.items()})
     config = to_config(c)
@@ -259,6 +291,8 @@ def _create(
     if note:
         log.warning("%s", note)
     schema = _run_schema(config, ds.data.schema)
+    ident = identify()
+    input_record, keys, fp = ident.input_record, ident.keys, ident.fp
     sh = config.sharding
     shards = plan_shards(rows, sh.num_shards, sh.rows_per_shard, DEFAULT_ROWS_PER_SHARD)
     write_json(
