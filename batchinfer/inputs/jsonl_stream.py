@@ -16,16 +16,15 @@ import pyarrow.compute as pc
 from batchinfer.inputs.compressed import COMPRESSION_SUFFIXES
 from batchinfer.inputs.datasets_reader import first_chunk_and_rest
 from batchinfer.inputs.idcheck import IdHashes
+from batchinfer.inputs.line_counts import count_lines, longest_line
 from batchinfer.inputs.object_lines import Guarded, NotObjectLine, objects_only
 from batchinfer.inputs.textfiles import (
     ARROW_SAFE_DEPTH,
     TypeConflict,
     TypesDiffer,
-    count_lines,
     dates_as_text,
     find_conflict,
     line_chunks,
-    longest_line,
     nests_deeper,
     unify_schemas,
 )

@@ -20,8 +20,8 @@ from batchinfer.errors import InputError
 from batchinfer.inputs import convert, datasets_reader, idcheck, jsonl_stream
 from batchinfer.inputs.convert import convert_input, open_input
 from batchinfer.inputs.idcheck import check_ids, id_problems
+from batchinfer.inputs.line_counts import count_lines
 from batchinfer.inputs.paths import input_files, is_saved_dataset
-from batchinfer.inputs.textfiles import count_lines
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.store import RunDir
 
