@@ -19,13 +19,17 @@ IdChunks = Callable[[], Iterable[pa.Array]]
 class IdHashes:
     """The 64-bit hashes of a column's non-null ids, taken chunk by chunk while the column is written
     (`add`), so that checking the ids needs no pass over them unless one is null or repeats: 8 bytes
-    a row. `usable` is False for ids without such a hash (lists, structs)."""
+    a row. `usable` is False for ids without such a hash (lists, structs). `increasing`: every id
+    so far greater than the one before (row numbers, ids written in order), which makes them unique
+    without sorting the hashes."""
 
     def __init__(self) -> None:
         self.parts: list[Any] = []
         self.rows = 0
         self.nulls = 0
         self.usable = True
+        self.increasing = True
+        self.last: Optional[pa.Scalar] = None
 
     def add(self, chunk: pa.Array) -> None:
         """The hashes of one more chunk of the column, in row order."""
@@ -34,11 +38,26 @@ class IdHashes:
         if not self.usable:
             return
         chunk = _plain(chunk)
+        if self.increasing:
+            self._still_increasing(chunk)
         h = _id_hashes(chunk)
         if h is None:
             self.usable, self.parts = False, []
             return
         self.parts.append(h[chunk.is_valid().to_numpy(zero_copy_only=False)] if chunk.null_count else h)
+
+    def _still_increasing(self, chunk: pa.Array) -> None:
+        """Whether the ids stay strictly increasing through chunk (Arrow's order: bytes for text)."""
+        if chunk.null_count or not len(chunk):
+            self.increasing = self.increasing and not chunk.null_count
+            return
+        try:
+            steps = pc.less(chunk.slice(0, len(chunk) - 1), chunk.slice(1))
+            joined = self.last is None or pc.less(self.last, chunk[0]).as_py()
+            self.increasing = bool(joined) and (len(chunk) < 2 or pc.all(steps).as_py() is True)
+        except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
+            self.increasing = False  # a type Arrow does not order
+        self.last = chunk[len(chunk) - 1]
 
     def take_sorted(self) -> Any:
         """Every hash in one array, sorted in place; the parts are let go one by one, so the copy
@@ -68,6 +87,8 @@ def id_problems(
     chunks: IdChunks = (lambda: ids.chunks) if isinstance(ids, pa.ChunkedArray) else ids  # type: ignore[union-attr]
     found: list[tuple[int, str]] = []  # (row, message), at most `limit` of each kind
     if hashed is not None and hashed.usable:
+        if hashed.increasing and not hashed.nulls:
+            return 0, []  # each id greater than the one before: none repeats
         nulls = _null_rows(chunks, limit, found, column)[0] if hashed.nulls else 0
         hashes = hashed.take_sorted()
     else:

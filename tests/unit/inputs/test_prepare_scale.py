@@ -390,6 +390,28 @@ def test_hashes_taken_while_writing_find_what_a_dict_finds(kind: str) -> None:
     assert id_problems(ids, "id", 5, hashed) == dict_id_problems(values, "id", 5)
 
 
+def test_ids_in_increasing_order_are_unique_without_sorting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ids each greater than the one before (checked chunk by chunk, across chunks too) need no sort
+    of their hashes; one that is not (here the first id of a chunk equal to the last of the one
+    before) sends them through the hashes, which name the duplicate."""
+
+    def check(chunks: list[list[Any]], sort: bool) -> tuple[int, list[str]]:
+        ids = pa.chunked_array([pa.array(c) for c in chunks])
+        hashed = idcheck.IdHashes()
+        for chunk in ids.chunks:
+            hashed.add(chunk)
+        taken = idcheck.IdHashes.take_sorted
+        with monkeypatch.context() as m:
+            m.setattr(idcheck.IdHashes, "take_sorted", lambda self: pytest.fail("sorted") if not sort else taken(self))
+            return id_problems(ids, "id", 5, hashed)
+
+    assert check([[f"q{i:08d}" for i in range(1000)], [f"q{i:08d}" for i in range(1000, 3000)]], sort=False) == (0, [])
+    assert check([[1, 5, 9], [10, 11]], sort=False) == (0, [])
+    assert check([["a", "b"], ["b", "c"]], sort=True) == (1, ["duplicate id 'b' in rows 1 and 2; ids must be unique"])
+    assert check([["a", "c"], ["b"]], sort=True) == (0, [])
+    assert check([[1, None, 3]], sort=True)[0] == 1  # a null: named, through the passes
+
+
 def test_id_check_of_other_id_types() -> None:
     import datetime as dt
     from decimal import Decimal
