@@ -171,8 +171,10 @@ class ShardingConfig:
 class OutputConfig:
     dir: Optional[str] = None
     format: str = "parquet"
-    commit_every_rows: int = 500
-    commit_every_seconds: float = 60.0
+    # A window of seconds of work (what a SIGKILL can lose at any engine speed) and a cap on the rows
+    # held between commits; engine/commit_policy.py is the rule (issue 44).
+    commit_every_rows: int = 20000
+    commit_every_seconds: float = 5.0
     # Split the merged output into DIR/output/output-NNNNN-of-MMMMM.<ext> files of at most this many rows.
     max_rows_per_file: Optional[int] = None
     # false (the umask decides) | true = user (0700 folders, 0600 files) | group (0750/0640).

@@ -15,6 +15,7 @@ import numpy as np
 from batchinfer import faults
 from batchinfer.config.schema import Config
 from batchinfer.engine.ahead import Ahead, Item
+from batchinfer.engine.commit_policy import CommitPolicy
 from batchinfer.engine.crashes import Crashes, count_suspects
 from batchinfer.engine.feed import Feed
 from batchinfer.engine.lora_slots import LoraSlots
@@ -116,6 +117,7 @@ class ShardScheduler:
         self.in_engine = False
         self.t_ready = t_ready
         self.t_gen = self.last_commit = time.monotonic()
+        self.policy = CommitPolicy.for_shard(worker.cfg.output, shard.rows)
         self.first_request = True
 
     def _make(self, indices: list[int]) -> list[tuple[int, Item]]:
@@ -274,12 +276,9 @@ class ShardScheduler:
             self.worker.bar.update(len(members))
 
     def maybe_commit(self) -> None:
-        """Commit every output.commit_every_rows rows or output.commit_every_seconds."""
-        out = self.worker.cfg.output
+        """Commit the finished rows when the commit policy says so (commit_policy.py)."""
         now = time.monotonic()
-        if len(self.pending) >= out.commit_every_rows or (
-            self.pending and now - self.last_commit >= out.commit_every_seconds
-        ):
+        if self.policy.due(len(self.pending), now - self.last_commit):
             self.record.seconds.generate += now - self.t_gen
             self.worker.commit(self.shard, self.pending, self.record)
             self.pending = []
