@@ -318,8 +318,10 @@ def child(spec: dict[str, Any]) -> None:
     """Pin, set the tokenizer's pool, measure, print one JSON line."""
     allowed = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, allowed[: spec["cores"]])
+    load = os.getloadavg()[0]
     result = child_plain(spec) if spec.get("kind") == "plain" else child_worker(spec)
     result["affinity"] = sorted(os.sched_getaffinity(0))
+    result["load_1min"] = [load, os.getloadavg()[0]]  # the machine's load average before and after
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -379,9 +381,9 @@ def table(results: list[dict[str, Any]], plains: dict[tuple[str, float, int], di
     md.append("")
     md.append(
         "| prompts | dup | code | task rows/s | worker µs/row | plain: one by one µs/row | ratio | "
-        "plain: batch call µs/row | ratio | vLLM `LLM.chat` preprocessing µs/row | ratio | peak RSS MB | output |"
+        "plain: batch call µs/row | ratio | vLLM `LLM.chat` preprocessing µs/row | ratio | peak RSS MB | output | load |"
     )
-    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if r["run"] != "cpu1":
             continue
@@ -392,7 +394,7 @@ def table(results: list[dict[str, Any]], plains: dict[tuple[str, float, int], di
         )
         md.append(
             f"| {r['prompts']} | {r['dup']:.0%} | {r['code_label']} | {r['rows_s']:,.0f} | {r['worker_us_row']:.0f} | "
-            f"{plain} | {r['rss_peak_mb']:.0f} | `{r['output_digest']}` |"
+            f"{plain} | {r['rss_peak_mb']:.0f} | `{r['output_digest']}` | {_load(r)} |"
         )
     md.append("")
     phased = [r for r in results if r["run"] == "cpu1" and r["phases"]]
@@ -416,9 +418,10 @@ def table(results: list[dict[str, Any]], plains: dict[tuple[str, float, int], di
     md.append("### Two cores: task rows/s against one core (`cpu2` / `cpu1`)")
     md.append("")
     md.append(
-        "| prompts | dup | code | rows/s, 1 core | rows/s, 2 cores | 2 cores / 1 core | plain one-by-one rows/s, 1 core |"
+        "| prompts | dup | code | rows/s, 1 core | rows/s, 2 cores | 2 cores / 1 core | "
+        "plain one-by-one rows/s, 1 core | load, 1 core | load, 2 cores |"
     )
-    md.append("|---|---|---|---|---|---|---|")
+    md.append("|---|---|---|---|---|---|---|---|---|")
     by = {(r["prompts"], r["dup"], r["code_label"], r["run"]): r for r in results}
     for (prompts, dup, label, run), r1 in by.items():
         if run != "cpu1" or (prompts, dup, label, "cpu2") not in by:
@@ -428,7 +431,7 @@ def table(results: list[dict[str, Any]], plains: dict[tuple[str, float, int], di
         plain = f"{p['one_by_one_rows_s']:,.0f}" if p.get("one_by_one_rows_s") else ""
         md.append(
             f"| {prompts} | {dup:.0%} | {label} | {r1['rows_s']:,.0f} | {r2['rows_s']:,.0f} | "
-            f"{r2['rows_s'] / r1['rows_s']:.2f}x | {plain} |"
+            f"{r2['rows_s'] / r1['rows_s']:.2f}x | {plain} | {_load(r1)} | {_load(r2)} |"
         )
     md.append("")
     gpu = [r for r in results if r["run"] == "gpu2"]
@@ -436,18 +439,25 @@ def table(results: list[dict[str, Any]], plains: dict[tuple[str, float, int], di
         md.append("### At the simulated GPU rate (`gpu2`, two cores): does the engine wait for the worker?")
         md.append("")
         md.append(
-            "| prompts | dup | code | step s | task rows/s | engine steps | engine idle between steps s | "
-            "idle share | longest gap s | steps short of requests |"
+            "| prompts | dup | code | task rows/s | engine steps | engine idle between steps s | idle share | "
+            "of which commits s | of which compaction s | longest gap s | steps short of requests | load |"
         )
-        md.append("|---|---|---|---|---|---|---|---|---|---|")
+        md.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in gpu:
             e = r["engine_idle"]
             md.append(
-                f"| {r['prompts']} | {r['dup']:.0%} | {r['code_label']} | {r['step_s']:.4f} | {r['rows_s']:,.0f} | "
-                f"{e['steps']} | {e['idle_s']:.2f} | {e['idle_share']:.1%} | {e['idle_max_s']:.3f} | {e['steps_short']} |"
+                f"| {r['prompts']} | {r['dup']:.0%} | {r['code_label']} | {r['rows_s']:,.0f} | {e['steps']} | "
+                f"{e['idle_s']:.2f} | {e['idle_share']:.1%} | {r.get('commit_wall_s', 0):.2f} | "
+                f"{r.get('compaction_wall_s', 0):.2f} | {e['idle_max_s']:.3f} | {e['steps_short']} | {_load(r)} |"
             )
         md.append("")
     return md
+
+
+def _load(r: dict[str, Any]) -> str:
+    """The 1-minute load average before and after a run (2 cores: above ~2, others were running)."""
+    before, after = r.get("load_1min", [None, None])
+    return f"{before:.1f}-{after:.1f}" if before is not None else ""
 
 
 def chart(results: list[dict[str, Any]], plains: dict[tuple[str, float, int], dict[str, Any]], path: Path) -> None:

@@ -1,15 +1,18 @@
-"""A shard's requests made ahead of the engine on a helper thread, a slice of rows at a time: reading
-the rows, filling the template, rendering the chat and tokenizing (the tokenizer's batch call releases
-the GIL) go on while the main thread steps the engine, so the next window is ready before the engine
-drains the current one. Requests are handed over in input order, and what making a row raised is
-raised where that row is taken, as if the main thread had made it."""
+"""A shard's requests made ahead of the engine, a slice of rows at a time, on two helper threads: one
+reads the rows, fills the template and renders the chat (Python, under the GIL), the other counts
+the rendered prompts' tokens in one call of the tokenizer (which releases the GIL and spreads over
+the cores), so that slice N is tokenized while slice N+1 is rendered and the main thread steps the
+engine. The next window is ready before the engine drains the current one. Requests are handed over
+in input order, and what making a row raised is raised where that row is taken, as if the main
+thread had made it."""
 
 from __future__ import annotations
 
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Union
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional, Union
 
 from batchinfer.requests.request import Made
 
@@ -19,33 +22,36 @@ _END = object()  # the slices are all made
 
 
 class _Failed:
-    """The helper failed outside any one row's making (reading a slice): raised where it is taken."""
+    """Making a slice failed outside any one row's making (reading it): raised where it is taken."""
 
     def __init__(self, error: BaseException):
         self.error = error
 
 
 class Ahead:
-    """Slices of row indices made into requests by `make` on a helper thread, at most `depth`
-    slices ahead of the taker; iterate once for (index, request) in input order. A pending stop
-    ends the making (the taker raises Stopped, see _take); the time a stop gives is not spent."""
+    """Slices of row indices made into requests at most `depth` slices ahead of the taker; iterate
+    once for (index, request) in input order. A slice is `begin(indices)` (a state), then
+    `tokenize(state)` on the tokenizer thread, then `finish(state)` -> [(index, item)]. A pending
+    stop ends the making (the taker raises Stopped, see _take): the time a stop gives is not spent."""
 
     def __init__(
         self,
         slices: Iterator[list[int]],
-        make: Callable[[list[int]], list[tuple[int, Item]]],
+        begin: Callable[[list[int]], Any],
+        tokenize: Callable[[Any], None],
+        finish: Callable[[Any], list[tuple[int, Item]]],
         depth: int,
         check_stop: Callable[[], None],
         stopping: Callable[[], bool],
-        name: str = "batchinfer-ahead",
     ):
         self.slices = slices
-        self.make = make
+        self.begin, self.tokenize, self.finish = begin, tokenize, finish
         self.check_stop = check_stop  # raises Stopped: a taker waiting on the helper still stops
         self.stopping = stopping  # a stop is pending: the helper makes no further slice
         self._made: queue.Queue[Any] = queue.Queue(maxsize=max(depth, 1))
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="batchinfer-ahead", daemon=True)
+        self._tokenizer = ThreadPoolExecutor(1, thread_name_prefix="batchinfer-tokenize")
         self._started = False
 
     def __iter__(self) -> Iterator[tuple[int, Made]]:
@@ -74,16 +80,33 @@ class Ahead:
                     raise RuntimeError("the thread making requests ahead ended without a word") from None
 
     def _run(self) -> None:
+        pending: Optional[tuple[Any, Future[None]]] = None  # the slice being tokenized
         try:
             for indices in self.slices:
                 if self._closed.is_set() or self.stopping():
                     return
-                if not self._put(self.make(indices)):
+                try:
+                    state = self.begin(indices)  # rendered while the slice before is tokenized
+                except BaseException as e:
+                    if self._hand_over(pending):
+                        self._put(_Failed(e))  # after the slices before it
                     return
-        except BaseException as e:  # the taker raises it where the failed slice would start
+                job = self._tokenizer.submit(self.tokenize, state)
+                if not self._hand_over(pending):
+                    return
+                pending = (state, job)
+            if self._hand_over(pending):
+                self._put(_END)
+        except BaseException as e:  # tokenizing or finishing a slice: raised where it starts
             self._put(_Failed(e))
-            return
-        self._put(_END)
+
+    def _hand_over(self, pending: Optional[tuple[Any, Future[None]]]) -> bool:
+        """Finish a tokenized slice and hand it over; False once closed."""
+        if pending is None:
+            return True
+        state, job = pending
+        job.result()
+        return self._put(self.finish(state))
 
     def _put(self, item: Any) -> bool:
         """Hand a made slice over, waiting while `depth` are untaken; False once closed."""
@@ -96,7 +119,8 @@ class Ahead:
         return False
 
     def close(self) -> None:
-        """Stop the helper (after the slice it is making) and wait for it."""
+        """Stop the helpers (after the slice each is on) and wait for them."""
         self._closed.set()
         if self._started:
             self._thread.join()
+        self._tokenizer.shutdown(wait=True)

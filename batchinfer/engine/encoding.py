@@ -1,17 +1,19 @@
 """Prompts to token ids as vLLM makes them: a chat rendered with the model's chat template, then
 tokenized without special tokens (the template wrote them); a raw prompt tokenized with them. A
-window's prompts are rendered and tokenized together: the tokenizer's batch call releases the GIL
-(so the worker's main thread keeps the engine fed meanwhile) and spreads over the task's cores."""
+slice's prompts are rendered (Python, under the GIL), then tokenized in one call of the fast
+tokenizer, which releases the GIL: the worker runs that call on a thread of its own while it renders
+the next slice and feeds the engine (ahead.py), and the tokenizer spreads it over the task's cores."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from batchinfer.engine.phases import CLOCK
 from batchinfer.requests.prompts import Prompt
 
-Encoded = Union[list[int], Exception]  # a prompt's token ids, or what rendering it raised
+Encoded = Union[list[int], Exception]  # a prompt's token ids, or what rendering or tokenizing it raised
 
 
 def render(tokenizer: Any, messages: Any, chat_template_kwargs: Optional[dict[str, Any]] = None) -> str:
@@ -21,67 +23,69 @@ def render(tokenizer: Any, messages: Any, chat_template_kwargs: Optional[dict[st
 
 
 def encode_one(tokenizer: Any, prompt: Prompt, chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
-    """One prompt's token ids (what encode_many gives it)."""
+    """One prompt's token ids (what a slice's Rendered.tokens() gives it)."""
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt))
     return list(tokenizer.encode(render(tokenizer, prompt, chat_template_kwargs), add_special_tokens=False))
 
 
-def encode_all(
-    engine: Any, prompts: Sequence[Prompt], chat_template_kwargs: Optional[dict[str, Any]] = None
-) -> list[Encoded]:
-    """The engine's encode_many of the prompts; an engine without one (the unit tests' fakes)
-    encodes each prompt alone."""
-    if not prompts:
-        return []
-    many = getattr(engine, "encode_many", None)
-    if many is not None:
-        return list(many(prompts, chat_template_kwargs))
-    out: list[Encoded] = []
-    for prompt in prompts:
-        try:
-            out.append(engine.encode(prompt, chat_template_kwargs))
-        except Exception as e:  # this prompt's own (a chat template that refuses its messages)
-            out.append(e)
-    return out
+@dataclass
+class Rendered:
+    """A slice's prompts rendered to the texts their tokens are counted from. `tokens()` (on any
+    thread: it touches only this record and the tokenizer) gives each prompt's ids, in order."""
+
+    tokenizer: Any
+    n: int  # prompts in the slice
+    raw: list[tuple[int, str]] = field(default_factory=list)  # raw prompts: tokenized with special tokens
+    chats: list[tuple[int, str]] = field(default_factory=list)  # rendered chats: tokenized without
+    done: dict[int, Encoded] = field(default_factory=dict)  # known already: a refused chat's exception
+
+    def tokens(self) -> list[Encoded]:
+        """Each prompt's token ids (or its exception)."""
+        out: list[Encoded] = [[] for _ in range(self.n)]
+        out_of = {**self.done}
+        with CLOCK("tokenize"):
+            for group, special in ((self.raw, True), (self.chats, False)):
+                texts = [t for _, t in group]
+                out_of.update(zip((i for i, _ in group), _tokenize_all(self.tokenizer, texts, special), strict=True))
+        for i, ids in out_of.items():
+            out[i] = ids
+        return out
 
 
-def encode_many(
+def render_many(
     tokenizer: Any, prompts: Sequence[Prompt], chat_template_kwargs: Optional[dict[str, Any]] = None
-) -> list[Encoded]:
-    """Token ids of each prompt, as encode_one makes them; a chat its template refuses gets the
-    exception instead (that row's error, not the window's)."""
-    out: list[Encoded] = [[] for _ in prompts]
-    raw = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+) -> Rendered:
+    """The prompts rendered, their tokens not yet counted; a chat its template refuses gets the
+    exception (that row's error, not the slice's)."""
+    out = Rendered(tokenizer, len(prompts))
     chats = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
-    texts: dict[int, str] = {i: prompts[i] for i in raw}  # type: ignore[misc]
+    out.raw = [(i, p) for i, p in enumerate(prompts) if isinstance(p, str)]
     with CLOCK("render"):
         for i, text in zip(
             chats, _render_all(tokenizer, [prompts[i] for i in chats], chat_template_kwargs), strict=True
         ):
             if isinstance(text, Exception):
-                out[i] = text
+                out.done[i] = text
             else:
-                texts[i] = text
-    with CLOCK("tokenize"):
-        for group, special in ((raw, True), ([i for i in chats if i in texts], False)):
-            for i, ids in zip(group, _tokenize_all(tokenizer, [texts[i] for i in group], special), strict=True):
-                out[i] = ids
+                out.chats.append((i, text))
     return out
 
 
-def _tokenize_all(tokenizer: Any, texts: list[str], special: bool) -> list[Encoded]:
-    """tokenize(), or where the batch call fails, each text alone (so the exception is that text's)."""
-    try:
-        return list(tokenize(tokenizer, texts, special))
-    except Exception:
-        pass
-    out: list[Encoded] = []
-    for text in texts:
+def render_all(
+    engine: Any, prompts: Sequence[Prompt], chat_template_kwargs: Optional[dict[str, Any]] = None
+) -> Rendered:
+    """The engine's render_many of the prompts; an engine without one (the unit tests' fakes)
+    encodes each prompt alone, at once."""
+    many = getattr(engine, "render_many", None)
+    if many is not None:
+        return many(prompts, chat_template_kwargs)
+    out = Rendered(None, len(prompts))
+    for i, prompt in enumerate(prompts):
         try:
-            out.append(list(tokenizer.encode(text, add_special_tokens=special)))
-        except Exception as e:
-            out.append(e)
+            out.done[i] = engine.encode(prompt, chat_template_kwargs)
+        except Exception as e:  # this prompt's own (a chat template that refuses its messages)
+            out.done[i] = e
     return out
 
 
@@ -101,6 +105,21 @@ def _render_all(tokenizer: Any, chats: list[Any], kwargs: Optional[dict[str, Any
         try:
             out.append(render(tokenizer, chat, kwargs))
         except Exception as e:  # the chat template raised on this chat (jinja, or a bad message)
+            out.append(e)
+    return out
+
+
+def _tokenize_all(tokenizer: Any, texts: list[str], special: bool) -> list[Encoded]:
+    """tokenize(), or where the batch call fails, each text alone (so the exception is that text's)."""
+    try:
+        return list(tokenize(tokenizer, texts, special))
+    except Exception:
+        pass
+    out: list[Encoded] = []
+    for text in texts:
+        try:
+            out.append(list(tokenizer.encode(text, add_special_tokens=special)))
+        except Exception as e:
             out.append(e)
     return out
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from batchinfer import faults
 from batchinfer.config.schema import Config
-from batchinfer.engine.encoding import encode_all
+from batchinfer.engine.drafted import Drafted, Keyed, RowIn
+from batchinfer.engine.encoding import render_all
 from batchinfer.engine.phases import CLOCK
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.inputs.openai_batch import task_mismatch
@@ -18,8 +19,6 @@ from batchinfer.requests.prompts import Prompt, PromptBuilder, RowError
 from batchinfer.requests.request import ErrorRow, RequestKey
 from batchinfer.requests.verdict import engine_refusal
 from batchinfer.rundir.schema import OutputRow, error_row
-
-RowIn = tuple[int, OutputRow, dict[str, Any]]  # a row's index, its output row's base, the input row
 
 
 def _error(index: int, base: OutputRow, e: RowError) -> ErrorRow:
@@ -45,44 +44,54 @@ class GenerationRows:
             raise made
         return made
 
-    def requests(self, rows: list[RowIn], engine: Any) -> list[RequestKey | ErrorRow | Exception]:
+    def requests(self, rows: list[RowIn], engine: Any) -> list[Keyed]:
         """request() of each (index, output base, row), their prompts rendered and tokenized
         together; an exception that is no row's error (prompt.overlong=fail) in its row's place."""
+        drafted = self.draft(rows, engine)
+        drafted.tokenize()
+        return self.finish(drafted, engine)
+
+    def draft(self, rows: list[RowIn], engine: Any) -> Drafted:
+        """The first half of requests(): each row's request without its tokens, its prompt rendered."""
         kwargs = self.cfg.prompt.chat_template_kwargs
         bound = CharBound.of(engine.max_model_len, getattr(engine, "max_token_chars", None))
 
         def encode(p: Prompt) -> list[int]:
             return engine.encode(p, kwargs)
 
-        out: list[RequestKey | ErrorRow | Exception] = []
-        drafts: dict[int, RowRequest] = {}  # position in rows -> its request, tokens still to count
+        d = Drafted(rows, [])
         with CLOCK("request"):
             for index, base, row in rows:
                 why = task_mismatch(row, "generate")
                 if why:
-                    out.append(_error(index, base, RowError("unsupported", why)))
+                    d.out.append(_error(index, base, RowError("unsupported", why)))
                     continue
                 try:
-                    drafts[len(out)] = draft_request(self.cfg, self.prompts, row, index, encode, bound)
-                    out.append(ErrorRow({}))  # its place, until its request is made
+                    d.drafts[len(d.out)] = draft_request(self.cfg, self.prompts, row, index, encode, bound)
+                    d.out.append(ErrorRow({}))  # its place, until its request is made
                 except RowError as e:
-                    out.append(_error(index, base, e))
+                    d.out.append(_error(index, base, e))
                 except Exception as e:  # raised where this row is taken, as if made alone
-                    out.append(e)
-        counted = [k for k, d in drafts.items() if d.to_encode]
-        results = dict(zip(counted, encode_all(engine, [drafts[k].prompt for k in counted], kwargs), strict=True))
+                    d.out.append(e)
+        d.counted = [k for k, r in d.drafts.items() if r.to_encode]
+        d.rendered = render_all(engine, [d.drafts[k].prompt for k in d.counted], kwargs)
+        return d
+
+    def finish(self, d: Drafted, engine: Any) -> list[Keyed]:
+        """The second half of requests(), once d.tokenize() has counted the prompts' tokens."""
+        results = dict(zip(d.counted, d.tokens or [], strict=True))
         with CLOCK("request"):
-            for k, req in drafts.items():
-                index, base, _ = rows[k]
+            for k, req in d.drafts.items():
+                index, base, _ = d.rows[k]
                 try:
                     if k in results:
                         encoded(req, results[k])
-                    out[k] = self._key(index, base, req, engine)
+                    d.out[k] = self._key(index, base, req, engine)
                 except RowError as e:
-                    out[k] = _error(index, base, e)
+                    d.out[k] = _error(index, base, e)
                 except Exception as e:
-                    out[k] = e
-        return out
+                    d.out[k] = e
+        return d.out
 
     def _key(self, index: int, base: OutputRow, req: RowRequest, engine: Any) -> RequestKey:
         """The request key of a row's request, the overlong policy applied (RowError: its error row)."""

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import numpy as np
 
 from batchinfer.config.schema import POOLING_TASKS, Config
+from batchinfer.engine.drafted import Drafted, Keyed, RowIn
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.errors import InputError
 from batchinfer.inputs.openai_batch import task_mismatch
@@ -58,18 +59,24 @@ class PoolingRows:
             return ErrorRow(dict(error_row(index, base["id"], "rejected", f"row {index}: {e}"), **base))
         return RequestKey(tuple(ids), extras)
 
-    def requests(
-        self, rows: list[tuple[int, OutputRow, dict[str, Any]]], engine: Any
-    ) -> list[RequestKey | ErrorRow | Exception]:
+    def requests(self, rows: list[RowIn], engine: Any) -> list[Keyed]:
         """request() of each (index, output base, row); an exception that is no row's error (a task
         the model cannot run) in its row's place."""
-        out: list[RequestKey | ErrorRow | Exception] = []
+        return self.finish(self.draft(rows, engine), engine)
+
+    def draft(self, rows: list[RowIn], engine: Any) -> Drafted:
+        """Every row's request made at once (texts are tokenized one by one, pairs among them)."""
+        d = Drafted(rows, [])
         for index, base, row in rows:
             try:
-                out.append(self.request(index, base, row, engine))
+                d.out.append(self.request(index, base, row, engine))
             except Exception as e:  # raised where this row is taken, as if made alone
-                out.append(e)
-        return out
+                d.out.append(e)
+        return d
+
+    def finish(self, d: Drafted, engine: Any) -> list[Keyed]:
+        """The rows' requests (made by draft: nothing waits for a tokenizer call)."""
+        return d.out
 
     def params(self, engine: Any, extras: str) -> Any:
         """The engine's PoolingParams for a request; a task the model cannot run fails the shard."""

@@ -17,6 +17,7 @@ from batchinfer.config.schema import Config
 from batchinfer.engine.ahead import Ahead, Item
 from batchinfer.engine.commit_policy import CommitPolicy
 from batchinfer.engine.crashes import Crashes, count_suspects
+from batchinfer.engine.drafted import Drafted, Keyed, RowIn, SliceDraft
 from batchinfer.engine.feed import Feed
 from batchinfer.engine.lora_slots import LoraSlots
 from batchinfer.engine.phases import CLOCK
@@ -57,9 +58,9 @@ class TaskRows(Protocol):
     poisoned: set[RequestKey]  # fault injection: requests that kill the engine when added
 
     def request(self, index: int, base: OutputRow, row: dict[str, Any], engine: Any) -> RequestKey | ErrorRow: ...
-    def requests(
-        self, rows: list[tuple[int, OutputRow, dict[str, Any]]], engine: Any
-    ) -> list[RequestKey | ErrorRow | Exception]: ...
+    def requests(self, rows: list[RowIn], engine: Any) -> list[Keyed]: ...
+    def draft(self, rows: list[RowIn], engine: Any) -> Drafted: ...
+    def finish(self, d: Drafted, engine: Any) -> list[Keyed]: ...
     def params(self, engine: Any, own: str) -> Any: ...
     def result_row(self, base: OutputRow, c: Completion) -> OutputRow: ...
 
@@ -75,7 +76,8 @@ class ShardRunner(Protocol):
 
     @property
     def dataset(self) -> Any: ...
-    def requests(self, rows: list[tuple[int, dict[str, Any]]], engine: EngineLike) -> list[Made | Exception]: ...
+    def draft(self, rows: list[tuple[int, dict[str, Any]]], engine: EngineLike) -> SliceDraft: ...
+    def finish(self, draft: SliceDraft, engine: EngineLike) -> list[Made | Exception]: ...
     def crash_rows(self, rows: list[int]) -> list[OutputRow]: ...
     def commit(self, shard: Shard, rows_in: list[OutputRow], record: Progress, error: Optional[str] = None) -> None: ...
     def write_progress(self, shard: Shard, record: Progress, error: Optional[str] = None) -> None: ...
@@ -100,7 +102,15 @@ class ShardScheduler:
         size = slice_rows(engine.max_num_seqs)
         slices = itertools.chain([isolated] if isolated else [], todo_slices(shard.start, shard.stop, skip, size))
         depth = ahead_slices(engine.max_num_seqs)
-        self.ahead = Ahead(slices, self._make, depth, worker.stop.check, lambda: worker.stop.signum is not None)
+        self.ahead = Ahead(
+            slices,
+            self._begin,
+            lambda begun: begun[1].tokenize(),
+            self._finish,
+            depth,
+            worker.stop.check,
+            lambda: worker.stop.signum is not None,
+        )
         sizes = ([len(isolated)] if isolated else []) + [first_window_rows(engine.max_num_seqs)]
         self.feed = Feed(self.ahead, worker.task_rows.result_row, sizes, self.window)
         self.pending: list[OutputRow] = worker.crash_rows(self.crashes.crashed_rows)  # rows to commit
@@ -120,11 +130,16 @@ class ShardScheduler:
         self.policy = CommitPolicy.for_shard(worker.cfg.output, shard.rows)
         self.first_request = True
 
-    def _make(self, indices: list[int]) -> list[tuple[int, Item]]:
-        """The requests of these rows (on the helper thread): read, made together, crashed ones out."""
+    def _begin(self, indices: list[int]) -> tuple[list[int], SliceDraft]:
+        """A slice's rows read and drafted (on the helper thread; their tokens are counted next)."""
         with CLOCK("read"):
             rows = self.worker.dataset.select(indices).to_list()
-        made = self.worker.requests(list(zip(indices, rows, strict=True)), self.engine)
+        return indices, self.worker.draft(list(zip(indices, rows, strict=True)), self.engine)
+
+    def _finish(self, begun: tuple[list[int], SliceDraft]) -> list[tuple[int, Item]]:
+        """A drafted slice's requests, once its tokens are counted; crashed ones are error rows."""
+        indices, draft = begun
+        made = self.worker.finish(draft, self.engine)
         return [
             (i, m if isinstance(m, BaseException) else self.crashes.unless_crashed(m))
             for i, m in zip(indices, made, strict=True)

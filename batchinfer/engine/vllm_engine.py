@@ -285,9 +285,9 @@ class Engine:
         """Token ids exactly as vLLM would make them: chat template rendered, then tokenized."""
         return encoding.encode_one(self.tokenizer, prompt, chat_template_kwargs)
 
-    def encode_many(self, prompts: Sequence[Prompt], kwargs: Optional[dict[str, Any]] = None) -> list[Any]:
-        """encode() of each prompt, all tokenized in one call (the exception where a template refuses one)."""
-        return encoding.encode_many(self.tokenizer, prompts, kwargs)
+    def render_many(self, prompts: Sequence[Prompt], kwargs: Optional[dict[str, Any]] = None) -> Any:
+        """A slice's prompts rendered; `.tokens()` gives each encode()'s ids, in one tokenizer call."""
+        return encoding.render_many(self.tokenizer, prompts, kwargs)
 
     def add(self, request_id: str, token_ids: list[int], params: Any, adapter: Optional[str] = None) -> None:
         """Queue one request (a bi-encoder pair as two, answered as one); adapter: a LoRA adapter's

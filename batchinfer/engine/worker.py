@@ -13,6 +13,7 @@ import pyarrow.compute as pc
 
 from batchinfer import faults
 from batchinfer.engine.crashes import crash_row
+from batchinfer.engine.drafted import SliceDraft
 from batchinfer.engine.generation import GenerationRows
 from batchinfer.engine.phases import CLOCK
 from batchinfer.engine.pooled import pooling_rows
@@ -190,6 +191,12 @@ class ShardWorker:
     def requests(self, rows: list[tuple[int, dict[str, Any]]], engine: EngineLike) -> list[Made | Exception]:
         """Each (index, row)'s request (its output base and key), or its error row (a bad row), made
         together (one tokenizer call); what making one raised in its place."""
+        draft = self.draft(rows, engine)
+        draft.tokenize()
+        return self.finish(draft, engine)
+
+    def draft(self, rows: list[tuple[int, dict[str, Any]]], engine: EngineLike) -> SliceDraft:
+        """The first half of requests(): output bases, requests without tokens, prompts rendered."""
         out: list[Made | Exception] = []
         todo: list[tuple[int, OutputRow, dict[str, Any]]] = []  # (index, output base, row)
         places: list[int] = []
@@ -201,14 +208,18 @@ class ShardWorker:
                     out.append(ErrorRow({}))  # its place, until made
                 except Exception as e:  # raised where this row is taken
                     out.append(e)
-        made = self.task_rows.requests(todo, engine)
+        return SliceDraft(out, places, self.task_rows.draft(todo, engine))
+
+    def finish(self, draft: SliceDraft, engine: EngineLike) -> list[Made | Exception]:
+        """The second half of requests(), once draft.tokenize() has counted the prompts' tokens."""
+        made = self.task_rows.finish(draft.drafted, engine)
         with CLOCK("digest"):
-            for k, (_, base, _), m in zip(places, todo, made, strict=True):
+            for k, (_, base, _), m in zip(draft.places, draft.drafted.rows, made, strict=True):
                 try:
-                    out[k] = self.reuse.made(base, m, self.dtype) if isinstance(m, RequestKey) else m
+                    draft.out[k] = self.reuse.made(base, m, self.dtype) if isinstance(m, RequestKey) else m
                 except Exception as e:
-                    out[k] = e
-        return out
+                    draft.out[k] = e
+        return draft.out
 
     def _carried(self, row: dict[str, Any]) -> OutputRow:
         """The input columns carried into the output (input.columns), if any."""

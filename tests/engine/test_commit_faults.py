@@ -108,18 +108,18 @@ def test_a_stop_while_prompts_are_prepared_is_acted_on_before_any_request(
     stop = StopFlag()
     encoded: list[int] = []
     added: list[Any] = []
-    real_encode = engine.encode_many
+    real_render = engine.render_many
 
-    def encode_many(prompts: Any, kwargs: Any = None) -> list[Any]:
+    def render_many(prompts: Any, kwargs: Any = None) -> Any:
         encoded.append(len(prompts))
-        stop.signum = 12  # USR2 arrives while the first slice of the shard's prompts is tokenized
-        return real_encode(prompts, kwargs)
+        stop.signum = 12  # USR2 arrives while the first slice of the shard's prompts is prepared
+        return real_render(prompts, kwargs)
 
-    monkeypatch.setattr(engine, "encode_many", encode_many)
+    monkeypatch.setattr(engine, "render_many", render_many)
     monkeypatch.setattr(engine, "add", lambda *a: added.append(a))
     with pytest.raises(Stopped, match="SIGUSR2"):
         ShardWorker(run, lambda: engine, stop).run_shard(run.shards()[0])
-    # stopped at once: no later slice was tokenized, nothing was sent
+    # stopped at once: no later slice was prepared, nothing was sent
     assert len(encoded) == 1 and 0 < encoded[0] < ROWS and added == []
     assert run.shard_folder(0).committed_files() == []
 

@@ -267,9 +267,9 @@ def test_a_huge_field_is_the_same_overlong_row_in_validate_and_the_run_and_neith
     ov = run_overrides(tiny_model_path, corpus, tmp_path / "run")
     eng = StandinEngine(compose(ov))
     sizes: list[int] = []
-    encode, encode_many = eng.encode, eng.encode_many
+    encode, render_many = eng.encode, eng.render_many
     eng.encode = lambda prompt, kw=None: sizes.append(len(str(prompt))) or encode(prompt, kw)  # type: ignore[method-assign]
-    eng.encode_many = lambda ps, kw=None: sizes.extend(len(str(p)) for p in ps) or encode_many(ps, kw)  # type: ignore[method-assign]
+    eng.render_many = lambda ps, kw=None: sizes.extend(len(str(p)) for p in ps) or render_many(ps, kw)  # type: ignore[method-assign]
     predicted, made = verdicts(ov, eng)
     assert predicted == made == {1: "overlong"}
     assert sizes and max(sizes) < 1000

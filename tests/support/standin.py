@@ -177,7 +177,7 @@ class StandinEngine:
 
     # Token ids exactly as the real engine makes them (its method: it uses only self.tokenizer).
     encode = Engine.encode
-    encode_many = Engine.encode_many
+    render_many = Engine.render_many
 
     def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
         """Queue a request; with refuse_every, one in that many (by digest) is refused."""

@@ -48,7 +48,11 @@ def one_at_a_time(tok: Any, prompts: list[Any]) -> list[Any]:
 
 def test_a_window_encoded_together_gives_each_prompt_its_own_ids(tokenizer: Any) -> None:
     assert encoding._plain_backend(tokenizer) is not None  # the batch call is the one taken
-    together = encoding.encode_many(tokenizer, CHATS)
+    rendered = encoding.render_many(tokenizer, CHATS)
+    assert (
+        3 in rendered.done and len(rendered.chats) == 3 and len(rendered.raw) == 2
+    )  # the refused chat is known at once
+    together = rendered.tokens()
     alone = one_at_a_time(tokenizer, CHATS)
     refused = [i for i, x in enumerate(alone) if isinstance(x, Exception)]
     assert refused == [3] and "unknown role narrator" in str(together[3])
@@ -80,14 +84,14 @@ def test_a_tokenizer_that_decides_ids_itself_is_asked_text_by_text(tokenizer: An
     assert len(ours[0]) > 3  # transformers' own encode does not truncate unless asked
 
 
-def test_an_engine_without_encode_many_encodes_prompt_by_prompt() -> None:
+def test_an_engine_without_render_many_encodes_prompt_by_prompt() -> None:
     class Plain:
         def encode(self, prompt: Any, kwargs: Any = None) -> list[int]:
             if prompt == "bad":
                 raise ValueError("refused")
             return [len(prompt)]
 
-    got = encoding.encode_all(Plain(), ["ab", "bad", "abcd"])
+    got = encoding.render_all(Plain(), ["ab", "bad", "abcd"]).tokens()
     assert got[0] == [2] and isinstance(got[1], ValueError) and got[2] == [4]
 
 
@@ -109,54 +113,69 @@ def test_request_keys_equal_by_ids_own_and_row() -> None:
     assert a.shared and not RequestKey((1,), "", 0).shared
 
 
-def made(indices: list[int]) -> list[tuple[int, Any]]:
+def made(indices: list[int]) -> list[int]:
+    return indices
+
+
+def tokenized(indices: list[int]) -> None:
+    tokenized_slices.append(list(indices))
+
+
+tokenized_slices: list[list[int]] = []
+
+
+def finished(indices: list[int]) -> list[tuple[int, Any]]:
     return [(i, ValueError(f"row {i} is bad") if i == 7 else f"req-{i}") for i in indices]
 
 
+def ahead(slices: list[list[int]], begin: Any = made, depth: int = 2, check: Any = None, stopping: Any = None) -> Ahead:
+    return Ahead(iter(slices), begin, tokenized, finished, depth, check or (lambda: None), stopping or (lambda: False))
+
+
 def test_requests_made_ahead_come_in_input_order_and_a_failure_where_its_row_is() -> None:
-    ahead = Ahead(iter([[0, 1, 2], [3, 4], [5, 6, 7, 8]]), made, 2, lambda: None, lambda: False)
+    tokenized_slices.clear()
+    made_ahead = ahead([[0, 1, 2], [3, 4], [5, 6, 7, 8]])
     taken = []
     with pytest.raises(ValueError, match="row 7 is bad"):
-        for index, request in ahead:
+        for index, request in made_ahead:
             taken.append((index, request))
-    ahead.close()
+    made_ahead.close()
     assert taken == [(i, f"req-{i}") for i in range(7)]
+    assert tokenized_slices == [[0, 1, 2], [3, 4], [5, 6, 7, 8]]  # each slice tokenized once, in order
 
 
 def test_a_slice_that_cannot_be_read_fails_where_it_starts() -> None:
-    def read(indices: list[int]) -> list[tuple[int, Any]]:
+    def read(indices: list[int]) -> list[int]:
         if indices[0] == 3:
             raise OSError(5, "Input/output error")
-        return [(i, i) for i in indices]
+        return indices
 
-    ahead = Ahead(iter([[0, 1, 2], [3, 4], [5]]), read, 4, lambda: None, lambda: False)
-    it = iter(ahead)
-    assert [next(it) for _ in range(3)] == [(0, 0), (1, 1), (2, 2)]
+    made_ahead = ahead([[0, 1, 2], [3, 4], [5]], begin=read, depth=4)
+    it = iter(made_ahead)
+    assert [next(it) for _ in range(3)] == [(0, "req-0"), (1, "req-1"), (2, "req-2")]
     with pytest.raises(OSError, match="Input/output error"):
         next(it)
-    ahead.close()
+    made_ahead.close()
 
 
 def test_a_pending_stop_ends_the_making_and_a_waiting_taker_stops() -> None:
     stop = threading.Event()
     calls: list[list[int]] = []
 
-    def slow(indices: list[int]) -> list[tuple[int, Any]]:
+    def slow(indices: list[int]) -> list[int]:
         calls.append(indices)
         stop.set()  # a stop signal arrives while the first slice is made
-        return [(i, i) for i in indices]
+        return indices
 
     def check() -> None:
         if stop.is_set():
             raise Stopped(12)
 
-    ahead = Ahead(iter([[0], [1], [2], [3]]), slow, 1, check, stop.is_set)
-    it = iter(ahead)
-    assert next(it) == (0, 0)
+    made_ahead = ahead([[0], [1], [2], [3]], begin=slow, depth=1, check=check, stopping=stop.is_set)
     with pytest.raises(Stopped):
-        next(it)
-    ahead.close()
-    assert calls == [[0]]  # no slice made after the stop
+        next(iter(made_ahead))
+    made_ahead.close()
+    assert calls == [[0]]  # no slice begun after the stop
 
 
 class FakeTime:

@@ -61,8 +61,9 @@ def _run(tmp_path: Path, rows: list[dict[str, Any]], *extra: str) -> RunDir:
 
 
 def _lead(eng: FakeEngine) -> int:
-    """Rows the helper thread may have made beyond those taken: its slices waiting and the one it makes."""
-    return (stream.ahead_slices(eng.max_num_seqs) + 1) * stream.slice_rows(eng.max_num_seqs)
+    """Rows the helper threads may have made beyond those taken: the slices waiting, the one being
+    tokenized and the one being rendered."""
+    return (stream.ahead_slices(eng.max_num_seqs) + 2) * stream.slice_rows(eng.max_num_seqs)
 
 
 def _ids(eng: FakeEngine, text: str) -> list[int]:
