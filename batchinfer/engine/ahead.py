@@ -8,7 +8,9 @@ thread had made it."""
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,6 +20,7 @@ from batchinfer.requests.request import Made
 
 Item = Union[Made, BaseException]  # a row's request, or what making it raised
 WAIT_S = 0.05  # a taker waiting for the helper checks for a stop signal this often
+SWITCH_S = 0.001  # the interpreter's thread switch interval while a shard streams (Python's default: 5 ms)
 _END = object()  # the slices are all made
 
 
@@ -51,12 +54,18 @@ class Ahead:
         self._made: queue.Queue[Any] = queue.Queue(maxsize=max(depth, 1))
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="batchinfer-ahead", daemon=True)
-        self._tokenizer = ThreadPoolExecutor(1, thread_name_prefix="batchinfer-tokenize")
+        # One core: nothing to overlap, the helper tokenizes each slice itself.
+        self._tokenizer = ThreadPoolExecutor(1, "batchinfer-tokenize") if len(os.sched_getaffinity(0)) > 1 else None
         self._started = False
+        self._switch: Optional[float] = None  # the interpreter's switch interval while streaming
 
     def __iter__(self) -> Iterator[tuple[int, Made]]:
         if not self._started:
             self._started = True
+            # The main thread takes the GIL back from the helpers within 1 ms (not 5) of an engine
+            # step's return: a synchronous engine would wait that long for its next requests.
+            self._switch = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._switch, SWITCH_S))
             self._thread.start()
         while True:
             batch = self._take()
@@ -91,7 +100,7 @@ class Ahead:
                     if self._hand_over(pending):
                         self._put(_Failed(e))  # after the slices before it
                     return
-                job = self._tokenizer.submit(self.tokenize, state)
+                job = self._tokenize(state)
                 if not self._hand_over(pending):
                     return
                 pending = (state, job)
@@ -99,6 +108,15 @@ class Ahead:
                 self._put(_END)
         except BaseException as e:  # tokenizing or finishing a slice: raised where it starts
             self._put(_Failed(e))
+
+    def _tokenize(self, state: Any) -> Future[None]:
+        """Count a slice's tokens on the tokenizer thread (here, with one core)."""
+        if self._tokenizer is not None:
+            return self._tokenizer.submit(self.tokenize, state)
+        done: Future[None] = Future()
+        self.tokenize(state)
+        done.set_result(None)
+        return done
 
     def _hand_over(self, pending: Optional[tuple[Any, Future[None]]]) -> bool:
         """Finish a tokenized slice and hand it over; False once closed."""
@@ -123,4 +141,8 @@ class Ahead:
         self._closed.set()
         if self._started:
             self._thread.join()
-        self._tokenizer.shutdown(wait=True)
+        if self._tokenizer is not None:
+            self._tokenizer.shutdown(wait=True)
+        if self._switch is not None:
+            sys.setswitchinterval(self._switch)
+            self._switch = None
