@@ -5,18 +5,33 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 EXAMPLES = 5  # examples kept per kind of problem
+
+
+class Example(TypedDict):
+    """A row with a problem: its number, id, and what is wrong (a problem of the ids: what alone)."""
+
+    row: NotRequired[int]
+    id: NotRequired[Any]  # the input's id column's type
+    message: str
+
+
+class KindCount(TypedDict):
+    """A kind of problem in the validate report: how often, and the first examples."""
+
+    count: int
+    examples: list[Example]
 
 
 @dataclass
 class Tally:
     """Counts and the first examples of each kind of problem."""
 
-    kinds: dict[str, dict[str, Any]] = field(default_factory=dict)
+    kinds: dict[str, KindCount] = field(default_factory=dict)
 
-    def add(self, kind: str, example: dict[str, Any]) -> None:
+    def add(self, kind: str, example: Example) -> None:
         """Count one problem of a kind, keeping it as an example while there are few."""
         entry = self.kinds.setdefault(kind, {"count": 0, "examples": []})
         entry["count"] += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from batchinfer.hashing import splitmix64
 from batchinfer.insight.findings import Checked
@@ -42,13 +42,33 @@ def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, (centre - half) / (1 + z2 / n)), min(1.0, (centre + half) / (1 + z2 / n))
 
 
-def sample_section(checked: int, total: int, found: Checked) -> dict[str, Any]:
+class Estimate(TypedDict):
+    """What a sample says of every row: its counts scaled by total/checked."""
+
+    error_rows: int
+    error_rows_95: list[int]  # [low, high]: a 95% range
+    error_rows_by_kind: dict[str, int]
+    overlong_rows: int
+    prompt_tokens_total: int
+    would_run: int
+
+
+class SampleSection(TypedDict):
+    """The validate report's `sample`: rows checked, of how many, how spread, and the estimate."""
+
+    rows: int
+    of: int
+    spread: str
+    estimate: Estimate
+
+
+def sample_section(checked: int, total: int, found: Checked) -> SampleSection:
     """What a sample says of the whole corpus: counts scaled by total/checked, error rows with a 95% range."""
     scale, errors = total / checked, found.errors.total()
     lo, hi = wilson(errors, checked)
     # The sample's own rows are known: at least its error rows, at most every row outside its good ones.
     low, high = max(errors, math.floor(lo * total)), min(total - (checked - errors), math.ceil(hi * total))
-    estimate = {
+    estimate: Estimate = {  # type: ignore[typeddict-item]  # would_run follows
         "error_rows": round(errors * scale),
         "error_rows_95": [low, high],
         "error_rows_by_kind": {k: round(e["count"] * scale) for k, e in found.errors.kinds.items()},

@@ -19,7 +19,7 @@ from batchinfer.insight.check_pool import check_parallel
 from batchinfer.insight.findings import Checked
 from batchinfer.insight.row_check import check_rows
 from batchinfer.insight.sample import Sample
-from batchinfer.insight.validate_report import Validated, build_report
+from batchinfer.insight.validate_report import Validated, ValidateReport, build_report
 
 CHUNK_ROWS = 10_000  # most rows a worker process checks per task: a few seconds, so progress moves
 MIN_CHUNK_ROWS = 500  # fewer rows per task and sending tasks and results costs more than checking them
@@ -94,7 +94,7 @@ def validate(
     jobs: Optional[int] = None,
     sample: Optional[int] = None,
     progress: bool = True,
-) -> dict[str, Any]:
+) -> ValidateReport:
     """The validate report of a composed config: input, ids, would-be error rows, overlong, token lengths.
     jobs: processes that tokenize (default: the CPUs this process may use; the report is the same
     whatever it is); sample: check only this many rows, spread over the input (Sample)."""

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional, TypedDict
 
 from batchinfer.config.schema import Config
-from batchinfer.insight.findings import Checked
-from batchinfer.insight.sample import sample_section
-from batchinfer.insight.token_stats import token_stats
+from batchinfer.insight.findings import Checked, KindCount
+from batchinfer.insight.sample import SampleSection, sample_section
+from batchinfer.insight.token_stats import TokenStats, token_stats
 
 
 @dataclass
@@ -48,7 +48,55 @@ def exit_code(found: Checked) -> int:
     return 2 if found.stops.total() else 1 if found.errors.total() else 0
 
 
-def build_report(v: Validated) -> dict[str, Any]:
+class Problems(TypedDict):
+    """Rows that stop the run, or would become error rows: how many, and by kind."""
+
+    count: int
+    by_kind: dict[str, KindCount]
+
+
+class InputSummary(TypedDict):
+    """The input validate read."""
+
+    path: Optional[str]
+    format: Optional[str]
+    files: int
+    rows: int
+
+
+class ModelSummary(TypedDict):
+    """The model's context length and where it comes from."""
+
+    path: Optional[str]
+    max_model_len: int
+    max_model_len_source: str
+
+
+class OverlongSummary(TypedDict):
+    """Rows at or over max_model_len, and what prompt.overlong makes of them."""
+
+    rows: int
+    policy: str
+    outcome: str
+
+
+class ValidateReport(TypedDict):
+    """`validate --json`: input, model, prompt, notes, sample, problems, overlong rows, token lengths."""
+
+    input: InputSummary
+    model: ModelSummary
+    prompt: dict[str, str]  # mode, overlong
+    notes: list[str]
+    sample: Optional[SampleSection]  # None: every row checked
+    stops: Problems
+    error_rows: Problems
+    overlong: OverlongSummary
+    prompt_tokens: TokenStats
+    would_run: int
+    exit_code: int
+
+
+def build_report(v: Validated) -> ValidateReport:
     """The validate report: input, ids, would-be error rows, overlong, token lengths, exit code."""
     inp, m, found = v.c.input, v.c.model, v.found
     errors, stops, policy = found.errors, found.stops, v.c.prompt.overlong
@@ -74,7 +122,7 @@ def build_report(v: Validated) -> dict[str, Any]:
     }
 
 
-def format_report(r: dict[str, Any]) -> str:
+def format_report(r: ValidateReport) -> str:
     """The report as lines for a terminal."""
     inp, mo, pt, sa = r["input"], r["model"], r["prompt_tokens"], r.get("sample")
     est = sa["estimate"] if sa else {}
