@@ -175,9 +175,17 @@ def test_hold_ends_when_the_engine_dies(tmp_path: Path, monkeypatch) -> None:
     run = prepare(compose(fake_overrides(tmp_path, corpus, "output.commit_every_rows=4")))
     monkeypatch.setenv("BATCHINFER_HOLD", "60")
     monkeypatch.setattr(faults, "_held", False)
-    ended = hold_endings(monkeypatch)
     eng = keyed(DyingEngine(), run)
-    threading.Timer(0.5, lambda: setattr(eng, "dead", True)).start()
+    held = faults.hold
+
+    def dies_while_held(stopped: Any) -> None:
+        # The core dies once the worker holds (not at a set time, which a slow machine could pass
+        # before the first part, the hold never entered).
+        threading.Timer(0.5, lambda: setattr(eng, "dead", True)).start()
+        held(stopped)
+
+    monkeypatch.setattr(faults, "hold", dies_while_held)
+    ended = hold_endings(monkeypatch)
     with pytest.raises(EngineFailure, match="engine core died"):
         run_shards(run, [0], engine=eng)
     assert ended == [True]  # the engine's death ended the hold, not its 60 s
