@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -23,7 +24,7 @@ from batchinfer.errors import ConfigError, FolderRefused
 from batchinfer.redaction import redact_text
 from batchinfer.tune import results
 from batchinfer.tune.forecast import Layout, Measured, as_json, forecast, output_distribution
-from batchinfer.tune.halving import Outcome, best, halve, rung_sizes, rungs_for
+from batchinfer.tune.halving import Outcome, choose, halve, noise, rung_sizes, rungs_for
 from batchinfer.tune.process import TrialProcess
 from batchinfer.tune.sample import Prompts, draw_pilot, duplicate_share, quantiles, read_prompts, write_rows
 from batchinfer.tune.settings import Setting, default_grid, parse_include, parse_tries
@@ -267,7 +268,7 @@ def _tune(cfg: DictConfig, opts: Options, c: Any, fp: str, folder: Path) -> dict
     rung_paths = write_rungs(folder, len(pilot), n_rungs)
     config_dir = str(Path(opts.config_dir).resolve()) if opts.config_dir else None
 
-    counter = iter(range(len(settings)))
+    counter = itertools.count()  # a setting repeated on a fresh engine gets a trial folder of its own
 
     def launch(s: Setting) -> TrialProcess:
         trial = trials / f"{next(counter):02d}"
@@ -290,18 +291,26 @@ def finish(
     price: tuple[Optional[float], Optional[str]],
 ) -> dict[str, Any]:
     """Winner, distribution, forecast; tune.md, tune.png, conf/tuned/best.yaml and tune.json."""
-    winner = best(outcomes)
+    from batchinfer.tune.estimate import estimate, record
+
+    choice = choose(outcomes)
+    winner = choice.winner
+    tune_noise = noise(outcomes)
     records = [results.setting_record(o) for o in outcomes]
     lengths, at_max = pooled_lengths(outcomes)
     best_overrides = winner.setting.override_strings() if winner else []
     group = results.write_group(folder, best_overrides) if winner else None
-    fc = None
-    shape = layout(with_overrides(c, winner.setting.overrides) if winner else c, len(prompts.keys))
+    fc = est = None
+    run_config = with_overrides(c, winner.setting.overrides) if winner else c
+    shape = layout(run_config, len(prompts.keys))
     if winner is not None and winner.startup_seconds is not None:
         generates = c.task.name not in POOLING_TASKS
         # the forecast counts engines (forecast.point): it takes one engine's rate, not the task's
         rate = winner.per_engine("output_tokens" if generates else "rows")
-        measured = Measured(lengths or [0], rate or 0.0, winner.startup_seconds, generates)
+        est = estimate(winner, prompts, run_config, shape.engines_per_task, lengths, tune_noise, opts.seed)
+        measured = Measured(
+            lengths or [0], rate or 0.0, winner.startup_seconds, generates, est.model, est.speed_sd
+        )
         fc = {
             "prompt_tokens": prompt_tokens(prompts, winner),
             **as_json(forecast(shape, measured, price[0], opts.seed)),
@@ -327,6 +336,11 @@ def finish(
             "prompt_tokens": sum(prompts.lengths) if prompts.unit == "tokens" else None,
         },
         "settings": records,
+        "choice": {
+            "reason": choice.reason,
+            "fastest_measured": choice.leader.setting.name if choice.leader else None,
+            "noise": round(tune_noise, 4) if tune_noise is not None else None,
+        },
         "best": {
             "name": winner.setting.name if winner else None,
             "overrides": best_overrides,
@@ -337,6 +351,7 @@ def finish(
         "layout": shape.__dict__,
         "price": {"usd_per_gpu_hour": price[0], "source": price[1]},
         "forecast": fc,
+        "forecast_model": record(est) if est is not None else None,
     }
     (folder / "tune.md").write_text(redact_text(format_result(result)) + "\n", encoding="utf-8")
     results.plot(records, result["best"]["name"], folder / "tune.png")
@@ -368,11 +383,17 @@ def format_result(r: dict[str, Any]) -> str:
     if b["name"] is None:
         lines.append("no setting finished: see the failures above and the trials' logs in " + r["folder"])
         return "\n".join(lines)
-    lines.append(f"best     {b['name']}" + ("" if b["overrides"] else " (the config as composed is fastest)"))
+    choice = r.get("choice") or {}
+    lines.append(f"best     {b['name']}" + ("" if b["overrides"] else " (the config as composed)"))
+    if choice.get("reason"):
+        lines.append(f"why      {choice['reason']}")
     lines.append(f"use      batchinfer run|submit {b['use']} <your overrides>")
     f = r["forecast"]
+    model = r.get("forecast_model") or {}
     if f:
-        lines.append(f"forecast for {s['rows']:,} rows (95% bootstrap interval over the pilot's rows):")
+        sd = model.get("speed_sd")
+        noise = f" and the speed's noise (sd {sd:.0%})" if sd else ""
+        lines.append(f"forecast for {s['rows']:,} rows (95% interval over the pilot's output lengths{noise}):")
         lines.append(_fig("prompt tokens", f["prompt_tokens"]))
         lines.append(_fig("output tokens", f["output_tokens"]))
         lines.append(_fig("generate hours", f["generate_seconds"], " h", 1 / 3600))
@@ -381,4 +402,6 @@ def format_result(r: dict[str, Any]) -> str:
         lines.append(_fig("wall time", f["wall_seconds"], " h", 1 / 3600))
         if "cost_usd" in f:
             lines.append(_fig("cost", f["cost_usd"], " USD"))
+        if model.get("note"):
+            lines.append(f"  generate hours: {model['note']}; start-up, merge and queueing not included")
     return "\n".join(lines)

