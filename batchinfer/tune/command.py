@@ -308,9 +308,7 @@ def finish(
         # the forecast counts engines (forecast.point): it takes one engine's rate, not the task's
         rate = winner.per_engine("output_tokens" if generates else "rows")
         est = estimate(winner, prompts, run_config, shape.engines_per_task, lengths, tune_noise, opts.seed)
-        measured = Measured(
-            lengths or [0], rate or 0.0, winner.startup_seconds, generates, est.model, est.speed_sd
-        )
+        measured = Measured(lengths or [0], rate or 0.0, winner.startup_seconds, generates, est.model, est.speed_sd)
         fc = {
             "prompt_tokens": prompt_tokens(prompts, winner),
             **as_json(forecast(shape, measured, price[0], opts.seed)),

@@ -62,7 +62,9 @@ class StepStats:
         return Load(self.steps, self.decodes, self.prefill)
 
 
-def measure_steps(durations: Sequence[float], features: Sequence[tuple[int, int]], generate_seconds: float) -> StepStats:
+def measure_steps(
+    durations: Sequence[float], features: Sequence[tuple[int, int]], generate_seconds: float
+) -> StepStats:
     """StepStats of a rung: measured step seconds paired in order with the replay's steps (a measured
     step past the replay's last counts as a step that did nothing: its seconds are the fixed cost)."""
     s = StepStats(steps=len(durations), replayed=len(features), generate_seconds=generate_seconds)
@@ -142,7 +144,5 @@ def fit(s: StepStats) -> Optional[CostModel]:
 def relative_error(model: CostModel, rungs: Sequence[StepStats]) -> float:
     """The root mean square of (fitted - measured) / measured generate seconds over the rungs: how
     well the cost of a step explains each rung."""
-    errs = [
-        (model.seconds(r.load) - r.generate_seconds) / r.generate_seconds for r in rungs if r.generate_seconds > 0
-    ]
+    errs = [(model.seconds(r.load) - r.generate_seconds) / r.generate_seconds for r in rungs if r.generate_seconds > 0]
     return math.sqrt(sum(e * e for e in errs) / len(errs)) if errs else 0.0

@@ -117,9 +117,7 @@ def bootstrap(
 
 def forecast(layout: Layout, m: Measured, price: Optional[float], seed: int) -> dict[str, Figure]:
     """The forecast of the whole corpus (see the module docstring)."""
-    return bootstrap(
-        list(m.output_lengths), lambda mean, speed: point(layout, m, mean, price, speed), seed, m.speed_sd
-    )
+    return bootstrap(list(m.output_lengths), lambda mean, speed: point(layout, m, mean, price, speed), seed, m.speed_sd)
 
 
 def output_distribution(lengths: Sequence[int], at_max: int) -> dict[str, float]:

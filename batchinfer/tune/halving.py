@@ -205,9 +205,7 @@ def _repeat(out: Outcome, launch: Launch, deadline: float, say: Callable[[str], 
     return True
 
 
-def confirm(
-    outcomes: list[Outcome], launch: Launch, deadline: float, repeats: int, say: Callable[[str], None]
-) -> None:
+def confirm(outcomes: list[Outcome], launch: Launch, deadline: float, repeats: int, say: Callable[[str], None]) -> None:
     """Repeat the leader (best) and the config as composed (the first setting), one each in turn,
     until their measurements separate, `repeats` more each at most, or time is out."""
     leader, base = best(outcomes), baseline(outcomes)

@@ -28,9 +28,9 @@ class StepClock:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
-    def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
-        """Send a request (one the engine refuses is not counted)."""
-        self.engine.add(request_id, token_ids, params)
+    def add(self, request_id: str, token_ids: list[int], params: Any, **kw: Any) -> None:
+        """Send a request (one the engine refuses is not counted); kw (adapter=) as the engine takes it."""
+        self.engine.add(request_id, token_ids, params, **kw)
         self.sent.append(request_id)
 
     def step(self) -> list[Any]:
@@ -47,13 +47,16 @@ class StepClock:
         self.engine.abort_all()
 
     def limits(self) -> Optional[Limits]:
-        """The engine's batching; None for an engine that does not say (a stand-in)."""
-        budget = getattr(self.engine, "max_num_batched_tokens", None)
-        block = getattr(self.engine, "block_size", None)
-        if not budget or not block:
+        """The engine's batching as vLLM resolved it (its config, read through the worker's engine);
+        None for an engine that does not say (a stand-in)."""
+        vc = getattr(getattr(self.engine, "engine", None), "vllm_config", None)
+        if vc is None:
             return None
-        caching = bool(getattr(self.engine, "prefix_caching", True))
-        return Limits(int(self.engine.max_num_seqs), int(budget), int(block), caching)
+        sched, cache = vc.scheduler_config, vc.cache_config
+        if not sched.max_num_batched_tokens or not cache.block_size:
+            return None
+        caching = bool(cache.enable_prefix_caching)
+        return Limits(int(sched.max_num_seqs), int(sched.max_num_batched_tokens), int(cache.block_size), caching)
 
     def work(self) -> list[Work]:
         """The finished requests in the order they were sent, as the replay takes them."""
@@ -70,6 +73,8 @@ class StepClock:
         if lim is None or not self.durations:
             return None
         work = self.work()
-        s = measure_steps(self.durations, list(steps(work, lim.max_num_seqs, lim.max_num_batched_tokens)), generate_seconds)
+        s = measure_steps(
+            self.durations, list(steps(work, lim.max_num_seqs, lim.max_num_batched_tokens)), generate_seconds
+        )
         s.requests = len(work)
         return s

@@ -72,7 +72,11 @@ def test_the_better_half_goes_on_and_failures_are_rows() -> None:
     starts = [name for what, name in FakeTrial.log if what == "start"]
     assert starts == [s.name for s in settings] + ["model.max_num_seqs=512", "defaults"]
     assert [n for w, n in FakeTrial.log if w == "stop"] == starts
-    assert FakeTrial.log[-6:-3] == [("start", "model.max_num_seqs=512"), ("rung", "model.max_num_seqs=512@2"), ("stop", "model.max_num_seqs=512")]
+    assert FakeTrial.log[-6:-3] == [
+        ("start", "model.max_num_seqs=512"),
+        ("rung", "model.max_num_seqs=512@2"),
+        ("stop", "model.max_num_seqs=512"),
+    ]
     winner = best(outcomes)
     assert winner is not None and winner.setting.name == "model.max_num_seqs=512"  # fp8 is faster, never chosen
     assert winner.startup_seconds == 3.0 and winner.output_tokens_per_s == 150.0
