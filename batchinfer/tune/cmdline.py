@@ -39,7 +39,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, cfg: Any) -> int:
     """Tune with the composed config (here, or as one Slurm job with cluster=slurm); print the table
     (or JSON); 1 when no setting finished."""
-    from batchinfer.tune.command import Options, format_result, tune
+    from batchinfer.tune.command import Options, tune
+    from batchinfer.tune.results import format_result
 
     opts = Options(
         overrides=list(args.overrides),

@@ -132,7 +132,7 @@ def format_state(st: JobState) -> str:
 
 def show_status(path: str, as_json: bool) -> int:
     """`batchinfer status TUNE`: the job's state; the result's table once it is written."""
-    from batchinfer.tune.command import format_result
+    from batchinfer.tune.results import format_result
 
     folder = Path(path).resolve()
     st = job_state(folder)

@@ -26,8 +26,9 @@ from batchinfer.errors import BatchinferError, ConfigError, RunDirError, SlurmUn
 from batchinfer.launch import slurm
 from batchinfer.launch.executor import make_executor
 from batchinfer.redaction import record_json
-from batchinfer.tune.command import Options, format_result, owned_folder, tune, tune_folder
+from batchinfer.tune.command import Options, owned_folder, tune, tune_folder
 from batchinfer.tune.job import RESULT_FILE, JobState, TuneJob, job_state, read_record, wait_seconds, write_record
+from batchinfer.tune.results import format_result
 
 log = logging.getLogger("batchinfer")
 # Beyond --minutes (the trials' budget), the job's time limit leaves this for drawing the pilot

@@ -115,3 +115,51 @@ def write_json(folder: Path, result: dict[str, Any]) -> Path:
     tmp.write_text(record_json(result, indent=2, default=str) + "\n", encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+def _fig(name: str, f: dict[str, float], unit: str = "", scale: float = 1.0) -> str:
+    shown = [f"{f[k] * scale:,.4g}" for k in ("value", "low", "high")]
+    return f"  {name:<16} {shown[0]:>12}{unit}  ({shown[1]} .. {shown[2]})"
+
+
+def format_result(r: dict[str, Any]) -> str:
+    """The tune result for people: sample, table, output lengths, winner, forecast."""
+    s, o = r["sample"], r["output_lengths"]
+    lines = [
+        f"pilot    {s['pilot_rows']} of {s['rows']:,} rows (seed {s['seed']}); prompt {s['length_unit']} "
+        f"p10/p50/p90 {s['pilot_length_p10_p50_p90']} (corpus {s['corpus_length_p10_p50_p90']}); repeated "
+        f"prompts {s['pilot_duplicate_share']:.1%} (corpus {s['corpus_duplicate_share']:.1%})",
+        "",
+        table(r["settings"], r["best"]["name"]),
+        "",
+        f"output tokens per row (pilot, {o['rows']} rows): mean {o['mean']}, p50 {o['p50']}, p90 {o['p90']}; "
+        f"stopped at max_tokens: {o['share_at_max_tokens']:.1%}",
+    ]
+    if o["share_at_max_tokens"] > 0.05:
+        lines.append("  many rows stop at max_tokens: raise sampling.max_tokens if their answers are cut short")
+    b = r["best"]
+    if b["name"] is None:
+        lines.append("no setting finished: see the failures above and the trials' logs in " + r["folder"])
+        return "\n".join(lines)
+    choice = r.get("choice") or {}
+    lines.append(f"best     {b['name']}" + ("" if b["overrides"] else " (the config as composed)"))
+    if choice.get("reason"):
+        lines.append(f"why      {choice['reason']}")
+    lines.append(f"use      batchinfer run|submit {b['use']} <your overrides>")
+    f = r["forecast"]
+    model = r.get("forecast_model") or {}
+    if f:
+        sd = model.get("speed_sd")
+        noise = f" and the speed's noise (sd {sd:.0%})" if sd else ""
+        lines.append(f"forecast for {s['rows']:,} rows (95% interval over the pilot's output lengths{noise}):")
+        lines.append(_fig("prompt tokens", f["prompt_tokens"]))
+        lines.append(_fig("output tokens", f["output_tokens"]))
+        lines.append(_fig("generate hours", f["generate_seconds"], " h", 1 / 3600))
+        lines.append(_fig("engine starts", f["engine_starts"]))
+        lines.append(_fig("GPU-hours", f["gpu_hours"], " h"))
+        lines.append(_fig("wall time", f["wall_seconds"], " h", 1 / 3600))
+        if "cost_usd" in f:
+            lines.append(_fig("cost", f["cost_usd"], " USD"))
+        if model.get("note"):
+            lines.append(f"  generate hours: {model['note']}; start-up, merge and queueing not included")
+    return "\n".join(lines)
