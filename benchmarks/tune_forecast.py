@@ -19,6 +19,16 @@ results/tune_forecast.md, .png and .json. Not in CI; one run: ~12 minutes on 2 c
 
 usage: python benchmarks/tune_forecast.py [--pilot 64] [--minutes 4] [--synthetic-pilot 32]
        [--synthetic-max-tokens 24] [--out /tmp/tune-forecast] [--results benchmarks/results]
+
+--ratio package,example [--repeats 3] instead measures only the forecast of generation seconds
+against the full run, as issue 48 asks, each corpus `repeats` times (a fresh tune and a fresh full
+run with its winner each time; the tune's --seed is the repeat's number), and writes
+results/tune_forecast_ratio.md and .json with the medians:
+  package  2,000 package descriptions, 10% repeated texts (package_corpus.py), the tiny test model
+           (tests/support/tiny_model.py), sampling.max_tokens=64, sharding.num_shards=2,
+           `tune --minutes 10` with its default pilot (256 rows) and grid;
+  example  the README's example (stdlib-topics on SmolLM2-135M), `tune --minutes 10`, default
+           pilot and grid.
 """
 
 from __future__ import annotations
@@ -359,6 +369,141 @@ def chart(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def package_base(out: Path) -> list[str]:
+    """Issue 48's corpus and settings: 2,000 package descriptions (10% repeated) on the tiny model."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from package_corpus import write
+    from support import tiny_model
+
+    model = tiny_model.build(out / "tiny-llama")
+    corpus = write(out / "packages.jsonl", 2000, 0.10, 48)
+    return [
+        f"input.path={corpus}",
+        "input.id_column=id",
+        f"model.path={model}",
+        "sampling.max_tokens=64",
+        "sharding.num_shards=2",
+        EAGER,
+    ]
+
+
+def ratio_trial(corpus: str, base: list[str], rep: int, a: argparse.Namespace) -> dict[str, Any]:
+    """One tune (seed rep) and the full run with its winner: forecast / measured."""
+    t = tune_seeded(f"{corpus}-tune-{rep}", base, rep, a)
+    overrides, env, _ = winner(t["result"])
+    run = full_run(f"{corpus}-full-{rep}", base, overrides, env, a)
+    cmp = against(t["result"]["forecast"], run)
+    g = cmp["generate_seconds"]
+    print(
+        f"{corpus} #{rep}: generate forecast {g['forecast']} s ({g['low']} .. {g['high']}), measured {g['measured']} s: {g['ratio']}x",
+        flush=True,
+    )
+    return {
+        "rep": rep,
+        "tune_wall_s": t["wall_s"],
+        "best": t["result"]["best"]["name"],
+        "choice": t["result"].get("choice"),
+        "forecast_model": t["result"].get("forecast_model"),
+        "table": t["table"],
+        "run": run,
+        "forecast_vs_measured": cmp,
+    }
+
+
+def tune_seeded(name: str, base: list[str], seed: int, a: argparse.Namespace) -> dict[str, Any]:
+    """`batchinfer tune` with its default pilot and grid, --minutes a.ratio_minutes, --seed seed."""
+    folder = Path(a.out) / name
+    shutil.rmtree(folder, ignore_errors=True)
+    args = ["tune", *base, "--minutes", str(a.ratio_minutes), "--seed", str(seed), "--out", str(folder)]
+    out, wall, mb = batchinfer(args, {}, Path(a.out) / "logs" / f"{name}.log")
+    return {
+        "transcript": f"$ batchinfer {shlex.join(args)}\n{out}",
+        "result": json.loads((folder / "tune.json").read_text()),
+        "wall_s": round(wall, 1),
+        "peak_rss_mb": round(mb),
+        "table": (folder / "tune.md").read_text(),
+    }
+
+
+def median(xs: list[float]) -> float:
+    """The median (the mean of the middle two for an even count)."""
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def ratio_page(report: dict[str, Any], cmd: str) -> str:
+    """results/tune_forecast_ratio.md."""
+    m = report["machine"]
+    versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+    lines = [
+        "# `batchinfer tune`: forecast of generation seconds against the full run (issue 48)",
+        "",
+        f"{m['cpu']}, {m['cores']} cores, {m['mem_gb']} GB; CPU flags: {_flags(m)}; {versions}; {m['date']}.",
+        f"`{EAGER}` in every command. The machine was shared with other work during the runs (load noted below).",
+        "",
+        "```bash",
+        cmd,
+        "```",
+        "",
+    ]
+    for corpus, c in report["corpora"].items():
+        lines += [
+            f"## {corpus}: median forecast / measured generation seconds {c['median_ratio']} over {len(c['trials'])} run(s)",
+            "",
+            "| # | winner | forecast s (95% interval) | measured s | forecast / measured | within +-25% | in interval | output tokens ratio |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for t in c["trials"]:
+            g, o = t["forecast_vs_measured"]["generate_seconds"], t["forecast_vs_measured"]["output_tokens"]
+            lines.append(
+                f"| {t['rep']} | {t['best']} | {g['forecast']:,} ({g['low']:,} .. {g['high']:,}) | {g['measured']:,} | "
+                f"{g['ratio']} | {'yes' if g['within_aim'] else 'no'} | {'yes' if g['in_interval'] else 'no'} | {o['ratio']} |"
+            )
+        lines += ["", "The last tune's table and forecast:", "", "```", c["trials"][-1]["table"].rstrip(), "```", ""]
+    return "\n".join(lines) + "\n"
+
+
+def ratio_main(a: argparse.Namespace) -> None:
+    """--ratio: the forecast of generation seconds against the full run, per corpus, a.repeats times."""
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    report: dict[str, Any] = {"machine": machine(), "args": vars(a), "corpora": {}}
+    load = [os.getloadavg()[0]]
+    results = Path(a.results)
+    results.mkdir(parents=True, exist_ok=True)
+    cmd = (
+        f"python benchmarks/tune_forecast.py --ratio {a.ratio} --repeats {a.repeats} --ratio-minutes {a.ratio_minutes}"
+    )
+    for rep in range(a.repeats):
+        for corpus in a.ratio.split(","):
+            if corpus == "package":
+                base = package_base(out)
+            else:
+                model_folder()
+                path = example_corpus(out)
+                base = [
+                    "--config-dir",
+                    str(EXAMPLE.relative_to(REPO) / "conf"),
+                    *EXAMPLE_OVERRIDES,
+                    f"input.path={path}",
+                    EAGER,
+                ]
+            c = report["corpora"].setdefault(corpus, {"command": base, "trials": []})
+            c["trials"].append(ratio_trial(corpus, base, rep, a))
+            c["median_ratio"] = round(
+                median([t["forecast_vs_measured"]["generate_seconds"]["ratio"] for t in c["trials"]]), 3
+            )
+            load.append(os.getloadavg()[0])
+            report["load_1min"] = load
+            report["total_s"] = round(time.monotonic() - t0, 1)
+            # written after every trial: a run cut short keeps what it measured
+            (results / "tune_forecast_ratio.json").write_text(json.dumps(report, indent=2) + "\n")
+            (results / "tune_forecast_ratio.md").write_text(ratio_page(report, cmd))
+    print((results / "tune_forecast_ratio.md").read_text())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pilot", type=int, default=64, help="pilot rows of the example's tune")
@@ -367,7 +512,13 @@ def main() -> None:
     p.add_argument("--synthetic-max-tokens", type=int, default=24)
     p.add_argument("--out", default="/tmp/tune-forecast")
     p.add_argument("--results", default=str(HERE / "results"))
+    p.add_argument("--ratio", help="only the forecast ratio, for these corpora: package,example")
+    p.add_argument("--repeats", type=int, default=3, help="--ratio: runs of each corpus")
+    p.add_argument("--ratio-minutes", type=float, default=10.0, help="--ratio: each tune's --minutes")
     a = p.parse_args()
+    if a.ratio:
+        ratio_main(a)
+        return
     Path(a.out).mkdir(parents=True, exist_ok=True)
     model_folder()  # prepared once by `batchinfer prepare-model`; nothing is downloaded here
     t0 = time.monotonic()
