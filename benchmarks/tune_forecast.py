@@ -381,6 +381,7 @@ def package_base(out: Path) -> list[str]:
         f"input.path={corpus}",
         "input.id_column=id",
         f"model.path={model}",
+        "model.max_model_len=512",  # the tiny model's max_position_embeddings
         "sampling.max_tokens=64",
         "sharding.num_shards=2",
         EAGER,
