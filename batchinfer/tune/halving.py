@@ -277,7 +277,7 @@ def choose(outcomes: list[Outcome]) -> Choice:
     if len(lm) < 2 or len(bm) < 2:
         why = f"{gain:.0%} faster once, not repeated (no time left to): {said}; keeping {base.setting.name}"
     else:
-        why = f"{gain:.0%} faster, inside the tune's own noise: {said}; keeping {base.setting.name}"
+        why = f"{gain:+.0%} on average, inside the tune's own noise: {said}; keeping {base.setting.name}"
     return Choice(base, leader, why)
 
 
