@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from batchinfer.engine.stream import first_window_rows, window_rows
 from batchinfer.tune.batching import Limits, Load, Work, load
 from batchinfer.tune.sample import GRAIN, Prompts
 
@@ -21,11 +22,6 @@ from batchinfer.tune.sample import GRAIN, Prompts
 # (past a few waves of max_num_seqs each request adds the same), so a million-row corpus replays
 # in seconds.
 REPLAY_REQUESTS = 40_000
-# Windows of the worker (engine/stream.py): the first is one queue (2 x max_num_seqs), later ones
-# WINDOW_SEQS x max_num_seqs rows, at least WINDOW_MIN_ROWS, each put in work order.
-FIRST_WINDOW_SEQS = 2
-WINDOW_SEQS = 8
-WINDOW_MIN_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -74,11 +70,10 @@ def cached_tokens(blocks: array, length: int, block_size: int, seen: set[int]) -
 
 
 def _window_order(members: list[tuple[tuple[int, int], int]], max_num_seqs: int) -> list[int]:
-    """Request indices in the worker's order: windows of rows, each sorted by its shared head
-    (first 32 tokens) and length (engine/feed.py's work_order)."""
+    """Request indices in the worker's order: its windows of rows (engine/stream.py), each sorted by
+    its shared head (first 32 tokens) and length (engine/feed.py's work_order)."""
     out: list[int] = []
-    first = FIRST_WINDOW_SEQS * max_num_seqs
-    size = max(WINDOW_SEQS * max_num_seqs, WINDOW_MIN_ROWS)
+    first, size = first_window_rows(max_num_seqs), window_rows(max_num_seqs)
     start = 0
     while start < len(members):
         stop = start + (first if start == 0 else size)
