@@ -52,14 +52,15 @@ def test_tune_reports_a_refused_setting_runs_the_other_and_forecasts(tmp_path: P
     assert fc["output_tokens"] == {"value": 360.0, "low": 360.0, "high": 360.0}  # 6 tokens x 60 rows
     assert fc["generate_seconds"]["value"] > 0 and "cost_usd" not in fc
     assert set(fc) >= {"output_tokens", "generate_seconds", "gpu_hours", "wall_seconds"}
-    # generate seconds from the winner's timed engine steps and the whole corpus's steps, replayed
-    model = result["forecast_model"]
-    assert model["pilot"]["steps"] > 0 and model["pilot"]["requests"] == len({r["text"] for r in pilot}) and model["step_cost"]["per_step"] >= 0
-    assert model["full_run"]["requests"] == len({r["text"] for r in rows}) and model["full_run"]["steps"] > 0
-    assert result["choice"]["reason"] == "the fastest measured"  # the only setting that ran: nothing to repeat
     # the pilot is rows of the input; the table names the refusal; the group is empty (defaults won)
     pilot = pq.read_table(out / "pilot.parquet").to_pylist()
     assert len(pilot) == 24 and all(r in rows for r in pilot)
+    # generate seconds from the winner's timed engine steps and the whole corpus's steps, replayed
+    model = result["forecast_model"]
+    assert model["pilot"]["steps"] > 0 and model["step_cost"]["per_step"] >= 0
+    assert model["pilot"]["requests"] == len({r["text"] for r in pilot})  # identical rows share one
+    assert model["full_run"]["requests"] == len({r["text"] for r in rows}) and model["full_run"]["steps"] > 0
+    assert result["choice"]["reason"] == "the fastest measured"  # the only setting that ran: nothing to repeat
     table = (out / "tune.md").read_text()
     assert f"| {REFUSED} |" in table and "max_num_batched_tokens (4)" in table and "| defaults * |" in table
     assert (out / "tune.png").read_bytes()[:4] == b"\x89PNG"
