@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import random
 from array import array
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 
 from batchinfer.tune.batching import Limits, Load, Work, load, steps
@@ -195,3 +197,36 @@ def test_the_estimate_prices_the_full_runs_steps_not_the_pilots_rate() -> None:
 def test_generate_seconds_scale_with_the_mean_output_but_not_the_prefill() -> None:
     m = GenerateModel(prefill_seconds=10.0, other_seconds=90.0, output_mean=30.0)
     assert m.seconds(30.0) == 100.0 and m.seconds(60.0) == 190.0
+
+
+def test_a_run_through_the_step_clock_is_the_run_without_it(tmp_path: Path, tiny_model_path: Path) -> None:
+    # the trial wraps its engine in the clock: the worker must see the same engine (same rows out),
+    # and the clock must have seen every request it sent and every step
+    from support.corpus import write_corpus
+    from support.runs import run_overrides
+    from support.standin import StandinEngine
+
+    from batchinfer.config.compose import compose
+    from batchinfer.launch.local import run_local
+
+    rows = write_corpus(tmp_path / "in.jsonl", 30, seed=2)
+    outputs = []
+    clock = None
+    for name in ("plain", "clocked"):
+        cfg = compose(run_overrides(tiny_model_path, tmp_path / "in.jsonl", tmp_path / name))
+        engine: Any = StandinEngine(cfg)
+        if name == "clocked":
+            engine.engine = FakeEngine().engine  # vLLM's config, as the real engine holds it
+            engine = clock = StepClock(engine)
+        run = run_local(cfg, engine=engine)
+        outputs.append(pq.read_table(run.output_path).select(["id", "text", "output_tokens"]).to_pylist())
+    assert outputs[0] == outputs[1] and len(outputs[0]) == len(rows)
+    assert clock is not None
+    stats = clock.stats(generate_seconds=1.0)
+    assert (
+        stats is not None
+        and stats.requests == len({r["text"] for r in rows})
+        and stats.steps == len(clock.durations) > 0
+    )
+    by_text = {r["text"]: o["output_tokens"] for r, o in zip(rows, outputs[1], strict=True)}  # one request each
+    assert sum(w.output for w in clock.work()) == sum(by_text.values())
