@@ -139,7 +139,7 @@ def halve(
     the leader and the config as composed (the first setting) up to `repeats` times each until they
     separate (confirm); within `seconds` in all (a step gets what is left; settings not reached say
     so). After the first setting, a new one starts only while the time left exceeds two of the first
-    setting's trials: what one repeat of each costs."""
+    setting's trials (what one repeat of each costs), and its trial gets only the time above that."""
     deadline = time.monotonic() + seconds
     scores: list[dict[int, float]] = [{} for _ in range(rungs)]  # rung -> {setting index: score}
     outcomes = []
@@ -157,12 +157,14 @@ def halve(
             say(f"[{i + 1}/{len(settings)}] {setting.name}: {out.failure}")
             continue
         t_trial = time.monotonic()
+        # a later setting's trial gets the time above the reserve only: a slow one cannot eat the repeats'
+        own = deadline - (reserve if i > 0 and repeats > 0 else 0.0)
         say(f"[{i + 1}/{len(settings)}] {setting.name}: starting the engine")
         trial = launch(setting)
         try:
-            out.startup_seconds = trial.start(left)
+            out.startup_seconds = trial.start(own - time.monotonic())
             for r in range(rungs):
-                rung = trial.rung(r, max(1.0, deadline - time.monotonic()))
+                rung = trial.rung(r, max(1.0, own - time.monotonic()))
                 out.rungs.append(rung)
                 starts = [s.startup_seconds for s in out.rungs if s.startup_seconds is not None]
                 if starts:  # engines started for each rung: the setting's start-up is their mean

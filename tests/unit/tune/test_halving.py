@@ -173,3 +173,37 @@ def test_the_budget_keeps_room_for_the_repeats() -> None:
         "not tried: the rest of the --minutes budget is kept to repeat the fastest"
     )
     assert len(outcomes[1].repeats) == 1 and len(outcomes[0].repeats) == 1  # the budget paid one repeat each
+
+
+def test_a_slow_setting_cannot_eat_the_time_kept_for_the_repeats() -> None:
+    clock = {"t": 0.0}
+    timeouts: dict[str, float] = {}
+
+    class Slow(FakeTrial):
+        def start(self, timeout: float) -> float:
+            timeouts.setdefault(self.setting.name, timeout)
+            clock["t"] += 40.0
+            return super().start(timeout)
+
+        def rung(self, index: int, timeout: float) -> Rung:
+            if self.setting.name == "model.max_num_seqs=64":  # runs over whatever it is given
+                clock["t"] += timeout
+                raise TrialFailed(f"over its time: rung {index} took more than {timeout:.0f} s")
+            return super().rung(index, timeout)
+
+    import batchinfer.tune.halving as halving
+
+    real = halving.time.monotonic
+    halving.time.monotonic = lambda: clock["t"]  # type: ignore[assignment]
+    try:
+        settings = [Setting(), Setting(("model.max_num_seqs=512",)), Setting(("model.max_num_seqs=64",))]
+        outcomes = halve(settings, 1, Slow, 400.0)
+    finally:
+        halving.time.monotonic = real  # type: ignore[assignment]
+    # the first trial took 40 s: 80 s are kept for one repeat of the leader and of the defaults, and
+    # the slow setting (started at 80 s) is given until 320 s, not 400 s
+    assert timeouts["model.max_num_seqs=64"] == 400 - 80 - 80
+    assert outcomes[2].failure == "over its time: rung 0 took more than 200 s"
+    # the kept 80 s paid a repeat of each, which separated them
+    assert len(outcomes[1].repeats) == 1 and len(outcomes[0].repeats) == 1
+    assert choose(outcomes).winner is outcomes[1]
