@@ -221,8 +221,10 @@ def confirm(outcomes: list[Outcome], launch: Launch, deadline: float, repeats: i
 
 
 def baseline(outcomes: list[Outcome]) -> Optional[Outcome]:
-    """The config as composed (the first setting tried; the first --try) when it finished its rungs."""
-    first = outcomes[0] if outcomes else None
+    """The config as composed (the setting of no overrides; without one, the first tried: the first
+    --try) when it finished its rungs."""
+    plain = [o for o in outcomes if not o.setting.overrides and not o.setting.env]
+    first = plain[0] if plain else outcomes[0] if outcomes else None
     ok = first is not None and not first.setting.changes_outputs and first.failure is None and first.rungs
     return first if ok else None
 

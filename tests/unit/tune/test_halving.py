@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from batchinfer.tune.halving import (
+    Choice,
     Outcome,
     Rung,
     TrialFailed,
@@ -207,3 +208,11 @@ def test_a_slow_setting_cannot_eat_the_time_kept_for_the_repeats() -> None:
     # the kept 80 s paid a repeat of each, which separated them
     assert len(outcomes[1].repeats) == 1 and len(outcomes[0].repeats) == 1
     assert choose(outcomes).winner is outcomes[1]
+
+
+def test_the_config_as_composed_is_the_baseline_wherever_it_was_tried() -> None:
+    # `--try 'model.max_num_seqs=8 ...' --try defaults`: the first setting failed, the second is the
+    # config as composed; it is what a leader is measured against, and here the only one that ran
+    refused = Outcome(Setting(("model.max_num_batched_tokens=4",)), failure="ValueError: refused")
+    plain = Outcome(Setting(), 1.0, [Rung(0, 10, 50, 80, 0.8)])
+    assert choose([refused, plain]) == Choice(plain, plain, "the fastest measured")
