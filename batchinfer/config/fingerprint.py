@@ -57,6 +57,8 @@ THROUGHPUT_ENGINE_KWARGS = frozenset(
 # that wrote them did not compare them, so a missing one is not compared.
 NOT_COMPARED_WHEN_MISSING = frozenset({"model.seed", "model.engine_kwargs"})
 
+IMAGE_KEYS = "image_"  # prompt.image_column and its limits: fingerprinted only when it is set
+
 # Config keys whose value names a file whose contents change outputs (frozen into DIR/files/).
 FILE_KEYS = ("prompt.template_file", "sampling.structured_outputs.json")
 
@@ -133,6 +135,8 @@ def fingerprint_keys(
         keys["input.sampling_overridden"] = sorted(i["sampling_overridden"])
     for group in ("prompt", "sampling", "sharding"):
         for k, v in cfg[group].items():
+            if group == "prompt" and k.startswith(IMAGE_KEYS) and not cfg["prompt"].get("image_column"):
+                continue  # runs without images keep the fingerprint (and output.dir) they had
             keys[f"{group}.{k}"] = v
     task = cfg.get("task") or {"name": "generate"}
     if task["name"] != "generate":  # generation runs keep the fingerprint (and output.dir) they had

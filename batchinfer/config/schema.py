@@ -53,6 +53,12 @@ class PromptConfig:
     # Passed to the chat template, e.g. {enable_thinking: false} for Qwen3.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     labels: LabelsConfig = field(default_factory=LabelsConfig)
+    # The column holding each row's image (a path relative to the input file, a file:// or data:
+    # URL, or bytes): the chat's last user turn gets it before its text (requests/images.py).
+    image_column: Optional[str] = None
+    image_http: bool = False  # fetch http(s) image URLs (off: such a row is an error row)
+    image_max_bytes: int = 20 << 20  # a bigger image file is its row's error row
+    image_max_pixels: int = 40_000_000  # width x height above this: its row's error row
 
 
 @dataclass

@@ -100,7 +100,14 @@ class GenerationRows:
         if self.cfg.model.lora.adapters:
             base["adapter"] = req.adapter  # the output's adapter column (null: the base model)
         shared = req.sampling["temperature"] == 0 or req.sampling.get("seed") is not None
-        key = RequestKey(tuple(ids), req.own, None if shared else index, req.adapter)
+        image = req.image
+        key = RequestKey(
+            tuple(ids),
+            req.own,
+            None if shared else index,
+            req.adapter,
+            *((image.digest, image.pixels) if image else ()),
+        )
         if faults.poisoned(req.prompt):
             self.poisoned.add(key)
         return key

@@ -204,10 +204,12 @@ class ShardScheduler:
             try:
                 params = self.worker.task_rows.params(self.engine, key.own)
                 self.in_engine = True
-                if key.adapter is None:
-                    self.engine.add(rid, list(key.ids), params)
-                else:  # a LoRA adapter's request (model.lora.adapters)
-                    self.engine.add(rid, list(key.ids), params, adapter=key.adapter)
+                extra: dict[str, Any] = {}  # only what the request has: stand-ins take no more
+                if key.adapter is not None:  # a LoRA adapter's request (model.lora.adapters)
+                    extra["adapter"] = key.adapter
+                if key.image is not None:  # a row's image (prompt.image_column)
+                    extra["image"] = (key.image, key.pixels)
+                self.engine.add(rid, list(key.ids), params, **extra)
                 self.in_engine = False
             except Exception as e:  # vLLM refused this request alone (whatever its type): an error row
                 if getattr(self.engine, "dead", False):

@@ -289,18 +289,19 @@ class Engine:
         """A slice's prompts rendered; `.tokens()` gives each encode()'s ids, in one tokenizer call."""
         return encoding.render_many(self.tokenizer, prompts, kwargs)
 
-    def add(self, request_id: str, token_ids: list[int], params: Any, adapter: Optional[str] = None) -> None:
-        """Queue one request (a bi-encoder pair as two, answered as one); adapter: a LoRA adapter's
-        name (model.lora.adapters), None for the base model."""
+    def add(
+        self, request_id: str, token_ids: list[int], params: Any, adapter: Optional[str] = None, image: Any = None
+    ) -> None:
+        """Queue one request (a bi-encoder pair as two, answered as one); adapter: a LoRA adapter's name
+        (None: the base model); image: (content digest, PIL image), vLLM expanding its token, caching by digest."""
         if isinstance(params, PairParams):
             self._pairs[request_id] = {}
             self.add(f"{request_id}{PAIR_SEP}0", token_ids[: params.split], params.embed)
             self.add(f"{request_id}{PAIR_SEP}1", token_ids[params.split :], params.embed)
             return
-        # Rendered as LLM.generate does since vLLM 0.14 (a raw dict is deprecated there).
-        # Anything this raises but a dead core's EngineDeadError (`dead` is set before it is raised)
-        # is this request's refusal: its rows are error rows (ShardScheduler.submit).
-        (engine_input,) = self.engine.renderer.render_cmpl([{"prompt_token_ids": token_ids}])
+        # As LLM.generate renders (vLLM >= 0.14); all but EngineDeadError is this request's refusal (submit)
+        mm = {"multi_modal_data": {"image": image[1]}, "multi_modal_uuids": {"image": [image[0]]}} if image else {}
+        (engine_input,) = self.engine.renderer.render_cmpl([{"prompt_token_ids": token_ids, **mm}])
         lora = self._lora[adapter] if adapter is not None else None
         self.engine.add_request(request_id, engine_input, params, lora_request=lora)
         self._live.add(request_id)

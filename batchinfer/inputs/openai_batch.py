@@ -18,6 +18,7 @@ EMBEDDINGS_URL = "/v1/embeddings"  # runs with task=embed; the other urls with t
 RAW_PROMPT = "_raw_prompt"  # column of /v1/completions prompts (raw mode for that row)
 ROW_SAMPLING = "_sampling"  # column of per-row SamplingParams overrides, as JSON
 REFUSED = "_refused"  # column: why a request cannot run here, naming its field (an error row), or null
+IMAGE_URL = "_image_url"  # column: a chat request's image_url part (a data: URL, a file path or URL), or null
 # Body fields that are SamplingParams (OpenAI name -> vLLM name); the vLLM extensions among them
 # (top_k, min_p, ...) are what vLLM's own OpenAI server takes as extra body parameters.
 SAMPLING_FIELDS = {
@@ -55,6 +56,7 @@ SCHEMA = pa.schema(
         (RAW_PROMPT, pa.string()),
         (ROW_SAMPLING, pa.string()),
         (REFUSED, pa.string()),
+        (IMAGE_URL, pa.string()),
     ]
 )
 
@@ -84,7 +86,13 @@ def request_row(obj: Any, where: str) -> dict[str, Any]:
         raise InputError(
             f"{where}: url {url!r} is not supported (only {CHAT_URL}, {COMPLETIONS_URL} and {EMBEDDINGS_URL})"
         )
-    row: dict[str, Any] = {"custom_id": obj["custom_id"], "url": url, "messages": None, RAW_PROMPT: None}
+    row: dict[str, Any] = {
+        "custom_id": obj["custom_id"],
+        "url": url,
+        "messages": None,
+        RAW_PROMPT: None,
+        IMAGE_URL: None,
+    }
     if url == EMBEDDINGS_URL:
         text = body.get("input")
         if isinstance(text, list) and len(text) == 1:
@@ -104,16 +112,23 @@ def request_row(obj: Any, where: str) -> dict[str, Any]:
         row[RAW_PROMPT] = prompt
     try:
         if url == CHAT_URL:
-            row["messages"] = [chat_turn(m, f"body.messages[{i}]", where) for i, m in enumerate(body["messages"])]
+            images: list[tuple[int, str]] = []
+            row["messages"] = [
+                chat_turn(m, f"body.messages[{i}]", where, images, i) for i, m in enumerate(body["messages"])
+            ]
+            row[IMAGE_URL] = request_image(body["messages"], images)
         sampling = body_sampling(body, url)
     except Refused as e:
-        return dict(row, messages=None, **{RAW_PROMPT: None, ROW_SAMPLING: None, REFUSED: str(e)})
+        return dict(row, messages=None, **{RAW_PROMPT: None, ROW_SAMPLING: None, REFUSED: str(e), IMAGE_URL: None})
     return dict(row, **{ROW_SAMPLING: json.dumps(sampling, sort_keys=True) if sampling else None, REFUSED: None})
 
 
-def chat_turn(m: dict[str, Any], name: str, where: str) -> dict[str, str]:
+def chat_turn(
+    m: dict[str, Any], name: str, where: str, images: Optional[list[tuple[int, str]]] = None, index: int = 0
+) -> dict[str, str]:
     """One chat message -> {role, content}: text parts joined by a newline, as vLLM's server joins
-    them; a tool-call turn or a non-text part raises Refused naming the field."""
+    them; an image_url part's URL appended to images (with the message's index); a tool-call turn
+    or another non-text part raises Refused naming the field."""
     role = m["role"]
     if role in ("tool", "function"):
         raise Refused(f"{name}.role is {role!r}: tool results cannot run here ({TEXT_HINT}, without tool calling)")
@@ -134,9 +149,32 @@ def chat_turn(m: dict[str, Any], name: str, where: str) -> dict[str, str]:
             texts.append(part["text"])
         elif kind in ("text", None):
             raise InputError(f'{where}: {name}.content[{j}] must be {{"type": "text", "text": "..."}}')
+        elif kind == "image_url" and images is not None:
+            value = part.get("image_url")
+            url = value.get("url") if isinstance(value, dict) else value
+            if not isinstance(url, str):
+                raise InputError(
+                    f'{where}: {name}.content[{j}] must be {{"type": "image_url", "image_url": {{"url": "..."}}}}'
+                )
+            images.append((index, url))
         else:
             raise Refused(f"{name}.content[{j}] is a {kind!r} part: only text parts can run here ({TEXT_HINT})")
     return {"role": role, "content": "\n".join(texts)}
+
+
+def request_image(messages: list[dict[str, Any]], images: list[tuple[int, str]]) -> Optional[str]:
+    """The URL of a chat request's one image, which must be in its last user message (it goes
+    before that message's text, as prompt.image_column's image does), or None; Refused otherwise."""
+    if not images:
+        return None
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if len(images) > 1 or [images[0][0]] != users[-1:]:
+        where = ", ".join(f"body.messages[{i}]" for i, _ in images)
+        raise Refused(
+            f"image_url parts in {where}: one image per request, in the last user message, can run here "
+            "(send several images as several requests)"
+        )
+    return images[0][1]
 
 
 def body_sampling(body: dict[str, Any], url: str) -> dict[str, Any]:

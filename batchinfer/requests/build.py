@@ -14,6 +14,7 @@ from batchinfer.errors import InputError
 from batchinfer.inputs.openai_batch import ROW_SAMPLING, task_mismatch
 from batchinfer.inputs.textfiles import MAX_JSON_DEPTH, json_depth
 from batchinfer.requests.bounded import CharBound
+from batchinfer.requests.images import ImageLimits, RowImage, image_column, row_image, with_image
 from batchinfer.requests.prompts import Messages, Prompt, PromptBuilder, RowError
 from batchinfer.requests.verdict import RULES, Limits, adapter_refusal, limits, refusal
 
@@ -39,6 +40,7 @@ class RowRequest:
     at_least: Optional[int] = None
     adapter: Optional[str] = None  # the LoRA adapter's name (model.lora.adapters); None: the base model
     to_encode: bool = True  # its ids are the prompt's tokens (False: error_row and fail need no count)
+    image: Optional[RowImage] = None  # the row's image (prompt.image_column), decoded
 
     @property
     def tokens(self) -> int:
@@ -47,6 +49,10 @@ class RowRequest:
 
     def fit(self, policy: str, max_model_len: int) -> list[int]:
         """The token ids to send, prompt.overlong applied (see fit_prompt)."""
+        if self.image is not None and (self.at_least or len(self.ids) >= max_model_len) and policy in TRUNCATE:
+            raise RowError(  # cutting would split the image's tokens; its text alone is not cut yet
+                "overlong", f"a prompt with an image has {self.tokens} tokens; model.max_model_len is {max_model_len}"
+            )
         if self.at_least and policy not in TRUNCATE:
             return overlong_tokens(self.ids, policy, max_model_len, self.sampling["max_tokens"], self.at_least)
         return fit_prompt(self.prompt, self.ids, self.encode, policy, max_model_len, self.sampling["max_tokens"])
@@ -96,12 +102,18 @@ def draft_request(
     own = row_sampling(cfg, row, id_)
     adapter = row_adapter(cfg, row)
     prompt = builder.build(row)
+    image = None
+    column = image_column(cfg.prompt, row)
+    if column:  # the image first: a row whose image is bad costs no tokenizing
+        image = row_image(row, column, ImageLimits.of(cfg.prompt, cfg.input.path))
     policy = cfg.prompt.overlong
     at_least = bound.at_least(prompt) if bound is not None else None
     if at_least is not None and policy in TRUNCATE:
         prompt = bound.shorten(prompt, from_end=policy == "truncate_left")
     to_encode = at_least is None or policy in TRUNCATE
-    return RowRequest(id_, own, sampling_for(cfg, own), prompt, [], encode, at_least, adapter, to_encode)
+    if image is not None:
+        prompt = with_image(prompt)  # after the bound: it measures and cuts text content
+    return RowRequest(id_, own, sampling_for(cfg, own), prompt, [], encode, at_least, adapter, to_encode, image)
 
 
 def encoded(req: RowRequest, result: Union[list[int], Exception]) -> RowRequest:

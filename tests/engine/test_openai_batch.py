@@ -82,7 +82,7 @@ def test_each_line_runs_its_own_way_response_format_text_parts_and_error_rows(
     assert choice("parts") == choice("joined")
     usage = [out[c]["response"]["body"]["usage"]["prompt_tokens"] for c in ("parts", "joined")]
     assert usage[0] == usage[1]
-    assert out["image"]["error"]["code"] == "unsupported" and out["image"]["response"] is None
-    assert "body.messages[0].content[2] is a 'image_url' part" in out["image"]["error"]["message"]
+    assert out["image"]["error"]["code"] == "image" and out["image"]["response"] is None
+    assert "https://example.com/a.png is an http URL: not fetched unless" in out["image"]["error"]["message"]
     assert out["logprobs"]["error"]["code"] == "unsupported"
     assert "body.logprobs: token logprobs are not written in the output" in out["logprobs"]["error"]["message"]

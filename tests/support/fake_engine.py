@@ -34,6 +34,8 @@ class FakeEngine:
         self.per_step = per_step
         self.queue: list[tuple[str, list[int]]] = []
         self.adapters: dict[str, str] = {}  # request id -> its LoRA adapter (none: the base model)
+        self.images: dict[str, str] = {}  # request id -> its image's content digest (none: no image)
+        self.pixels: list[Any] = []  # the decoded images it was given, in the order added
         self.added: list[list[int]] = []
         self.steps = 0
         self.refused = {tuple(self.ids(t)) for t in refuse}
@@ -49,21 +51,28 @@ class FakeEngine:
         return self.encode([{"content": text}])
 
     @staticmethod
-    def answer(ids: list[int], adapter: Optional[str] = None) -> str:
-        """What this engine answers a request of these token ids (under a LoRA adapter: its name mixed in)."""
+    def answer(ids: list[int], adapter: Optional[str] = None, image: Optional[str] = None) -> str:
+        """What this engine answers a request of these token ids (under a LoRA adapter: its name
+        mixed in; with an image: its digest mixed in)."""
         mixed = ids if adapter is None else [*ids, -1, *adapter.encode()]
+        mixed = mixed if image is None else [*mixed, -2, *image.encode()]
         return f"ans-{digest(mixed) % 16**8:08x}"
 
     def sampling_params(self, sampling: dict[str, Any]) -> Any:
         return checked_params(sampling)
 
     def encode(self, prompt: Any, chat_template_kwargs: Any = None) -> list[int]:
-        text = prompt if isinstance(prompt, str) else " ".join(m["content"] for m in prompt)
+        text = prompt if isinstance(prompt, str) else " ".join(_text(m["content"]) for m in prompt)
         return [ord(c) % 50 for c in text]
 
-    def add(self, request_id: str, token_ids: list[int], params: Any, adapter: Optional[str] = None) -> None:
+    def add(
+        self, request_id: str, token_ids: list[int], params: Any, adapter: Optional[str] = None, image: Any = None
+    ) -> None:
         if adapter is not None:
             self.adapters[request_id] = adapter
+        if image is not None:  # (content digest, decoded PIL image), as the real engine takes it
+            self.images[request_id] = image[0]
+            self.pixels.append(image[1])
         if tuple(token_ids) in self.refused:
             raise vllm_refusal(f"the fake engine refuses this request ({len(token_ids)} tokens)")
         check_logprobs(params, MAX_LOGPROBS)
@@ -80,7 +89,10 @@ class FakeEngine:
         self.loras_in_flight.append({self.adapters[rid] for rid, _ in self.queue if rid in self.adapters})
         ready = sorted(self.queue, key=lambda q: (digest(q[1]) + self.steps) % 7)[: self.per_step]
         self.queue = [q for q in self.queue if q not in ready]
-        return [Completion(rid, [self.answer(ids, self.adapters.get(rid))], "stop", len(ids), 1) for rid, ids in ready]
+        return [
+            Completion(rid, [self.answer(ids, self.adapters.get(rid), self.images.get(rid))], "stop", len(ids), 1)
+            for rid, ids in ready
+        ]
 
     def has_unfinished(self) -> bool:
         return bool(self.queue)
@@ -88,6 +100,13 @@ class FakeEngine:
     def abort_all(self) -> None:
         self.aborted += [ids for _, ids in self.queue]
         self.queue = []
+
+
+def _text(content: Any) -> str:
+    """A message's text: its content, or its parts' texts with an image part as <image>."""
+    if isinstance(content, str):
+        return content
+    return "".join("<image>" if p["type"] == "image" else p.get("text", "") for p in content)
 
 
 def fake_overrides(tmp_path: Path, corpus: Path, *extra: str) -> list[str]:

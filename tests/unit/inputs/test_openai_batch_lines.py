@@ -58,12 +58,36 @@ def test_text_parts_are_joined_as_vllm_joins_them() -> None:
                         "role": "user",
                         "content": [
                             {"type": "text", "text": "what is it?"},
-                            {"type": "image_url", "image_url": {"url": "x"}},
+                            {"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}},
                         ],
                     }
                 ]
             },
-            "body.messages[0].content[1] is a 'image_url' part",
+            "body.messages[0].content[1] is a 'input_audio' part",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}}]},
+                    {"role": "assistant", "content": "a cat"},
+                    {"role": "user", "content": "and now?"},
+                ]
+            },
+            "image_url parts in body.messages[0]: one image per request, in the last user message",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": "a.png"}},
+                            {"type": "image_url", "image_url": "b.png"},
+                        ],
+                    }
+                ]
+            },
+            "image_url parts in body.messages[0], body.messages[0]: one image per request",
         ),
         (
             {
@@ -199,8 +223,8 @@ def test_a_file_with_such_lines_runs_each_line_its_own_way(tmp_path: Path) -> No
         assert out[cid]["error"] is None
         answer = out[cid]["response"]["body"]["choices"][0]["message"]["content"]
         assert answer == FakeEngine.answer(eng.encode([{"content": text}]))  # its own prompt, parts joined
-    assert out["image"]["error"]["code"] == "unsupported"
-    assert "body.messages[0].content[2] is a 'image_url' part" in out["image"]["error"]["message"]
+    assert out["image"]["error"]["code"] == "image"  # its image_url runs: here, a file that is not there
+    assert f"image {tmp_path / 'u'}: no such file" in out["image"]["error"]["message"]
     assert out["tools"]["error"]["code"] == "unsupported" and "body.tools" in out["tools"]["error"]["message"]
     assert out["logprobs"]["error"]["code"] == "unsupported" and "body.logprobs" in out["logprobs"]["error"]["message"]
     schema_ids = tuple(eng.encode([{"content": "yes?"}]))
@@ -208,10 +232,9 @@ def test_a_file_with_such_lines_runs_each_line_its_own_way(tmp_path: Path) -> No
     assert all(p["structured_outputs"]["json"] is None for ids, p in eng.params.items() if ids != schema_ids)
     # validate predicts the same error rows
     found = check_rows(run.config, open_input(run.input_dir), FakeEngine(), 1000)
-    assert {k: v["count"] for k, v in found.errors.kinds.items()} == {"unsupported": 3}
+    assert {k: v["count"] for k, v in found.errors.kinds.items()} == {"unsupported": 2, "image": 1}
     messages = [e["message"] for e in found.errors.kinds["unsupported"]["examples"]]
     assert [m.split(": ", 1)[1][:20] for m in messages] == [
-        "body.messages[0].con",
         "body.tools: tool cal",
         "body.logprobs: token",
     ]
