@@ -40,14 +40,15 @@ def fake_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def fake_result(cfg: Any, opts: Options) -> dict[str, Any]:
-    """What tune() writes for a pilot of 8 rows of which `model.max_num_seqs=8` was the fastest."""
+    """What tune() writes for a pilot of 8 rows of which `model.max_num_seqs=8` was the fastest,
+    measured twice each (a rung and its repeat), so it separated from the defaults."""
     plain, fp = config_fingerprint(cfg)
     c = to_config(plain)
     prompts = Prompts([str(i) for i in range(40)], [10 + i % 7 for i in range(40)], "tokens")
 
     def ran(setting: Setting, seconds: float) -> Outcome:
         rung = Rung(0, 8, 90, 48, seconds, output_lengths=[6] * 8, stopped_at_max_tokens=8)
-        return Outcome(setting, 3.5, [rung])
+        return Outcome(setting, 3.5, [rung], repeats=[rung])
 
     outcomes = [ran(Setting(("model.max_num_seqs=8",)), 1.0), ran(Setting(), 2.0)]
     return finish(c, opts, Path(opts.out or "."), fp, prompts, list(range(8)), outcomes, (None, None))
