@@ -103,7 +103,7 @@ def _model_lines(ms: ModelSection) -> list[str]:
     ]
     if ms.get("lora_bytes"):
         lines.append(
-            f"         + {ms['lora_bytes'] / GB:,.3f} GB of LoRA adapter slots (model.lora: max_loras x max_lora_rank) "
+            f"         + {_bin(ms['lora_bytes'])} of LoRA adapter slots (model.lora: max_loras x max_lora_rank) "
             f"= {ms['weight_bytes'] / GB:,.2f} GB"
         )
     if kv:

@@ -225,7 +225,7 @@ def test_plan_adds_the_adapter_slots_to_the_weights(tmp_path: Path, adapters: li
     assert plain["model"]["lora_bytes"] == 0
     assert lora["model"]["weight_bytes"] - plain["model"]["weight_bytes"] == 262_144
     assert lora["gpus"][0]["weight_bytes_per_gpu"] > plain["gpus"][0]["weight_bytes_per_gpu"]
-    assert "GB of LoRA adapter slots (model.lora: max_loras x max_lora_rank)" in format_plan(lora)
+    assert "+ 256.0 KiB of LoRA adapter slots (model.lora: max_loras x max_lora_rank)" in format_plan(lora)
 
 
 def test_reuse_and_redo_with_adapters(tmp_path: Path, adapters: list[str]) -> None:
