@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from batchinfer.rundir.forecast_record import read_record
 from batchinfer.rundir.store import RunDir
-from batchinfer.tune.expected import read_record
 
 # figure -> label; rows-proportional figures are scaled to the rows done in a partial run, rates not
 FIGURES = {

@@ -12,18 +12,16 @@ from dataclasses import dataclass
 from typing import Optional
 
 from batchinfer.errors import ConfigError, SubmissionRefused
+from batchinfer.rundir.forecast_record import Figure, RunForecast, write_record
 from batchinfer.rundir.store import RunDir
 from batchinfer.tune.expected import (
     GROUP_OVERRIDE,
     Lookup,
-    RunForecast,
     TuneResult,
     find_tune,
     load_tune,
     run_forecast,
-    write_record,
 )
-from batchinfer.tune.forecast import Figure
 
 log = logging.getLogger("batchinfer")
 

@@ -12,11 +12,10 @@ from typing import Any, Optional
 
 from batchinfer.config.schema import Config
 from batchinfer.errors import ConfigError
-from batchinfer.tune.forecast import Figure, Measured, point
+from batchinfer.rundir.forecast_record import Figure, RunForecast
+from batchinfer.tune.forecast import Measured, point
 from batchinfer.tune.results import GROUP, TUNE_RESULT_LINE
 
-RECORD = "forecast.json"  # DIR/forecast.json
-RECORD_VERSION = 1
 # `+tuned=best`, `tuned=best`, `++tuned=best`: the tuned config group on the command line
 GROUP_OVERRIDE = re.compile(rf"\+{{0,2}}{GROUP}=([\w.-]+)")
 
@@ -47,23 +46,6 @@ class Lookup:
     path: Optional[Path]
     how: str = ""
     looked: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class RunForecast:
-    """The forecast of one run: its rows and layout, from a tune result; what DIR/forecast.json holds."""
-
-    source: str  # the tune.json path
-    fingerprint: str
-    created: str  # when the tune ran
-    setting: Optional[str]
-    tuned_overrides: list[str]
-    tuned_settings_used: bool  # the run's config has the winner's settings
-    rows: int
-    layout: dict[str, int]
-    price: Optional[float]
-    price_source: Optional[str]
-    figures: dict[str, Figure]
 
 
 def _figure(rec: Any, per: float, where: str) -> Figure:
@@ -184,27 +166,3 @@ def run_forecast(
         price_source=source,
         figures=figures,
     )
-
-
-def write_record(run_path: Path, rf: RunForecast) -> Path:
-    """DIR/forecast.json: the run's forecast, written whole."""
-    from batchinfer.durable import write_json
-
-    body = asdict(rf)
-    body["figures"] = {k: {n: round(v, 6) for n, v in f.items()} for k, f in body["figures"].items()}
-    write_json(run_path / RECORD, {"version": RECORD_VERSION, **body})
-    return run_path / RECORD
-
-
-def read_record(run_path: Path) -> Optional[RunForecast]:
-    """DIR/forecast.json as a RunForecast; None when the run has none; ConfigError when unreadable."""
-    path = run_path / RECORD
-    if not path.is_file():
-        return None
-    try:
-        r = json.loads(path.read_text(encoding="utf-8"))
-        r.pop("version", None)
-        r["figures"] = {k: Figure(**f) for k, f in r["figures"].items()}
-        return RunForecast(**r)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{path}: unreadable ({type(e).__name__}: {e}); remove it or submit again") from None

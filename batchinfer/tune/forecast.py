@@ -13,17 +13,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from batchinfer.rundir.forecast_record import Figure
+
 BOOTSTRAP = 1000
 LEVEL = 0.95
-
-
-@dataclass(frozen=True)
-class Figure:
-    """A forecast value and its interval."""
-
-    value: float
-    low: float
-    high: float
 
 
 @dataclass(frozen=True)

@@ -584,6 +584,50 @@ def test_imports_never_run_up_the_layers() -> None:
     assert not violations, "imports up the layers:\n" + "\n".join(violations)
 
 
+# Pairs of packages at one layer where only the first may import the second (anywhere, functions
+# too): the report on a run (insight) never depends on the tuner; tune reads run directories and
+# uses insight's sizing.
+ONE_WAY = [("tune", "insight")]
+
+
+def one_way_violations(
+    graph: dict[str, list[tuple[str, str]]], package: str, one_way: list[tuple[str, str]]
+) -> list[str]:
+    """Each import from the second package of a pair into the first (the arrow run backwards)."""
+    out = []
+    for upper, lower in one_way:
+        for module, edges in graph.items():
+            if module.split(".")[1:2] == [lower]:
+                out += [where for target, where in edges if target.split(".")[1:2] == [upper]]
+    return out
+
+
+def test_insight_never_imports_tune() -> None:
+    graph = import_graph(ROOT, PACKAGE, deferred=True)
+    # the checker sees the arrow that is allowed
+    assert any(
+        t.startswith("batchinfer.insight") for m, e in graph.items() if m.startswith("batchinfer.tune") for t, _ in e
+    )
+    violations = one_way_violations(graph, PACKAGE, ONE_WAY)
+    assert not violations, "insight imports the tuner (move the record it needs to rundir/):\n" + "\n".join(violations)
+
+
+def test_one_way_checker_reports_the_arrow_run_backwards(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": '"""p."""',
+            "pkg/tune/__init__.py": '"""t."""',
+            "pkg/tune/a.py": "from pkg.insight import b\n",
+            "pkg/insight/__init__.py": '"""i."""',
+            "pkg/insight/b.py": "def f():\n    from pkg.tune import a\n",
+        },
+    )
+    graph = import_graph(tmp_path, "pkg", deferred=True)
+    assert one_way_violations(graph, "pkg", [("tune", "insight")]) == ["pkg/insight/b.py:2: from pkg.tune import a"]
+    assert one_way_violations(import_graph(tmp_path, "pkg"), "pkg", [("tune", "insight")]) == []
+
+
 def test_only_vllm_engine_imports_vllm_and_only_inside_functions() -> None:
     """Statically, anywhere in a module (functions too): vllm only in engine/vllm_engine.py,
     and there never at module level; torch never at module level."""

@@ -18,10 +18,9 @@ from batchinfer.config.compose import compose
 from batchinfer.insight.forecast_check import compare, forecast_lines
 from batchinfer.insight.report import write_report
 from batchinfer.launch.local import run_local
+from batchinfer.rundir.forecast_record import Figure, RunForecast, write_record
 from batchinfer.rundir.store import RunDir
 from batchinfer.tune.budget import ForecastOptions, expect
-from batchinfer.tune.expected import RunForecast, write_record
-from batchinfer.tune.forecast import Figure
 
 
 def test_ratios_of_a_partial_run_against_the_forecast_scaled_to_its_rows_done(tmp_path: Path) -> None:
