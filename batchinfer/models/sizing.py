@@ -317,6 +317,11 @@ def fit(model: ModelSize, wbytes: int, kv_bytes: int, gpu: str, util: float, tp:
     return Fit(gpu, gb, tp, usable, per_gpu, free, tokens, tokens / max_len)
 
 
+def kv_tokens_per_sequence(max_len: int, block_size: int) -> int:
+    """KV-cache tokens one sequence of max_len holds: vLLM allocates whole blocks of block_size tokens."""
+    return -(-max_len // block_size) * block_size
+
+
 def valid_tp(model: ModelSize, tp: int) -> bool:
     """vLLM needs the attention heads to divide evenly over the GPUs."""
     return model.heads % tp == 0

@@ -99,12 +99,18 @@ def test_unreadable_or_invalid_files_are_config_errors(tmp_path: Path) -> None:
 
 
 def test_engine_kwargs_fingerprinted_except_throughput_keys(tmp_path: Path) -> None:
-    ov = _overrides(tmp_path, "+model.engine_kwargs.tokenizer_mode=slow", "+model.engine_kwargs.block_size=64")
+    ov = _overrides(
+        tmp_path, "+model.engine_kwargs.tokenizer_mode=slow", "+model.engine_kwargs.kv_cache_memory_bytes=64000000"
+    )
     run = prepare(compose(ov))
     assert run.run["fingerprint_keys"]["model.engine_kwargs"] == {"tokenizer_mode": "slow"}
     # Throughput only: accepted, and the new value is what the next task uses.
-    ov2 = [*ov[:-1], "+model.engine_kwargs.block_size=32", "+model.engine_kwargs.max_num_seqs=4"]
-    assert prepare(compose(ov2)).run["config"]["model"]["engine_kwargs"]["block_size"] == 32
+    ov2 = [
+        *ov[:-1],
+        "+model.engine_kwargs.kv_cache_memory_bytes=32000000",
+        "+model.engine_kwargs.async_scheduling=true",
+    ]
+    assert prepare(compose(ov2)).run["config"]["model"]["engine_kwargs"]["kv_cache_memory_bytes"] == 32000000
     _refused(
         [*ov[:-2], "+model.engine_kwargs.tokenizer_mode=auto"],
         r"model.engine_kwargs.tokenizer_mode \('slow' -> 'auto'\)",

@@ -441,3 +441,19 @@ def test_plan_of_score_counts_both_texts_and_names_their_key(minilm: Path, tmp_p
     assert pt["estimated_total"] == sum(len(ref(q)["input_ids"]) + len(ref(d)["input_ids"]) for q, d in pairs)
     res = run_cli(["plan", *ov, "task.query={q}", "task.document={passage}"])
     assert res.returncode == 2 and "task.document uses {passage} but" in res.stderr
+
+
+def test_a_sequence_holds_whole_kv_blocks(tmp_path: Path) -> None:
+    """A KV block larger than max_model_len holds one sequence: plan counts sequences per block, not
+    per max_model_len (a 2^40-token block once "fitted" a million sequences of 128 tokens)."""
+    folder = write_model(tmp_path, LLAMA_8B)
+    short = ("--gpu", "h100", f"model.path={folder}", "model.max_model_len=128")
+    (default,) = plan_json(*short)["gpus"]
+    assert default["max_seqs_at_max_model_len"] == round(default["kv_tokens"] / 128, 2)  # 8 blocks of 16
+    (big,) = plan_json(*short, "model.block_size=65536")["gpus"]
+    assert big["kv_tokens"] == default["kv_tokens"]
+    assert big["max_seqs_at_max_model_len"] == round(big["kv_tokens"] / 65536, 2) < 10
+    assert big["warnings"][0].startswith("model.block_size=65,536 is larger than max_model_len=128: vLLM gives")
+    (huge,) = plan_json(*short, f"model.block_size={2**40}")["gpus"]
+    assert huge["max_seqs_at_max_model_len"] == 0
+    assert sizing.kv_tokens_per_sequence(100, 32) == 128 and sizing.kv_tokens_per_sequence(128, 32) == 128
