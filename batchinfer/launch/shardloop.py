@@ -54,6 +54,7 @@ def progress_bar(total: int, initial: int, desc: str, file: Any = None, eta_afte
         ascii=not tty,
         dynamic_ncols=tty,
         eta_after_commit=eta_after_commit,
+        plain=not tty,  # DESIGN: plain lines, no \r redraws, in Slurm logs and files
     )
 
 

@@ -52,9 +52,9 @@ def test_the_bar_is_drawn_and_timed_from_the_engine_being_ready() -> None:
     assert last_line(out) == "run:   0%|          | 0/722 [00:00<?, ?row/s]"
     clock.now += 30
     bar.ready()  # a later shard's start: the clock runs on (it restarted at 00:00 before)
-    bar.update(0)
+    bar.update(1)
     bar.refresh()
-    assert last_line(out).endswith("0/722 [00:30<?, ?row/s]")
+    assert last_line(out).endswith("1/722 [00:30<?, ?row/s]")
     bar.close()
 
 
@@ -84,8 +84,8 @@ def test_a_resumed_run_counts_only_the_rows_done_here() -> None:
     bar.count_done(100)  # a shard handed to this engine later, 100 of its rows committed before
     bar.ready()
     clock.now += 10
-    bar.update(50)
     bar.committed()
+    bar.update(50)
     bar.refresh()
     assert last_line(out).endswith("750/1000 [00:10<00:50,  5.00row/s]")
     bar.close()
@@ -120,7 +120,60 @@ def test_log_lines_are_written_above_the_bar_not_onto_it(capsys: pytest.CaptureF
     assert err.startswith("starting vLLM engine\n"), repr(err)
     lines = re.split(r"[\r\n]", err)
     assert "shard 0: a line while the bar is drawn" in lines  # a line of its own, not after the bar
-    assert re.split(r"[\r\n]", err.rstrip("\n"))[-1].endswith("3/722 [00:01<?, ?row/s]")
+    # captured stderr is no terminal: the bar's last line is the one drawn after the log line
+    assert re.split(r"[\r\n]", err.rstrip("\n"))[-1].endswith("3/722 [00:00<?, ?row/s]")
+
+
+class Terminal(io.StringIO):
+    """A text stream that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_not_on_a_terminal_the_bar_writes_plain_lines_and_log_lines_stay_whole(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A Slurm log or `> log 2>&1`: one line per bar state (about every 5 s), no carriage-return
+    redraw; a log line on a line of its own, the bar not drawn again for it without progress."""
+    logger = logging.getLogger("batchinfer")
+    handler = logging.StreamHandler(sys.stderr)
+    logger.addHandler(handler)
+    try:
+        with bar_aware_logging():
+            clock = Clock()
+            with mock.patch("tqdm.std.time", clock):
+                bar = progress_bar(40, 0, "s1", file=sys.stderr, eta_after_commit=True)
+            bar.ready()
+            logger.warning("shard 0: first request")
+            clock.now += 1
+            bar.update(5)  # within mininterval: no line
+            clock.now += 5
+            bar.committed()
+            bar.update(15)
+            logger.warning("shard 0: committed 20 rows")
+            clock.now += 6
+            bar.update(20)
+            bar.close()
+    finally:
+        logger.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert "\r" not in err, repr(err)
+    assert err.splitlines() == [
+        "s1:   0%|          | 0/40 [00:00<?, ?row/s]",
+        "shard 0: first request",
+        "s1:  50%|#####     | 20/40 [00:06<00:06,  3.33row/s]",
+        "shard 0: committed 20 rows",
+        "s1: 100%|##########| 40/40 [00:12<00:00,  3.33row/s]",
+    ]
+
+
+def test_on_a_terminal_the_bar_redraws_its_line() -> None:
+    out = Terminal()
+    bar = progress_bar(10, 0, "run", file=out)
+    bar.update(10)
+    bar.close()
+    assert "\r" in out.getvalue() and not bar.plain
 
 
 def test_without_eta_after_commit_the_bar_is_tqdm_s_own() -> None:
