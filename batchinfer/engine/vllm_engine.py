@@ -149,6 +149,13 @@ RANK_WORKER_EXIT = 70  # a worker of an engine over several nodes whose step rai
 class Engine:
     """One vLLM offline engine fed request by request through add_request/step."""
 
+    @staticmethod
+    def prepare() -> None:
+        """Import vLLM (and torch) in the task's own environment, before an engine start sets the cache
+        folder's: torch makes Inductor's cache folder at import, and an import that failed there (a
+        damaged cache) cannot be tried again in this process ("Artifact ... already registered")."""
+        from vllm import LLM, SamplingParams  # noqa: F401  (vllm's own imports are lazy: these, not `vllm`)
+
     def __init__(self, cfg: Any, dtype: Optional[str] = None, nodes: Optional[NodeGroup] = None):
         """cfg: a Config (or a composed config, typed here); dtype: the one settled for the run
         (DIR/dtype.json; "auto" leaves it to vLLM); None: model.dtype, `auto` resolved for this machine.

@@ -105,6 +105,7 @@ class EngineHolder:
             if self.cache is not None:
                 self.cache.close()  # an earlier start that failed: its private cache
             self.cache = CacheGate(cache_site(self.c), cache_key(self.c, self.dtype), mode=mode)
+            getattr(engine_cls, "prepare", lambda: None)()  # vLLM imported outside the cache's environment
             self.engine = self.cache.start(build, self.stop.check)
             log.info("engine ready in %.1f s", self.engine.startup_seconds)
             self.segments.record()

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 from support.corpus import assert_exactly_once, read_output, write_corpus
@@ -348,3 +349,37 @@ def test_vllm_cpu_starts_without_aot_compile_unless_the_user_set_it(monkeypatch:
     monkeypatch.delenv("VLLM_USE_AOT_COMPILE")
     environment.engine_environment()
     assert "VLLM_USE_AOT_COMPILE" not in os.environ  # GPUs: vLLM's own choice
+
+
+def test_vllm_is_imported_before_the_cache_folders_environment_is_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch makes Inductor's cache folder when vLLM is imported, and an import that failed there (a
+    damaged torchinductor) cannot be tried again in the process (real vLLM: "Artifact of
+    type=precompile already registered"), so the private retry failed too: the engine class's
+    prepare() imports vLLM in the task's own environment, before the gate sets the cache folder's."""
+    from batchinfer.launch import shardloop
+
+    seen: list[tuple[str, Optional[str]]] = []
+
+    class Engine:
+        startup_seconds = 0.0
+
+        @staticmethod
+        def prepare() -> None:
+            seen.append(("prepare", os.environ.get("VLLM_CACHE_ROOT")))
+
+        def __init__(self, *args: object, **kw: object) -> None:
+            seen.append(("start", os.environ.get("VLLM_CACHE_ROOT")))
+
+    class Stop:
+        block = install = check = staticmethod(lambda: None)
+
+    monkeypatch.setattr(shardloop, "engine_class", lambda: Engine)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "task-own"))
+    shared = tmp_path / "shared"
+    cfg = to_config(compose(["model.enforce_eager=false", f"cluster.cache_dir={shared}"]))
+    holder = shardloop.EngineHolder(cfg, Stop())
+    assert isinstance(holder(), Engine)
+    holder.close(owned=False)
+    assert seen == [("prepare", str(tmp_path / "task-own")), ("start", str(shared))]
