@@ -10,7 +10,10 @@
 # From that index torchvision, torchaudio and torchcodec come as builds of the same CPU torch and are
 # kept (vision models need torchvision); PyPI's builds of them, which pip takes where the index cannot
 # be reached, do not load with it and break `import transformers`, so a package of the three that
-# does not import is removed (batchinfer itself needs none of them).
+# does not import is removed after an install, with its import error (batchinfer itself needs none
+# of them); with nothing to do, one that does not import is named, not removed.
+# index_options may be empty (no index reached): `${a[@]+"${a[@]}"}` keeps `set -u` on bash < 4.4
+# (RHEL 7's 4.2) from calling an empty array unbound.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
@@ -23,20 +26,30 @@ else
     mapfile -t index_options < <(python scripts/torch_cpu_index.py "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}")
     if [ "${1:-}" = "--dry-run" ]; then
         exec python -m pip install --dry-run --report "${2:?--dry-run REPORT: where pip writes its report}" \
-            "${index_options[@]}" -e '.[cpu,smollm2,test]'
+            ${index_options[@]+"${index_options[@]}"} -e '.[cpu,smollm2,test]'
     fi
-    python -m pip install -q "${index_options[@]}" -e '.[cpu,smollm2,test]'
+    python -m pip install -q ${index_options[@]+"${index_options[@]}"} -e '.[cpu,smollm2,test]'
+    installed_now=1
 fi
 kept=() removed=()
 for pkg in torchvision torchaudio torchcodec; do
     python -m pip show -q "$pkg" >/dev/null 2>&1 || continue
-    if python -c "import $pkg" >/dev/null 2>&1; then
+    # run outside the checkout, so the import is the installed one's
+    if why=$(cd / && python -c "import $pkg" 2>&1); then
         kept+=("$pkg")
-    else
-        python -m pip uninstall -y -q "$pkg"
-        removed+=("$pkg")
+        continue
     fi
+    why=$(printf '%s\n' "$why" | tail -n 1)
+    if [ -z "${installed_now:-}" ]; then
+        echo "install-cpu: $pkg is installed but does not import ($why); left as it is: remove it with" \
+            "\`python -m pip uninstall $pkg\` if it is a PyPI build that does not load with the CPU torch" >&2
+        continue
+    fi
+    echo "install-cpu: removing $pkg: it does not import with the CPU torch ($why)"
+    python -m pip uninstall -y -q "$pkg"
+    removed+=("$pkg")
 done
 echo "torchvision, torchaudio, torchcodec: kept (they load with the CPU torch): ${kept[*]:-none};" \
     "removed (builds that do not load with it): ${removed[*]:-none}"
-python -c "import vllm, transformers, torch, batchinfer; print('installed: vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
+# from / and without PYTHONPATH: the installed packages are imported, not this checkout's folder
+(cd / && env -u PYTHONPATH python -c "import vllm, transformers, torch, batchinfer; print('installed: vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| batchinfer from', batchinfer.__path__[0])")

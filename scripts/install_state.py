@@ -49,16 +49,18 @@ def problem(repo: Path, path: Optional[list[str]] = None, extras: tuple[str, ...
     while todo:
         req, who = todo.pop()
         name = _name(req.name)
-        if (name, frozenset(req.extras)) in seen:
-            continue
-        seen.add((name, frozenset(req.extras)))
         dist = installed.get(name)
         if dist is None:
             if name in MAY_BE_MISSING:
                 continue
             return f"{req.name} is not installed ({who} asks for {req})"
+        # every requirement's version range is checked, a later stricter one too (pkgc>=2 after
+        # pkgc>=1); only the expansion of a dependency's own requirements is done once
         if not req.specifier.contains(dist.version, prereleases=True):
             return f"{req.name} {dist.version} is installed; {who} asks for {req}"
+        if (name, frozenset(req.extras)) in seen:
+            continue
+        seen.add((name, frozenset(req.extras)))
         for line in dist.requires or []:
             sub = Requirement(line)
             envs = [{"extra": e} for e in req.extras] or [{"extra": ""}]

@@ -55,10 +55,13 @@ def closed_port_url() -> str:
     return f"http://127.0.0.1:{port}/whl/cpu"
 
 
-def run_with_stub(tmp_path: Path, state: int, index: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+def run_with_stub(
+    tmp_path: Path, state: int, index: str, broken: tuple[str, ...] = ()
+) -> tuple[subprocess.CompletedProcess, list[str]]:
     """install-cpu.sh with `python` a stub that records each call: pip's calls succeed (`pip show`
-    finds nothing), install_state.py answers `state`, the closing import check prints a line; the
-    rest (the version check, torch_cpu_index.py) runs on the real Python."""
+    finds only the packages in broken, whose import fails), install_state.py answers `state`, the
+    closing import check prints a line and records its folder; the rest (the version check,
+    torch_cpu_index.py) runs on the real Python."""
     log = tmp_path / "calls.log"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
@@ -66,9 +69,13 @@ def run_with_stub(tmp_path: Path, state: int, index: str) -> tuple[subprocess.Co
     stub.write_text(
         "#!/usr/bin/env bash\n"
         f'echo "$*" >> {log}\n'
-        'if [ "$1 $2" = "-m pip" ]; then [ "$3" = show ] && exit 1; exit 0; fi\n'
+        f'broken=" {" ".join(broken)} "\n'
+        'if [ "$1 $2 $3" = "-m pip show" ]; then [[ "$broken" == *" ${@: -1} "* ]]; exit; fi\n'
+        'if [ "$1 $2" = "-m pip" ]; then exit 0; fi\n'
+        'if [ "$1" = -c ] && [[ "$broken" == *" ${2#import } "* ]]; then echo "ImportError: stub" >&2; exit 1; fi\n'
         f'if [ "$1" = scripts/install_state.py ]; then exit {state}; fi\n'
-        'if [ "$1" = -c ] && [[ "$2" == *"import vllm"* ]]; then echo "installed: stub"; exit 0; fi\n'
+        f'if [ "$1" = -c ] && [[ "$2" == *"import vllm"* ]]; then echo "import check in $PWD" >> {log}; '
+        'echo "installed: stub"; exit 0; fi\n'
         f'exec {sys.executable} "$@"\n'
     )
     stub.chmod(0o755)
@@ -91,6 +98,29 @@ def test_a_second_run_with_all_installed_runs_no_pip_install(tmp_path: Path) -> 
     assert pip_calls(calls) == []  # no install, no uninstall, no download
     assert not any("torch_cpu_index.py" in c for c in calls)  # not even the index probe
     assert res.stdout.rstrip().endswith("installed: stub")
+    assert "import check in /" in calls  # outside the checkout: the installed batchinfer is imported
+
+
+def test_nothing_to_do_removes_no_package_and_an_install_says_why_it_does(tmp_path: Path) -> None:
+    """A torchvision that does not import is named with its error, not uninstalled, when nothing
+    was installed; after an install it is removed, saying why."""
+    res, calls = run_with_stub(tmp_path, state=0, index=closed_port_url(), broken=("torchvision",))
+    assert res.returncode == 0, res.stderr
+    assert pip_calls(calls) == []
+    assert "torchvision is installed but does not import (ImportError: stub); left as it is" in res.stderr
+    (tmp_path / "again").mkdir()
+    res, calls = run_with_stub(tmp_path / "again", state=1, index=closed_port_url(), broken=("torchvision",))
+    assert res.returncode == 0, res.stderr
+    assert "-m pip uninstall -y -q torchvision" in pip_calls(calls)
+    assert "removing torchvision: it does not import with the CPU torch (ImportError: stub)" in res.stdout
+
+
+def test_an_empty_index_option_list_survives_set_u_on_old_bash() -> None:
+    """No index reached: index_options is empty, which `set -u` calls unbound on bash < 4.4 when
+    expanded as "${a[@]}"; every expansion is the ${a[@]+"${a[@]}"} form."""
+    text = (REPO / "scripts" / "install-cpu.sh").read_text()
+    uses = re.findall(r"\S*index_options\[@\]\S*", text)
+    assert uses and all(u.startswith('${index_options[@]+"${index_options[@]}"}') for u in uses), uses
 
 
 def test_an_index_that_answers_is_named_to_pip_with_its_default_retries(tmp_path: Path, mirror: str) -> None:
@@ -205,3 +235,16 @@ def test_install_state_names_what_is_missing_or_another_version(tmp_path: Path) 
     text = (repo / "pyproject.toml").read_text().replace('version = "0.1.0"', 'version = "0.2.0"')
     (repo / "pyproject.toml").write_text(text)
     assert install_state.problem(repo, [str(site)]) == "batchinfer 0.1.0 is installed; this checkout is 0.2.0"
+
+
+def test_install_state_holds_every_requirement_of_a_package_not_the_first_only(tmp_path: Path) -> None:
+    """pluggy asks for pyarrow>=1 (met: 17 installed), pyproject.toml for pyarrow>=18: the stricter
+    one, reached after the first, is unmet (it was skipped as a package already seen)."""
+    site = installed(tmp_path)
+    for f in site.glob("pluggy-*/METADATA"):
+        f.write_text(f.read_text() + "Requires-Dist: pyarrow>=1\n")
+    repo = checkout(tmp_path)
+    (repo / "pyproject.toml").write_text((repo / "pyproject.toml").read_text().replace("pyarrow>=14", "pyarrow>=18"))
+    assert install_state.problem(repo, [str(site)]) == (
+        "pyarrow 17.0.0 is installed; pyproject.toml asks for pyarrow>=18"
+    )
