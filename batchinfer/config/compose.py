@@ -155,7 +155,11 @@ def _override_error(e: Exception) -> str:
 
     missing = re.search(r"Could not override '([^']+)'", str(e))
     if missing:  # Hydra's advice (write +key) would add a key nothing reads, or echo the value
-        return new_key_message(missing.group(1)) or unknown_key_message(missing.group(1))
+        key = missing.group(1)
+        # a dict assigned to a key (cluster.env={A: b}): the key missing is the one inside it
+        inner = getattr(e.__cause__, "full_key", None)
+        key = inner if isinstance(inner, str) and inner.startswith(f"{key}.") else key
+        return new_key_message(key) or unknown_key_message(key)
     cause = e.__cause__
     key = getattr(cause, "full_key", None)
     if not isinstance(cause, ValidationError) or not key:

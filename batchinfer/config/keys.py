@@ -36,7 +36,7 @@ def unknown_key_message(key: str) -> str:
         key = key.rsplit(".", 1)[0]
         section, names = schema_keys(key)
     last = key.rsplit(".", 1)[-1]
-    close = difflib.get_close_matches(last, names, n=1)
+    close = [c for c in difflib.get_close_matches(last, names, n=2) if c != last][:1]  # never the key itself
     hint = f" (did you mean {section + '.' if section else ''}{close[0]}?)" if close else ""
     where = f"{section} keys are" if section else "top-level keys are"
     return f"{key} is not a key{hint}; {where}: {', '.join(names)}"

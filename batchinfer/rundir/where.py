@@ -186,7 +186,11 @@ class _Parser:
                 where = ".".join(parts[:n]) or "the output"
                 names = [f.name for f in fields] if fields is not None else []
                 known = ", ".join(column_names(self.schema)) if n == 0 else ", ".join(names)
-                raise _error(self.text, tok.pos, f"{where} has no field {part!r}", f" (known: {known})")
+                if n > 0 and fields is None:  # a column of values, not of structs
+                    known_text = f" ({where} is a column of {typ} values, which have no fields: compare {where} itself)"
+                else:
+                    known_text = f" (known: {known})"
+                raise _error(self.text, tok.pos, f"{where} has no field {part!r}", known_text)
             typ = fields.field(index).type
             fields = typ if pa.types.is_struct(typ) else None
         return tuple(parts), typ

@@ -21,6 +21,22 @@ def test_unknown_key_is_named() -> None:
         compose(["prompt.tempalte=x"])
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("cluster.env={A: b}", "cluster.env has no key A yet: write +cluster.env.A=... to add it"),
+        ("cluster={env: {A: b}}", "cluster.env has no key A yet: write +cluster.env.A=... to add it"),
+        ("cluster.sbatch_extra={a: b}", "cluster.sbatch_extra has no key a yet: write +cluster.sbatch_extra.a="),
+        ("cluster={partitionn: x}", "cluster.partitionn is not a key (did you mean cluster.partition?)"),
+    ],
+)
+def test_a_dict_assigned_to_a_key_names_the_key_inside_it(override: str, message: str) -> None:
+    """Not "cluster.env is not a key (did you mean cluster.env?)": the key missing is the dict's."""
+    with pytest.raises(ConfigError) as e:
+        compose([override])
+    assert str(e.value).startswith(message), str(e.value)
+
+
 def test_wrong_type_and_choice_are_named() -> None:
     with pytest.raises(ConfigError) as e:
         compose(["sampling.max_tokens=abc"])

@@ -60,6 +60,11 @@ def test_and_binds_tighter_than_or() -> None:
     [
         ("foo == 1", 1, ["the output has no field 'foo'", "known: row, id, text", "error.kind", "input.lang", "pass"]),
         ('error.kin == "x"', 1, ["error has no field 'kin'", "known: kind, message"]),
+        (
+            'error.kind.x == "a"',
+            1,
+            ["error.kind has no field 'x' (error.kind is a column of string values, which have no fields: compare"],
+        ),
         ('output_tokens == "a"', 18, ["output_tokens holds numbers, not text", "a number"]),
         ("finish_reason == 3", 18, ["finish_reason holds text, not numbers", 'a quoted text ("length")']),
         ('error == "x"', 10, ["error holds a struct (fields kind, message)", "one of its fields"]),
