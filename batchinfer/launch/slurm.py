@@ -309,17 +309,29 @@ def is_job_name(value: object) -> bool:
     return isinstance(value, str) and bool(JOB_NAME.fullmatch(value))
 
 
-def cancel(job_ids: list[str], names: Iterable[str] = ()) -> None:
-    """scancel the given jobs, and this user's jobs of the given names (finished ones are ignored)."""
+# scancel --verbose's line for a job it did not signal (finished, or unknown to Slurm); without
+# --verbose scancel says nothing about them and exits 0.
+NOT_CANCELLED = re.compile(r"Kill job error on job id (\S+): (.+)")
+
+
+def cancel(job_ids: list[str], names: Iterable[str] = ()) -> dict[str, str]:
+    """scancel the given jobs, and this user's jobs of the given names; the ids scancel did not
+    act on (already finished, unknown to Slurm), with its reason."""
     names = list(names)
     bad = [repr(j) for j in job_ids if not is_job_id(j)] + [repr(n) for n in names if not is_job_name(n)]
     if bad:  # the readers drop them (launch/jobs.py): this is the last guard before scancel
         raise ConfigError(f"not a Slurm job id or job name: {', '.join(bad)}; nothing was cancelled")
+    not_cancelled: dict[str, str] = {}
     if job_ids:
-        run_command(["scancel", *job_ids])
+        res = run_command(["scancel", "--verbose", *job_ids])
+        not_cancelled = {m.group(1): m.group(2).strip() for m in NOT_CANCELLED.finditer(res.stderr or "")}
+        if res.returncode != 0 and not not_cancelled:
+            reason = first_error_line(res.stderr or "")
+            not_cancelled = {j: reason for j in job_ids}
     for name in names:
         # scancel ANDs its filters, so jobs found by name get a call of their own
         run_command(["scancel", f"--name={name}", f"--user={getpass.getuser()}"])
+    return not_cancelled
 
 
 def this_job() -> Optional[str]:

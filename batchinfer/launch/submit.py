@@ -368,12 +368,19 @@ def apply_resource_overrides(run: RunDir, overrides: list[str]) -> None:
 def cancel(run_dir: str) -> list[str]:
     """`batchinfer cancel DIR`: scancel every job recorded for DIR."""
     run = RunDir(run_dir)
-    ids = all_job_ids(run)
-    names = unrecorded_names(run)  # submissions cut short: their jobs may exist without a recorded id
-    slurm.cancel(ids, names)
+    subs = submissions(run)  # read once: a line it ignores is warned about once
+    ids = all_job_ids(run, subs)
+    names = unrecorded_names(run, subs)  # submissions cut short: their jobs may exist without a recorded id
+    missed = slurm.cancel(ids, names)
+    done = [i for i in ids if i not in missed]
     by_name = f"; and any job named {', '.join(names)}" if names else ""
     if ids or names:
-        print(f"cancelled {len(ids)} jobs of {run.path}: {' '.join(ids)}{by_name}")
+        print(f"cancelled {len(done)} jobs of {run.path}: {' '.join(done) or '(none)'}{by_name}")
     else:
         print(f"{run.path}: no jobs recorded")
-    return ids
+    if missed:
+        print(
+            "not cancelled (already finished, or unknown to Slurm): "
+            + ", ".join(f"{j} ({r})" for j, r in missed.items())
+        )
+    return done

@@ -155,7 +155,10 @@ def cancel(path: str) -> list[str]:
         print(f"{folder}: a tune run here, no job to cancel")
         return []
     ids = [job.job_id] if job.job_id else []
-    slurm.cancel(ids, [] if ids else [job.name])
+    missed = slurm.cancel(ids, [] if ids else [job.name])
+    if missed:
+        print(f"the tune job of {folder} was not cancelled: " + ", ".join(f"{j} ({r})" for j, r in missed.items()))
+        return []
     print(f"cancelled the tune job of {folder}: {job.job_id or 'any job named ' + job.name}")
     return ids
 

@@ -167,7 +167,10 @@ def test_second_array_refused_first_one_recorded_and_cancelled(
     assert code == 0 and "cancelled 1 jobs" in out
     calls = (fake_bin.folder / "scancel.calls").read_text().splitlines()
     name = submissions(run)[0]["name"]
-    assert calls[0] == "123" and calls[1] == f"--name={name} --user={os.environ.get('USER') or calls[1].split('=')[-1]}"
+    assert (
+        calls[0] == "--verbose 123"
+        and calls[1] == f"--name={name} --user={os.environ.get('USER') or calls[1].split('=')[-1]}"
+    )
 
 
 def test_timed_out_sbatch_names_the_job_status_finds_it_by_name(

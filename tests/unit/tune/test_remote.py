@@ -89,7 +89,7 @@ def test_no_wait_submits_one_job_status_and_cancel_work_on_it(
     assert code == 2 and "its tune job 4242 is still RUNNING" in err
     assert Path(f"{sbatch}.count").read_text().strip() == "1"
     code, out, err = cli(["cancel", str(folder)], capsys)
-    assert code == 0 and (fake_bin.folder / "scancel.calls").read_text().split() == ["4242"]
+    assert code == 0 and (fake_bin.folder / "scancel.calls").read_text().split() == ["--verbose", "4242"]
 
     # The job's call (what submitit pickled) composes in the login node's directory and tunes here.
     from submitit.core.utils import DelayedSubmission
