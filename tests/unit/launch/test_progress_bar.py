@@ -4,10 +4,12 @@ above it; and the one line a finished `run` ends with."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import re
 import sys
+from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
@@ -98,7 +100,9 @@ def test_a_bar_never_drawn_leaves_nothing() -> None:
     assert out.getvalue() == ""
 
 
-def test_log_lines_are_written_above_the_bar_not_onto_it(capsys: pytest.CaptureFixture[str]) -> None:
+@contextlib.contextmanager
+def console_bar(total: int, desc: str) -> Iterator[tuple[Any, Clock, logging.Logger]]:
+    """The shard loop's bar on stderr beside batchinfer's console log handler, on a fake clock."""
     logger = logging.getLogger("batchinfer")
     handler = logging.StreamHandler(sys.stderr)  # the console handler the CLI sets up
     logger.addHandler(handler)
@@ -106,16 +110,21 @@ def test_log_lines_are_written_above_the_bar_not_onto_it(capsys: pytest.CaptureF
         with bar_aware_logging():
             clock = Clock()
             with mock.patch("tqdm.std.time", clock):
-                bar = progress_bar(722, 0, "run", file=sys.stderr, eta_after_commit=True)
-            logger.warning("starting vLLM engine")  # before the bar is drawn: nothing of it around
-            bar.ready()
-            bar.update(3)
-            logger.warning("shard 0: a line while the bar is drawn")
-            clock.now += 1
-            bar.refresh()
-            bar.close()
+                bar = progress_bar(total, 0, desc, file=sys.stderr, eta_after_commit=True)
+            yield bar, clock, logger
     finally:
         logger.removeHandler(handler)
+
+
+def test_log_lines_are_written_above_the_bar_not_onto_it(capsys: pytest.CaptureFixture[str]) -> None:
+    with console_bar(722, "run") as (bar, clock, logger):
+        logger.warning("starting vLLM engine")  # before the bar is drawn: nothing of it around
+        bar.ready()
+        bar.update(3)
+        logger.warning("shard 0: a line while the bar is drawn")
+        clock.now += 1
+        bar.refresh()
+        bar.close()
     err = capsys.readouterr().err
     assert err.startswith("starting vLLM engine\n"), repr(err)
     lines = re.split(r"[\r\n]", err)
@@ -136,27 +145,18 @@ def test_not_on_a_terminal_the_bar_writes_plain_lines_and_log_lines_stay_whole(
 ) -> None:
     """A Slurm log or `> log 2>&1`: one line per bar state (about every 5 s), no carriage-return
     redraw; a log line on a line of its own, the bar not drawn again for it without progress."""
-    logger = logging.getLogger("batchinfer")
-    handler = logging.StreamHandler(sys.stderr)
-    logger.addHandler(handler)
-    try:
-        with bar_aware_logging():
-            clock = Clock()
-            with mock.patch("tqdm.std.time", clock):
-                bar = progress_bar(40, 0, "s1", file=sys.stderr, eta_after_commit=True)
-            bar.ready()
-            logger.warning("shard 0: first request")
-            clock.now += 1
-            bar.update(5)  # within mininterval: no line
-            clock.now += 5
-            bar.committed()
-            bar.update(15)
-            logger.warning("shard 0: committed 20 rows")
-            clock.now += 6
-            bar.update(20)
-            bar.close()
-    finally:
-        logger.removeHandler(handler)
+    with console_bar(40, "s1") as (bar, clock, logger):
+        bar.ready()
+        logger.warning("shard 0: first request")
+        clock.now += 1
+        bar.update(5)  # within mininterval: no line
+        clock.now += 5
+        bar.committed()
+        bar.update(15)
+        logger.warning("shard 0: committed 20 rows")
+        clock.now += 6
+        bar.update(20)
+        bar.close()
     err = capsys.readouterr().err
     assert "\r" not in err, repr(err)
     assert err.splitlines() == [
