@@ -37,6 +37,8 @@ def clean(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path, engin
         "input.id_column=id",
         "sampling.max_tokens=8",
         "output.commit_every_rows=16",
+        # parts of exactly 16 rows: no 5 s commit of fewer on a slow machine (the default window)
+        "output.commit_every_seconds=600",
         *model_overrides(tiny_model_path),
     ]
     out = read_output(run_local(compose([*base, f"output.dir={d}/clean"]), engine=engine).path)
