@@ -9,8 +9,8 @@ import sys
 from typing import Optional
 
 from batchinfer.errors import BatchinferError
-from batchinfer.logs import setup_logging
-from batchinfer.redaction import record_json, redacting_console
+from batchinfer.logs import redacting_console, setup_logging
+from batchinfer.redaction import record_json
 
 log = logging.getLogger("batchinfer")
 

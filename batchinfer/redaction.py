@@ -10,13 +10,10 @@ from its own environment; one found by name becomes `<redacted>`."""
 from __future__ import annotations
 
 import functools
-import io
 import json
-import logging
 import os
 import re
-import sys
-from typing import Any, Optional, TextIO
+from typing import Any, Optional
 
 import yaml
 
@@ -300,47 +297,3 @@ class _NoAliasDumper(yaml.SafeDumper):
 def record_yaml(obj: Any) -> str:
     """A record as YAML text, redacted, in its own key order, without anchors."""
     return yaml.dump(redact(obj), Dumper=_NoAliasDumper, sort_keys=False, allow_unicode=True)
-
-
-class RedactingStream(io.TextIOBase):
-    """A text stream (stdout, stderr) whose every write is redacted first; the rest is the stream's."""
-
-    def __init__(self, stream: TextIO):
-        self._stream = stream
-
-    def write(self, text: str) -> int:  # type: ignore[override]
-        """Redact, then write."""
-        self._stream.write(redact_text(text))
-        return len(text)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-    def flush(self) -> None:
-        """Flush the wrapped stream."""
-        self._stream.flush()
-
-    def isatty(self) -> bool:
-        """Whether the wrapped stream is a terminal (tqdm asks)."""
-        return self._stream.isatty()
-
-    def fileno(self) -> int:
-        """The wrapped stream's descriptor."""
-        return self._stream.fileno()
-
-
-def redacting_console() -> None:
-    """Redact everything this process prints to stdout and stderr (idempotent)."""
-    if not isinstance(sys.stdout, RedactingStream):
-        sys.stdout = RedactingStream(sys.stdout)  # type: ignore[assignment]
-    if not isinstance(sys.stderr, RedactingStream):
-        sys.stderr = RedactingStream(sys.stderr)  # type: ignore[assignment]
-
-
-class RedactingFilter(logging.Filter):
-    """A logging filter that redacts each record's message (its arguments filled in first)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        """Redact the message in place; keep the record."""
-        record.msg, record.args = redact_text(record.getMessage()), None
-        return True

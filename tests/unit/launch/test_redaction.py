@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from batchinfer import redaction, security
+from batchinfer import logs, redaction, security
 from batchinfer.config.compose import compose
 from batchinfer.errors import ConfigError
 from batchinfer.launch import slurm
@@ -84,10 +84,10 @@ def test_printed_lines_and_log_lines_are_redacted(
     import sys
 
     monkeypatch.setenv("MY_SERVICE_TOKEN", VALUE)
-    stream = redaction.RedactingStream(sys.stdout)
+    stream = logs.RedactingStream(sys.stdout)
     print(f"submitting --token {VALUE} x", file=stream)
     record = logging.LogRecord("batchinfer", logging.INFO, "f", 1, "ran %s", (f"DB_PASS=pw {VALUE}",), None)
-    redaction.RedactingFilter().filter(record)
+    logs.RedactingFilter().filter(record)
     assert capsys.readouterr().out == "submitting --token ${oc.env:MY_SERVICE_TOKEN} x\n"
     assert record.getMessage() == f"ran DB_PASS={REDACTED} ${{oc.env:MY_SERVICE_TOKEN}}"
 
