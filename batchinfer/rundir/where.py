@@ -202,9 +202,13 @@ class _Parser:
             value: Value = _unquote(tok.text)
             ok = pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_dictionary(typ)
         elif tok.kind == "number":
-            value = float(tok.text) if re.search(r"[.eE]", tok.text) else int(tok.text)
+            is_float = re.search(r"[.eE]", tok.text) is not None
+            # past 19 significant digits no integer fits 64 bits; int() of > 4300 digits would raise
+            sign, digits = ("-" if tok.text.startswith("-") else ""), tok.text.lstrip("+-").lstrip("0")
+            huge = not is_float and len(digits) > 19
+            value = float(tok.text) if is_float else 0 if huge else int(sign + (digits or "0"))
             ok = pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_decimal(typ)
-            if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+            if huge or (isinstance(value, int) and not INT64[0] <= value <= INT64[1]):
                 shown = tok.text if len(tok.text) <= 30 else f"{tok.text[:12]}...({len(tok.text)} digits)"
                 raise _error(
                     self.text,

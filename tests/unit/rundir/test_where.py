@@ -105,3 +105,11 @@ def test_an_integer_past_int64_is_refused_naming_the_limit(literal: str) -> None
 @pytest.mark.parametrize("literal", ["9223372036854775807", "-9223372036854775808"])
 def test_the_int64_limits_themselves_compile(literal: str) -> None:
     assert ids(f"row <= {literal}") == (["a", "b", "c", "d", "e"] if literal[0] != "-" else [])
+
+
+def test_an_integer_past_pythons_digit_limit_is_refused_in_one_line() -> None:
+    """An integer literal of more than 4300 digits (Python's int() limit) is out of range, not a
+    ValueError traceback (attack 42, B7); leading zeros do not make a number huge."""
+    with pytest.raises(WhereError, match=r"9{12}\.\.\.\(5000 digits\) is outside the 64-bit integer range"):
+        compile_where("row == " + "9" * 5000, SCHEMA)
+    assert TABLE.filter(compile_where("row == " + "0" * 5000 + "1", SCHEMA)).column("id").to_pylist() == ["b"]
