@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any, TextIO
 
-from batchinfer.redaction import redact_text
+from batchinfer.redaction import redact_printed, redact_text
 
 log = logging.getLogger("batchinfer")
 
@@ -37,7 +37,7 @@ class RedactingStream(io.TextIOBase):
 
     def write(self, text: str) -> int:  # type: ignore[override]
         """Redact, then write."""
-        self._stream.write(redact_text(text))
+        self._stream.write(redact_printed(text))  # a --json document stays JSON
         return len(text)
 
     def __getattr__(self, name: str) -> Any:

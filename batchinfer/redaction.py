@@ -1,6 +1,10 @@
 """The one redaction: every record batchinfer writes (run.yaml, pass.json, jobs.jsonl, tune files,
 trial specs, sbatch scripts) and every line it prints goes through here, so no command can forget it.
 
+Records a command reads back to run (run.yaml, pass.json, a tune's job.json, a trial's spec.json)
+hold exactly what runs (exact_json, exact_yaml): only the values of secret-named keys are struck,
+never a free-text value (a prompt's `key={key}`, a stop string), which text patterns would damage.
+
 Secrets are found as secret scanners find them: by name (a word part token, secret, password,
 pass, pwd, key, jwt, cookie, credential, webhook, auth, ...), by a URL's `user:password@`, and by
 value (the value of a secret-named variable of this environment, or of a secret given in the
@@ -57,9 +61,17 @@ LOCATION_PARTS = frozenset({"path", "file", "dir", "sock", "socket", "home"})
 
 # Subtrees whose keys are the user's columns, not settings: few-shot examples, run.yaml's column summary.
 ROW_DATA = ("prompt.examples", "output_schema.columns")
+# Maps whose keys are the user's labels, not settings nor variables: a LoRA adapter named `auth`
+# or `token_classifier` holds a folder, no secret.
+LABEL_MAPS = ("model.lora.adapters",)
+# Lists of Hydra overrides in records read back (pass.json, a tune's job.json, a trial's spec.json):
+# a secret-named key's value is struck from each (strike_override), the rest kept as typed.
+OVERRIDE_LISTS = frozenset({"overrides", "tries"})
 
 # scheme://user:password@: one slash or more, as a path's normalisation leaves it (https:/bob:pw@host).
-_URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*:/+[^\s:/@'\"${}]+):([^\s@/'\"]+)@")
+# The user may be empty (redis://:PASSWORD@host); the password runs to the last @ before the host
+# (postgres://bob:p@ss@db: a password may hold an @).
+_URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*:/+[^\s:/@'\"${}]*):([^\s/'\"]+)@")
 # NAME=value as a shell line or an override writes it (+cluster.env.DB_PASS=x); $NAME values are references.
 _ASSIGNMENT = re.compile(r"(?<![\w$.\-])([+~]{0,2}[A-Za-z_][\w.\-]*)=(\"[^\"]*\"|'[^']*'|[^\s;&|,)\]}`]+)")
 # --token VALUE, --api-key=VALUE: an option with a secret name and its argument.
@@ -242,6 +254,29 @@ def redact_text(text: str, values: Optional[list[tuple[str, str]]] = None) -> st
     return _command_secrets(_FLAG.sub(flag, _ASSIGNMENT.sub(assignment, text)))
 
 
+# A JSON string literal, as json.dumps writes it.
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def redact_printed(text: str) -> str:
+    """A printed text with its secrets struck (redact_text); a JSON document (`--json`) string by
+    string, so that a value ending in `key=` cannot swallow the quote after it and break the JSON."""
+    stripped = text.strip()
+    if stripped[:1] in ("{", "[") and stripped[-1:] in ("}", "]"):
+        try:
+            json.loads(stripped)
+        except ValueError:
+            return redact_text(text)
+        return _JSON_STRING.sub(_redact_json_string, text)
+    return redact_text(text)
+
+
+def _redact_json_string(m: re.Match[str]) -> str:
+    value = json.loads(m.group(0))
+    struck = redact_text(value)
+    return m.group(0) if struck == value else json.dumps(struck, ensure_ascii=False)
+
+
 def redact(obj: Any, path: str = "") -> Any:
     """A copy of a record (dicts, lists, strings) safe to store or print: values under secret-named
     keys become <redacted>; every string is redacted as text (redact_text)."""
@@ -251,7 +286,7 @@ def redact(obj: Any, path: str = "") -> Any:
 def _redact(obj: Any, path: str, values: list[tuple[str, str]]) -> Any:
     if isinstance(obj, dict):
         out = {}
-        row_data = path.endswith(ROW_DATA)
+        row_data = path.endswith(ROW_DATA) or path.endswith(LABEL_MAPS)
         for k, v in obj.items():
             key = f"{path}.{k}" if path else str(k)
             in_env = path == "env" or path.endswith(".env")
@@ -274,6 +309,70 @@ def _strike(value: Any) -> Any:
     if isinstance(value, str) and value and not (env_refs(value) and ENV_REF.fullmatch(value)):
         return REDACTED
     return value
+
+
+def strike_override(override: str) -> str:
+    """A Hydra override (or a --try's words) as a record read back keeps it: a secret-named key's
+    value (cluster.env.HF_TOKEN=..., env.HF_TOKEN=...) struck, or a URL's password in an
+    environment entry; any other override exactly as typed."""
+    key, sep, value = override.partition("=")
+    path = key.lstrip("+~")
+    name = path.rsplit(".", 1)[-1]
+    env = path.startswith(("cluster.env.", "env."))
+    label = any(path.startswith(m + ".") for m in LABEL_MAPS)
+    secret = not label and (is_secret_name(name) or (env and has_url_password(_unquoted(value))))
+    if sep and secret and _named_value(value, name):
+        return f"{key}={REDACTED}"
+    return override
+
+
+def strike_try(text: str) -> str:
+    """A tune's --try ('k=v env.NAME=V', shell words) with its secret values struck (strike_override)."""
+    import shlex
+
+    try:
+        words = shlex.split(text)
+    except ValueError:
+        return text  # refused when parsed (tune/settings.py): no setting to strike
+    struck = [strike_override(w) for w in words]
+    if struck == words:
+        return text
+    return " ".join(
+        s if s != w else shlex.quote(w) for s, w in zip(struck, words, strict=True)
+    )  # `k=<redacted>` splits as one
+
+
+def exact(obj: Any, path: str = "") -> Any:
+    """A copy of a record read back to run: the values of secret-named keys struck (and a URL's
+    password in an environment entry), lists of overrides struck as strike_override does; every
+    other value exactly as it is, so what a command reads back is what the user gave."""
+    if isinstance(obj, dict):
+        out = {}
+        keep = path.endswith(ROW_DATA) or path.endswith(LABEL_MAPS)
+        in_env = path == "env" or path.endswith(".env")
+        for k, v in obj.items():
+            key = f"{path}.{k}" if path else str(k)
+            if not keep and (is_secret_name(str(k)) or (in_env and has_url_password(v))):
+                out[k] = _strike(v)
+            elif str(k) in OVERRIDE_LISTS and isinstance(v, (list, tuple)):
+                strike = strike_try if k == "tries" else strike_override
+                out[k] = [strike(o) if isinstance(o, str) else exact(o, key) for o in v]
+            else:
+                out[k] = exact(v, key)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [exact(v, path) for v in obj]
+    return obj
+
+
+def exact_json(obj: Any, **dumps: Any) -> str:
+    """A record read back to run as JSON text (exact; json.dumps's keyword arguments pass through)."""
+    return json.dumps(exact(obj), **dumps)
+
+
+def exact_yaml(obj: Any) -> str:
+    """A record read back to run (run.yaml) as YAML text (exact), in its own key order, without anchors."""
+    return yaml.dump(exact(obj), Dumper=_NoAliasDumper, sort_keys=False, allow_unicode=True)
 
 
 def record_json(obj: Any, **dumps: Any) -> str:

@@ -15,6 +15,7 @@ from typing import Any, Optional
 from batchinfer.errors import ConfigError
 from batchinfer.redaction import (
     ENV_REF,
+    LABEL_MAPS,
     REDACTED,
     ROW_DATA,
     carry,
@@ -23,6 +24,7 @@ from batchinfer.redaction import (
     is_secret_name,
     redact_text,
     resolve_refs,
+    secret_values,
 )
 
 PRIVATE = {"user": (0o077, 0o700), "group": (0o027, 0o750)}  # umask, DIR mode
@@ -76,6 +78,47 @@ def check_config_secrets(c: dict[str, Any]) -> None:
             f"cluster.env.NAME, which is never stored"
         )
     carry_secrets(cluster)
+    check_secret_values(c)
+
+
+def check_secret_values(c: dict[str, Any]) -> None:
+    """Refuse a secret's value (a secret-named variable's of this environment, or one given in
+    cluster.env / cluster.env_inherit) inside any other config value: records hold exactly what
+    runs, so it would be stored; rewriting it into a reference would run other text where the
+    variable is missing."""
+    values = secret_values()
+    if not values:
+        return
+    for key, text in _string_values(c, ""):
+        for value, name in values:
+            if value in text:
+                whose = f"the value of {name}, a secret" if name else "a password given in the overrides"
+                advice = (
+                    f"; if it is no secret, unset {name} in this shell or give it a name without a secret word"
+                    if name
+                    else ""
+                )
+                raise ConfigError(
+                    f"{key} holds {whose} ({len(value)} characters), and the config is stored in DIR/run.yaml "
+                    f"where others may read it (tasks, resume and redo run what it holds, so the value is "
+                    f"neither stored nor rewritten): take it out of {key}{advice}, then run the command again"
+                )
+
+
+def _string_values(node: Any, key: str) -> Iterator[tuple[str, str]]:
+    """(key, text) of every string in a config, cluster.env's secret entries (the secrets
+    themselves, never stored) left out."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            sub = f"{key}.{k}" if key else str(k)
+            if key == "cluster.env" and is_secret_entry(str(k), v):
+                continue
+            yield from _string_values(v, sub)
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            yield from _string_values(v, f"{key}[{i}]")
+    elif isinstance(node, str):
+        yield key, node
 
 
 def carry_secrets(cluster: dict[str, Any]) -> None:
@@ -90,7 +133,8 @@ def carry_secrets(cluster: dict[str, Any]) -> None:
 
 
 def _secret_keys(node: Any, prefix: str) -> Iterator[str]:
-    if prefix in ROW_DATA or prefix == "cluster.env" or not isinstance(node, dict):
+    # a map's labels (LABEL_MAPS: a LoRA adapter's name) are no variables: `auth` there is a name
+    if prefix in ROW_DATA or prefix in LABEL_MAPS or prefix == "cluster.env" or not isinstance(node, dict):
         return
     for k, v in node.items():
         key = f"{prefix}.{k}" if prefix else str(k)
@@ -99,15 +143,17 @@ def _secret_keys(node: Any, prefix: str) -> Iterator[str]:
         yield from _secret_keys(v, key)
 
 
-def _secret_value(name: str, value: Any) -> str:
-    """A secret entry's value to pass on: as given, or (struck in DIR, e.g. at resume) this shell's own."""
+def secret_value(name: str, value: Any, key: str = "", folder: str = "DIR") -> str:
+    """A secret entry's value to pass on: as given, or (struck in a record, e.g. at resume, or in a
+    tune job) this process's environment's own; refused naming key (cluster.env.NAME) when unset."""
     text = resolve_refs(str(value))
     if REDACTED not in text and not env_refs(text):
         return text
+    key = key or f"cluster.env.{name}"
     if name not in os.environ:
         raise ConfigError(
-            f"cluster.env.{name} is a secret, and secrets are not stored in DIR: `export {name}=...` "
-            f"in this shell (or pass cluster.env.{name}=... again), then run the command again"
+            f"{key} is a secret, and secrets are not stored in {folder}: `export {name}=...` "
+            f"in this shell (or pass {key}=... again), then run the command again"
         )
     return os.environ[name]
 
@@ -116,7 +162,7 @@ def secret_env(env: Mapping[str, Optional[str]], inherit: Sequence[str] = ()) ->
     """The secrets to pass through the environment of sbatch: cluster.env's secret entries (given
     values, or for <redacted> ones, e.g. at resume, the submitting shell's own) and the variables
     cluster.env_inherit names, which this shell must have."""
-    out = {name: _secret_value(name, value) for name, value in env.items() if is_secret_entry(name, value)}
+    out = {name: secret_value(name, value) for name, value in env.items() if is_secret_entry(name, value)}
     missing = [n for n in inherit if n not in os.environ and n not in out]
     if missing:
         raise ConfigError(

@@ -14,11 +14,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchinfer import ownership
-from batchinfer.durable import read_json, write_json
+from batchinfer.durable import read_json
+from batchinfer.durable import write_record as write_text_record
 from batchinfer.errors import RunDirError
 from batchinfer.locks.holder import Verdict
 from batchinfer.ownership import Found, Kind
-from batchinfer.redaction import redact
+from batchinfer.redaction import exact_json, strike_override
 from batchinfer.rundir.store import PREPARE_LAYOUT, RunDir
 
 PASSES_DIR = "passes"
@@ -46,8 +47,10 @@ class PassRecord:
     created: str
 
     def same_command(self, where: str, overrides: list[str], config_dir: Optional[str]) -> bool:
-        """Whether a redo command is the one that made this pass (pass.json holds it redacted)."""
-        return [self.where, list(self.overrides), self.config_dir] == redact([where, list(overrides), config_dir])
+        """Whether a redo command is the one that made this pass: the where text and the overrides as
+        typed (pass.json holds them so; only a secret-named key's value is struck, on both sides)."""
+        typed = [strike_override(o) for o in overrides]
+        return (self.where, list(self.overrides), self.config_dir) == (where, typed, config_dir)
 
     def describe(self) -> str:
         """`--where '...' overrides` as typed."""
@@ -93,7 +96,7 @@ def read_record(path: Path) -> PassRecord:
 def write_record(path: Path, number: int, where: str, overrides: list[str], config_dir: Optional[str]) -> PassRecord:
     """Write pass.json (rows unknown yet: -1) into a new pass folder."""
     rec = PassRecord(number, where, list(overrides), config_dir, -1, time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    write_json(path / PASS_JSON, asdict(rec))
+    _write(path, asdict(rec))
     return rec
 
 
@@ -101,7 +104,12 @@ def set_rows(path: Path, rows: int) -> None:
     """Record how many rows the pass selected."""
     rec = read_json(path / PASS_JSON)
     rec["rows"] = rows
-    write_json(path / PASS_JSON, rec)
+    _write(path, rec)
+
+
+def _write(path: Path, rec: dict[str, Any]) -> None:
+    """pass.json, read back to run the pass: exactly as typed but a secret-named key's value."""
+    write_text_record(path / PASS_JSON, exact_json(rec, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def is_pass(run: RunDir) -> bool:

@@ -46,7 +46,7 @@ from batchinfer.models.identity import IdentityRecord, ModelIdentity, recorded_i
 from batchinfer.models.locations import resolve_model
 from batchinfer.models.pooling import embedding_dim
 from batchinfer.models.tokens import model_dir
-from batchinfer.redaction import redact
+from batchinfer.redaction import exact
 from batchinfer.requests.prompts import apply_labels, messages_note
 from batchinfer.requests.row_templates import check_row_templates
 from batchinfer.rundir.model_record import KEY as MODEL_IDENTITY
@@ -207,7 +207,8 @@ def _reopen(
         made = f"batchinfer {found.mark.command}" if found.mark else "batchinfer"
         raise FolderRefused(f"output.dir {run.path} is a folder {made} made, not a run directory; choose another")
     old = run.run
-    changes = key_changes(redact(old["fingerprint_keys"]), redact(keys))  # run.yaml holds them redacted
+    # run.yaml holds them exactly but a secret-named key's value (struck on both sides)
+    changes = key_changes(exact(old["fingerprint_keys"]), exact(keys))
     if changes:
         shown = ", ".join(describe_change(*change) for change in changes)
         maker = f" (made by {found.mark.describe()})" if found.mark else ""

@@ -15,7 +15,7 @@ from batchinfer.errors import RunDirError
 from batchinfer.inputs.shards import Shard
 from batchinfer.models.identity import IdentityRecord
 from batchinfer.ownership import Layout
-from batchinfer.redaction import record_yaml, resolve_refs
+from batchinfer.redaction import exact_yaml, resolve_refs
 from batchinfer.rundir.schema import schema_from_text
 from batchinfer.rundir.shard_folder import ShardFolder
 
@@ -160,8 +160,9 @@ class RunDir:
         return self._run
 
     def write_run(self, record: RunRecord) -> None:
-        """Write run.yaml atomically, redacted (redaction.record_yaml); the record as given is kept in memory."""
-        write_record(self.run_yaml, record_yaml(record))
+        """Write run.yaml atomically, exactly what runs but a secret-named key's value
+        (redaction.exact_yaml); the record as given is kept in memory."""
+        write_record(self.run_yaml, exact_yaml(record))
         self._run = record
         self._config = None
 

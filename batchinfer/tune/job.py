@@ -4,7 +4,6 @@ what `status TUNE` and `cancel TUNE` do with it."""
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import time
 from dataclasses import asdict, dataclass, field
@@ -14,7 +13,7 @@ from typing import Any, Optional
 from batchinfer import slurm_states
 from batchinfer.errors import RunDirError
 from batchinfer.launch import slurm
-from batchinfer.redaction import record_json
+from batchinfer.redaction import exact_json, record_json
 
 JOB_FILE = "job.json"
 RESULT_FILE = "tune.json"
@@ -38,13 +37,11 @@ class TuneJob:
 
 
 def write_record(folder: Path, job: TuneJob) -> None:
-    """TUNE/job.json, written whole under a temporary name, fsynced and renamed."""
-    tmp = folder / f".{JOB_FILE}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(record_json(asdict(job), indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(folder / JOB_FILE)
+    """TUNE/job.json, written atomically: the job composes from it, so it holds the overrides exactly
+    but a secret-named key's value (redaction.exact_json), owner-only when it marks a secret's place."""
+    from batchinfer.durable import write_record as write_text_record
+
+    write_text_record(folder / JOB_FILE, exact_json(asdict(job), indent=2) + "\n")
 
 
 def read_record(folder: Path) -> Optional[TuneJob]:

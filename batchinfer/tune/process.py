@@ -13,7 +13,8 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from batchinfer.redaction import carried, record_json
+from batchinfer.durable import write_record
+from batchinfer.redaction import carried, exact_json
 from batchinfer.tune.halving import Rung, TrialFailed
 from batchinfer.tune.settings import Setting
 
@@ -33,7 +34,8 @@ class TrialProcess:
         self.setting = setting
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "spec.json").write_text(record_json(spec, indent=2), encoding="utf-8")
+        # the trial composes from it: exactly what runs but a secret's value (carried in its environment)
+        write_record(folder / "spec.json", exact_json(spec, indent=2))
         self.proc: Optional[subprocess.Popen[str]] = None
         self.lines: queue.Queue[Optional[str]] = queue.Queue()
 

@@ -29,6 +29,7 @@ from batchinfer.redaction import record_json
 from batchinfer.tune.command import Options, owned_folder, tune, tune_folder
 from batchinfer.tune.job import RESULT_FILE, JobState, TuneJob, job_state, read_record, wait_seconds, write_record
 from batchinfer.tune.results import format_result
+from batchinfer.tune.settings import try_secrets
 
 log = logging.getLogger("batchinfer")
 # Beyond --minutes (the trials' budget), the job's time limit leaves this for drawing the pilot
@@ -109,7 +110,12 @@ def _submit(c: Any, opts: Options, fp: str, folder: Path, say: Callable[[str], N
     name = f"bi-tune-{fp[:8]}-{hashlib.sha256(str(folder).encode()).hexdigest()[:4]}"
     job = TuneJob(name, str(folder / "logs"), time.time(), minutes, request(opts, folder))
     write_record(folder, job)  # before sbatch: `cancel` finds the job by name if sbatch times out
-    with security.submission_env(cluster.env, cluster.env_inherit), security.private_umask(c.output.private):
+    secrets = try_secrets(list(opts.tries or []))  # job.json strikes them: the job's environment carries them
+    with (
+        security.submission_env(cluster.env, cluster.env_inherit),
+        security.applied_env(dict(secrets)),
+        security.private_umask(c.output.private),
+    ):
         ex = make_executor(folder / "logs", job_parameters(cluster, minutes, name))
         try:
             submitted = ex.submit(tune_job, str(folder))

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from batchinfer.errors import ConfigError
+from batchinfer.redaction import is_secret_name
+from batchinfer.security import secret_value
 
 MAX_NUM_SEQS = (64, 128, 512)
 MAX_NUM_BATCHED_TOKENS = (2048, 4096, 16384)
@@ -60,7 +62,23 @@ def parse_tries(tries: list[str]) -> list[Setting]:
         if bad:
             raise ConfigError(f"--try {text!r}: {bad[0]!r} is not a key=value override")
         env = {w.split("=", 1)[0].removeprefix("env."): w.split("=", 1)[1] for w in words if w.startswith("env.")}
+        # a secret struck in TUNE/job.json: the tune job's environment carries it (security.submission_env)
+        env = {k: secret_value(k, v, f"env.{k}", f"the tune folder (--try {text!r})") for k, v in env.items()}
         out.append(Setting(tuple(w for w in words if not w.startswith("env.")), env))
+    return out
+
+
+def try_secrets(tries: list[str]) -> dict[str, str]:
+    """The secret env.NAME values the tries give (redaction.is_secret_name): a tune job gets them
+    in its environment, never from TUNE/job.json; one name with two values is refused."""
+    out: dict[str, str] = {}
+    for setting in parse_tries(tries):
+        for name, value in setting.env.items():
+            if is_secret_name(name) and out.setdefault(name, value) != value:
+                raise ConfigError(
+                    f"--try gives env.{name} two values; a secret travels in the tune job's environment, "
+                    f"which holds one: tune each value in its own tune (--out)"
+                )
     return out
 
 

@@ -29,7 +29,7 @@ BY_NAME = {
 }
 DB_PASSWORD = "pgPLANTEDurlpw"  # in DATABASE_URL, whose name is no secret's
 HF = "hf_PLANTEDenv0123456789"  # only in the environment, used through ${oc.env:HF_TOKEN}
-BY_VALUE = "PLANTEDvalue-0123456789"  # MY_SERVICE_TOKEN's value, given in keys that are no secret's
+BY_VALUE = "PLANTEDvalue-0123456789"  # MY_SERVICE_TOKEN's value: refused in keys that are no secret's
 PLANTED = [*BY_NAME.values(), DB_PASSWORD, HF, BY_VALUE]
 
 
@@ -39,13 +39,12 @@ def planted_env() -> dict[str, str]:
 
 
 def secret_overrides() -> list[str]:
-    """Secrets by name in cluster.env, a URL's password, a secret's value in keys that are not
-    secret-named, ${oc.env:HF_TOKEN} in a few-shot example, a reference in cluster.setup."""
+    """Secrets by name in cluster.env, a URL's password, ${oc.env:HF_TOKEN} in a few-shot
+    example, a reference in cluster.setup (a secret's value in other keys: refused, by_value)."""
     return [
         *(f"+cluster.env.{k}={v}" for k, v in BY_NAME.items()),
         f"+cluster.env.DATABASE_URL=postgres://app:{DB_PASSWORD}@db.example/app",
-        f"+cluster.env.PLAIN_SETTING={BY_VALUE}",
-        f"cluster.setup=['echo \"{BY_VALUE}\" >/dev/null', 'login --token \"$HF_TOKEN\"']",
+        "cluster.setup=['echo ok >/dev/null', 'login --token \"$HF_TOKEN\"']",
         "prompt.examples=[{text: '${oc.env:HF_TOKEN}', answer: ok}]",
         "cluster.env_inherit=[HF_TOKEN]",
     ]
@@ -69,28 +68,31 @@ def test_no_command_writes_or_prints_a_secret(tmp_path: Path, tiny_model_path: P
     env = planted_env()
     printed: dict[str, str] = {}
 
-    def cli(*args: str) -> str:
-        res = run_cli(list(args), env=env, preexec_fn=lambda: os.umask(0o022))
-        assert res.returncode == 0, res.stderr[-3000:]
+    def cli(*args: str, code: int = 0, shell: dict[str, str] = env) -> str:
+        res = run_cli(list(args), env=shell, preexec_fn=lambda: os.umask(0o022))
+        assert res.returncode == code, res.stderr[-3000:]
         printed[f"{len(printed)}: {args[0]}"] = res.stdout + res.stderr
         return res.stdout + res.stderr
 
     ov = run_overrides(tiny_model_path, corpus, out, *secret_overrides())
+    # a secret's value in keys that are no secret's is refused, naming the key and the variable
+    for by_value in (f"+cluster.env.PLAIN_SETTING={BY_VALUE}", f"cluster.setup=['echo \"{BY_VALUE}\"']"):
+        said = cli("validate", *ov, by_value, code=2)
+        assert "holds the value of MY_SERVICE_TOKEN, a secret" in said, said
     cli("submit", "--cfg", "job", *ov)
     said = cli("run", *ov)
     assert "user-private as its input is" in said, said
     # The task resolved the example's ${oc.env:HF_TOKEN}: the same answers as the value written out
-    # (which run.yaml holds as a reference too).
-    literal = [o for o in ov if not o.startswith("prompt.examples=")]
+    # (in a shell where HF_TOKEN is no secret variable: else that value is refused there).
+    literal = [o for o in ov if not o.startswith(("prompt.examples=", "cluster.env_inherit="))]
     literal += [f"prompt.examples=[{{text: {HF}, answer: ok}}]", f"output.dir={tmp_path / 'literal'}"]
-    cli("run", *literal)
+    cli("run", *literal, shell={k: v for k, v in env.items() if k != "HF_TOKEN"})
     assert read_output(out) == read_output(tmp_path / "literal") and len(read_output(out)) == 12
     stored = yaml.safe_load((out / "run.yaml").read_text())["config"]
     # secrets by name are struck; a secret's value is a reference to its variable, which a task resolves
     assert {k: stored["cluster"]["env"][k] for k in BY_NAME} == dict.fromkeys(BY_NAME, "<redacted>")
     assert stored["cluster"]["env"]["DATABASE_URL"] == "<redacted>"
-    assert stored["cluster"]["env"]["PLAIN_SETTING"] == "${oc.env:MY_SERVICE_TOKEN}"
-    assert stored["cluster"]["setup"][0] == 'echo "${oc.env:MY_SERVICE_TOKEN}" >/dev/null'
+    assert stored["cluster"]["setup"][1] == 'login --token "$HF_TOKEN"'
     assert stored["prompt"]["examples"] == [{"text": "${oc.env:HF_TOKEN}", "answer": "ok"}]
     # the input's own restriction is kept on DIR/input (umask 022 would make it 0644)
     made = [p for p in (out / "input").rglob("*") if p.is_file()]
@@ -102,8 +104,8 @@ def test_no_command_writes_or_prints_a_secret(tmp_path: Path, tiny_model_path: P
     cli("resume", str(out), "cluster.env.SESSION_COOKIE=" + BY_NAME["SESSION_COOKIE"])
     cli("redo", str(out), "--where", "row < 4", f"cluster.env.GITHUB_PAT={BY_NAME['GITHUB_PAT']}", "sampling.seed=7")
     status = cli("status", str(out))
-    # a value the environment holds is shown as a reference to its variable
-    assert "cluster.env.GITHUB_PAT=${oc.env:GITHUB_PAT} sampling.seed=7" in status
+    # pass.json holds the redo's overrides as typed, a secret-named key's value struck
+    assert "cluster.env.GITHUB_PAT=<redacted> sampling.seed=7" in status
     cli("status", str(out), "--json")
     cli("cancel", str(out))
     cli("tune", *ov, "--rows", "8", "--try", "defaults", "--out", str(tune), "--json")

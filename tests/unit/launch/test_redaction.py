@@ -109,8 +109,10 @@ def test_a_secret_argument_in_setup_is_refused_and_a_reference_is_not(monkeypatc
     with pytest.raises(ConfigError, match=r"cluster.setup\[0\] gives a secret") as e:
         compose(["cluster.setup=['huggingface-cli login --token hf_PLANTEDarg1234']"])
     assert "hf_PLANTEDarg1234" not in str(e.value)
-    monkeypatch.setenv("HF_TOKEN", "hf_PLANTEDarg1234")  # this shell's secret: the line refers to it instead
-    compose(["cluster.setup=['huggingface-cli login --token \"hf_PLANTEDarg1234\"']"])
+    monkeypatch.setenv("HF_TOKEN", "hf_PLANTEDarg1234")  # this shell's secret: refused by value, naming it
+    with pytest.raises(ConfigError, match=r"cluster.setup\[0\] holds the value of HF_TOKEN, a secret") as e:
+        compose(["cluster.setup=['huggingface-cli login --token \"hf_PLANTEDarg1234\"']"])
+    assert "hf_PLANTEDarg1234" not in str(e.value)
     compose(["cluster.setup=['huggingface-cli login --token \"$HF_TOKEN\"']"])
 
 
