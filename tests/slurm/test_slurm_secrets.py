@@ -28,13 +28,13 @@ BY_NAME = {
 DB_PASSWORD = "pgPLANTEDurl98"
 DATABASE_URL = f"postgres://app:{DB_PASSWORD}@db.example/app"
 HF = "hf_PLANTEDinherit9876543210"  # in the environment only: cluster.env_inherit=[HF_TOKEN]
-BY_VALUE = "PLANTEDvalue-9876543210"  # MY_SERVICE_TOKEN's value, written into keys that are no secret's
+BY_VALUE = "PLANTEDvalue-9876543210"  # MY_SERVICE_TOKEN's value: refused in keys that are no secret's
 PLANTED = [*BY_NAME.values(), DB_PASSWORD, HF, BY_VALUE]
 # Each task's setup prints a digest of what reached it: the value, never the value itself.
 SETUP = (
     "cluster.setup=["
     "'printf %s \"$HF_TOKEN\" | sha256sum | sed s/^/hf-token-/', "
-    f"'printf %s \"{BY_VALUE}\" | sha256sum | sed s/^/by-value-/', "
+    "'printf %s \"$MY_SERVICE_TOKEN\" | sha256sum | sed s/^/by-value-/', "
     "'printf %s \"$DATABASE_URL\" | sha256sum | sed s/^/db-url-/']"
 )
 
@@ -43,7 +43,9 @@ def sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def overrides(tmp: Path, corpus: Path, model: Path, example: str, out: Path) -> list[str]:
+def overrides(
+    tmp: Path, corpus: Path, model: Path, example: str, out: Path, inherit: str = "[HF_TOKEN,MY_SERVICE_TOKEN]"
+) -> list[str]:
     return cluster_overrides(
         tmp,
         corpus,
@@ -52,8 +54,7 @@ def overrides(tmp: Path, corpus: Path, model: Path, example: str, out: Path) -> 
         SETUP,
         *(f"+cluster.env.{k}={v}" for k, v in BY_NAME.items()),
         f"+cluster.env.DATABASE_URL={DATABASE_URL}",
-        f"+cluster.env.PLAIN_SETTING={BY_VALUE}",
-        "cluster.env_inherit=[HF_TOKEN]",
+        f"cluster.env_inherit={inherit}",
         f"prompt.examples=[{{text: {example}, answer: ok}}]",
         out=out,
     )
@@ -76,18 +77,27 @@ def test_secrets_reach_tasks_by_name_and_no_record_or_output_holds_them(
         return res.stdout + res.stderr
 
     ov = overrides(tmp_path, corpus, tiny_model_path, "'${oc.env:HF_TOKEN}'", run_dir)
+    # a secret's value in a key that is no secret's is refused (records hold exactly what runs)
+    refused = run_cli(["validate", *ov, f"+cluster.env.PLAIN_SETTING={BY_VALUE}"], env=env)
+    assert refused.returncode == 2 and "holds the value of MY_SERVICE_TOKEN" in refused.stderr, refused.stderr
+    printed["refused"] = refused.stdout + refused.stderr
     cli("submit", *ov, "--dry-run")
     cli("submit", *ov)
     wait_until_idle(run_dir)
     # the task resolved ${oc.env:HF_TOKEN} from its environment: the answers of the value written out
-    cli("run", *overrides(tmp_path, corpus, tiny_model_path, HF, literal), "cluster=local")
+    # (in a shell where HF_TOKEN is no secret variable: else that value is refused there)
+    plain = {k: v for k, v in env.items() if k != "HF_TOKEN"}
+    said = run_cli(
+        ["run", *overrides(tmp_path, corpus, tiny_model_path, HF, literal, "[]"), "cluster=local"], env=plain
+    )
+    assert said.returncode == 0, said.stderr[-3000:]
     assert read_output(run_dir) == read_output(literal) and len(read_output(run_dir)) == 10
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").rglob("*_log.*"))
     for prefix, value in (("hf-token", HF), ("by-value", BY_VALUE), ("db-url", DATABASE_URL)):
         assert f"{prefix}-{sha(value)}" in logs, (prefix, logs[-3000:])
-    # a secret's value in a key that is no secret's: the script reads it from the task's environment
+    # secrets by name get no export line: the scripts leave them to the task's environment
     scripts = [p.read_text() for p in (run_dir / "logs").rglob("*_submission.sh")]  # the array's, the merge's
-    assert len(scripts) == 2 and all('export PLAIN_SETTING="${MY_SERVICE_TOKEN}"' in s for s in scripts)
+    assert len(scripts) == 2 and all("export DB_PASS" not in s and '"$MY_SERVICE_TOKEN"' in s for s in scripts)
     cli("status", str(run_dir))
     cli("status", str(run_dir), "--json")
     cli("report", str(run_dir), "--json")
