@@ -62,12 +62,12 @@ def test_eio_after_a_part_is_published_never_commits_its_rows_twice(
     if where.startswith("progress"):
         real = durable.atomic_write
 
-        def flaky(path: Path, data: bytes, fault_prefix: Any = None) -> None:
+        def flaky(path: Path, data: bytes, fault_prefix: Any = None, **kw: Any) -> None:
             if path.name == "progress.json":
                 calls["n"] += 1
                 if calls["n"] == 3:
                     raise OSError(errno.EIO, "Input/output error", str(path))
-            real(path, data, fault_prefix)
+            real(path, data, fault_prefix, **kw)
 
         monkeypatch.setattr(durable, "atomic_write", flaky)
     else:
