@@ -474,6 +474,13 @@ CHECKS: tuple[Check, ...] = (
         "config/schema.py refuses a reasoning parser not in vllm_names.REASONING_PARSERS",
     ),
     Check(
+        "model.lora.max_lora_rank values",
+        "names",
+        "vllm.config.lora:MaxLoRARanks",
+        ("LORA_RANKS",),
+        "config/checks.py (models/lora.py) refuses a max_lora_rank not in vllm_names.LORA_RANKS",
+    ),
+    Check(
         "model.engine_kwargs names",
         "names",
         "vllm.engine.arg_utils:EngineArgs",
