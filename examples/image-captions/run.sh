@@ -19,7 +19,7 @@ len=4096  # a real SmolVLM splits a picture into tiles: hundreds of tokens each
 if [ -z "$model" ]; then
   model="$out.model"
   len=512  # the tiny model's whole context
-  PYTHONPATH="$here/../..:${PYTHONPATH:-}" python "$here/../../tests/support/tiny_vlm.py" "$model"
+  PYTHONPATH="$here/../..:$here/../../tests:${PYTHONPATH:-}" python "$here/../../tests/support/tiny_vlm.py" "$model"
 fi
 batchinfer run input.path="$out.input/images.jsonl" input.id_column=id input.columns=[shape,colour] \
   prompt.image_column=image 'prompt.template=What shape is in this picture, and what colour?' \

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from batchinfer.engine.dtype import own_choice
 
@@ -28,23 +29,31 @@ CORPUS = [
 ] * 50
 
 
-def build(out: Path) -> Path:
-    """Write the model and tokenizer to out (skipped when already there)."""
-    if (out / "model.safetensors").is_file():
-        return out
-    import torch
+def bpe_tokenizer(corpus: list[str]) -> Any:
+    """A byte-level BPE tokenizer of 512 tokens trained on corpus (<unk>, <s>, </s>), as a
+    transformers fast tokenizer: the tiny models' tokenizer, built without a download."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def build(out: Path) -> Path:
+    """Write the model and tokenizer to out (skipped when already there)."""
+    if (out / "model.safetensors").is_file():
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    fast = bpe_tokenizer(CORPUS)
     fast.chat_template = CHAT_TEMPLATE
     # Reasoning markers as ordinary added tokens (as in Qwen3), so vLLM's reasoning parsers find them.
     fast.add_tokens(THINK_TOKENS)

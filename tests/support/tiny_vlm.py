@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from batchinfer.engine.dtype import own_choice
+from support.tiny_model import bpe_tokenizer
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}:"
@@ -42,24 +43,15 @@ def build(out: Path) -> Path:
     if (out / "model.safetensors").is_file():
         return out
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
         Idefics3Config,
         Idefics3ForConditionalGeneration,
         Idefics3ImageProcessorPil,
         Idefics3Processor,
-        PreTrainedTokenizerFast,
     )
 
     out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast = bpe_tokenizer(CORPUS)
     fast.add_special_tokens({"additional_special_tokens": SPECIAL})
     fast.chat_template = CHAT_TEMPLATE
     images = Idefics3ImageProcessorPil(
