@@ -20,6 +20,7 @@ from batchinfer.redaction import (
     ROW_DATA,
     carry,
     env_refs,
+    has_url_password,
     is_secret_entry,
     is_secret_name,
     redact_text,
@@ -82,14 +83,19 @@ def check_config_secrets(c: dict[str, Any]) -> None:
 
 
 def check_secret_values(c: dict[str, Any]) -> None:
-    """Refuse a secret's value (a secret-named variable's of this environment, or one given in
-    cluster.env / cluster.env_inherit) inside any other config value: records hold exactly what
+    """Refuse a URL's password, or a secret's value (a secret-named variable's of this environment,
+    or one given in cluster.env / cluster.env_inherit), inside any other config value: records hold exactly what
     runs, so it would be stored; rewriting it into a reference would run other text where the
     variable is missing."""
     values = secret_values()
-    if not values:
-        return
     for key, text in _string_values(c, ""):
+        if has_url_password(text):
+            raise ConfigError(
+                f"{key} holds a URL with a password, and the config is stored in DIR/run.yaml where others may "
+                f"read it (tasks, resume and redo run what it holds, so it is not struck there either): give "
+                f"the URL without its password and the password in the environment your tool reads (a "
+                f"variable exported and named in cluster.env_inherit, or ~/.netrc), then run the command again"
+            )
         for value, name in values:
             if value in text:
                 whose = f"the value of {name}, a secret" if name else "a password given in the overrides"

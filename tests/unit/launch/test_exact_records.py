@@ -171,6 +171,14 @@ def test_a_url_password_with_an_empty_user_or_an_at_sign_is_struck(url: str, sho
     assert env_lines({"REDIS_URL": url, "N": "2"}) == ["export N=2"]  # it travels in sbatch's environment
 
 
+def test_a_url_password_outside_cluster_env_is_refused(tmp_path: Path, tiny_model_path: Path) -> None:
+    """run.yaml holds input.path exactly (what runs): a password in it is refused, not stored."""
+    base = run_overrides(tiny_model_path, key_corpus(tmp_path / "k.jsonl"), tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"prompt.system holds a URL with a password") as e:
+        compose([*base, "prompt.system=Use redis://:V8hhhhhhhh@redis:6379/0"])
+    assert "V8hhhhhhhh" not in str(e.value)
+
+
 def test_lora_adapter_names_are_labels_not_secret_names(tmp_path: Path) -> None:
     """B11: an adapter named `auth`, `token_classifier` or `passkey` is a folder, not a secret."""
     adapters = {name: str(tmp_path / name) for name in ("auth", "token_classifier", "passkey")}
