@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from batchinfer import ownership
+from batchinfer import ownership, security
 from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, POOLING_TASKS, to_config
 from batchinfer.errors import ConfigError, FolderRefused
 from batchinfer.redaction import redact_text
@@ -252,7 +252,10 @@ def fresh_trials(folder: Path) -> Path:
 def tune(cfg: DictConfig, opts: Options) -> dict[str, Any]:
     """Run the whole tune and write its folder; the result as tune.json holds it."""
     c, fp, folder = tune_folder(cfg, opts)
-    with owned_folder(folder, opts):
+    # output.private covers the tune folder as it covers a run directory: the pilot and rungs are
+    # the user's input rows, the trials' spec.json their config
+    with security.private_umask(c.output.private), owned_folder(folder, opts):
+        security.make_private(folder, c.output.private)
         return _tune(cfg, opts, c, fp, folder)
 
 

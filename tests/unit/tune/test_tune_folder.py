@@ -203,3 +203,24 @@ def test_a_users_folder_with_files_of_a_tunes_names_is_not_an_older_tune(
     assert command._older_tune(older) is Kind.DONE
     (older / "notes.md").write_text("mine")  # and with a name no tune makes: the user's
     assert command._older_tune(older) is None
+
+
+def test_output_private_makes_the_tune_folder_private_whatever_the_umask(
+    tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """attack42 B15: the pilot (the user's input rows), the rungs and the trials' specs were 0644
+    in a 0755 folder under output.private=user."""
+    monkeypatch.setattr(command, "halve", fake_halve)
+    out = tmp_path / "T"
+    old = os.umask(0o022)
+    try:
+        command.tune(
+            compose([*overrides(tmp_path, tiny_model_path), "output.private=user"]),
+            Options([], rows=8, tries=TRIES, out=str(out)),
+        )
+    finally:
+        os.umask(old)
+    made = [out, *out.rglob("*")]
+    assert (out / "pilot.parquet").is_file() and list(out.rglob("spec.json"))  # the files the attack found
+    loose = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in made if p.stat().st_mode & 0o077}
+    assert not loose, loose
