@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.errors import RunDirError
@@ -52,19 +53,33 @@ def model_changes(record: RunRecord, now: ModelIdentity) -> list[str]:
     return old.changes(now) if old is not None else []
 
 
-def refuse_changed_model(where: Any, record: RunRecord, now: ModelIdentity) -> None:
-    """RunDirError naming the model folder and its changed files when it is not the one recorded."""
+def refuse_changed_model(
+    where: Any, record: RunRecord, now: ModelIdentity, adapters: Optional[dict[str, str]] = None
+) -> None:
+    """RunDirError naming the folders that changed (the model's, each changed LoRA adapter's as
+    model.lora.adapters names it, and where a symlink leads) and their changed files."""
     changes = model_changes(record, now)
     if not changes:
         return
     named = sorted({c.split("/")[1] for c in changes if c.startswith(LORA_PREFIX)})
-    adapters = f" (LoRA adapter {', '.join(named)} of model.lora.adapters)" if named else ""
+    folders = [f"the model folder {now.folder}"] if any(not c.startswith(LORA_PREFIX) for c in changes) else []
+    folders += [_adapter_folder(name, (adapters or {}).get(name)) for name in named]
     shown = "; ".join(changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
+    verb = "is" if len(folders) == 1 else "are"
     raise RunDirError(
-        f"{where}: the model folder {now.folder}{adapters} is not the one this run was prepared with ({shown}). "
+        f"{where}: {' and '.join(folders)} {verb} not the one this run was prepared with ({shown}). "
         "Its rows so far are answers of the old weights: restore the folder, or start a new run "
         "(another output.dir; output.reuse of this one reuses none of its answers)"
     )
+
+
+def _adapter_folder(name: str, path: Optional[str]) -> str:
+    """`LoRA adapter NAME (model.lora.adapters.NAME=PATH, a symlink to TARGET)` for a refusal."""
+    if path is None:
+        return f"LoRA adapter {name} of model.lora.adapters"
+    target = Path(path).expanduser().resolve()
+    link = f", a symlink to {target}" if target != Path(path).expanduser().absolute() else ""
+    return f"LoRA adapter {name} (model.lora.adapters.{name}={path}{link})"
 
 
 def check_model_unchanged(run: Any) -> None:
@@ -75,4 +90,4 @@ def check_model_unchanged(run: Any) -> None:
         return
     model = run.config.model
     now = identity_of(model.path, model.revision, model.lora.adapters, recorded.mode)
-    refuse_changed_model(run.path, run.run, now)
+    refuse_changed_model(run.path, run.run, now, model.lora.adapters)

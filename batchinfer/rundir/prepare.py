@@ -220,7 +220,7 @@ def _reopen(
     if recorded is not None and recorded.mode != identity.mode:  # checked as it was recorded
         model = c["model"]
         identity = identity_of(model["path"], model["revision"], model["lora"]["adapters"], recorded.mode)
-    refuse_changed_model(run.path, old, identity)
+    refuse_changed_model(run.path, old, identity, c["model"]["lora"]["adapters"])
     c = freeze_paths(run, c)
     if old["config"] != c:
         old["config"] = c  # only settings outside the fingerprint differ (commit intervals, cluster)

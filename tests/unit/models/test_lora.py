@@ -4,6 +4,7 @@ arguments from the adapters' configs, request identity per adapter, a changed ad
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -112,12 +113,31 @@ def test_changed_adapter_is_refused_on_resume_naming_it(tmp_path: Path, adapters
     ov = fake_overrides(tmp_path, corpus, "input.id_column=id", "input.adapter_column=task", *adapters)
     run = prepare(compose(ov))
     (tmp_path / "beta" / "adapter_model.safetensors").write_bytes(b"retrained")
-    with pytest.raises(
-        RunDirError, match=r"LoRA adapter beta of model.lora.adapters.*lora/beta/adapter_model.safetensors changed size"
-    ):
+    beta = re.escape(f"LoRA adapter beta (model.lora.adapters.beta={tmp_path / 'beta'}) is not the one")
+    with pytest.raises(RunDirError, match=rf"{beta}.*lora/beta/adapter_model.safetensors changed size") as e:
         check_model_unchanged(run)
-    with pytest.raises(RunDirError, match="LoRA adapter beta"):
+    assert "the model folder" not in str(e.value)  # the base model did not change: not named (attack42)
+    with pytest.raises(RunDirError, match=beta):
         prepare(compose(ov))
+
+
+def test_an_adapter_behind_a_symlink_retargeted_is_named_with_where_it_leads(
+    tmp_path: Path, adapters: list[str]
+) -> None:
+    corpus = write_rows(tmp_path / "c.jsonl", ROWS[:3])
+    link = tmp_path / "alink"
+    link.symlink_to(tmp_path / "alpha")
+    mine = [a.replace(str(tmp_path / "alpha"), str(link)) for a in adapters]
+    assert mine != adapters
+    ov = fake_overrides(tmp_path, corpus, "input.id_column=id", "input.adapter_column=task", *mine)
+    run = prepare(compose(ov))
+    link.unlink()
+    link.symlink_to(tmp_path / "beta")  # the same name, another adapter's weights
+    with pytest.raises(RunDirError) as e:
+        check_model_unchanged(run)
+    said = str(e.value)
+    assert f"LoRA adapter alpha (model.lora.adapters.alpha={link}, a symlink to {tmp_path / 'beta'})" in said, said
+    assert "the model folder" not in said
 
 
 def test_null_adapter_without_default_is_the_base_model(tmp_path: Path, adapters: list[str]) -> None:
