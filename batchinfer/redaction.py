@@ -141,8 +141,10 @@ def has_url_password(value: Any) -> bool:
 
 
 def is_secret_entry(name: str, value: Any) -> bool:
-    """An environment entry (cluster.env) to keep out of files: a secret name or a URL's password."""
-    return value is not None and (is_secret_name(name) or has_url_password(str(value)))
+    """An environment entry (cluster.env) to keep out of files: a secret name, a URL's password, or
+    one a record already holds struck (a URL entry read back from run.yaml at resume is no URL any
+    more, and exported as written it would override the real value the task gets)."""
+    return value is not None and (is_secret_name(name) or has_url_password(str(value)) or REDACTED in str(value))
 
 
 def env_ref(name: str) -> str:

@@ -202,3 +202,20 @@ def test_printed_json_stays_json_and_loses_its_secrets(capsys: pytest.CaptureFix
         "x": 1,
         "cmd": f"login --token {REDACTED}",
     }
+
+
+def test_a_url_entry_struck_in_run_yaml_is_still_a_secret_at_resume(monkeypatch: pytest.MonkeyPatch) -> None:
+    """attack42b K3: run.yaml holds `DATABASE_URL: <redacted>` (a URL with a password under a name
+    that is no secret's); read back at resume it was no URL any more, so the sbatch script exported
+    the literal `<redacted>` over the real value."""
+    from batchinfer.errors import ConfigError
+    from batchinfer.launch.slurm import env_lines
+    from batchinfer.security import secret_env
+
+    stored = {"DATABASE_URL": REDACTED, "N": "1"}
+    assert env_lines(stored) == ["export N=1"]
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    with pytest.raises(ConfigError, match="export DATABASE_URL="):
+        secret_env(stored)
+    monkeypatch.setenv("DATABASE_URL", "postgres://u:pw123456@h/db")
+    assert secret_env(stored) == {"DATABASE_URL": "postgres://u:pw123456@h/db"}
