@@ -3,19 +3,21 @@ shard_folder.py; locks: locks/)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Optional, TypedDict
 
 import pyarrow as pa
 import yaml
 
+from batchinfer.config.compose import LITERAL_KEYS, LITERAL_LIST_KEYS
 from batchinfer.config.schema import Config, to_config
 from batchinfer.durable import corrupt_record, read_json, write_record
 from batchinfer.errors import RunDirError
 from batchinfer.inputs.shards import Shard
 from batchinfer.models.identity import IdentityRecord
 from batchinfer.ownership import Layout
-from batchinfer.redaction import exact_yaml, resolve_refs
+from batchinfer.redaction import ENV_REF, exact_yaml, is_secret_name
 from batchinfer.rundir.schema import schema_from_text
 from batchinfer.rundir.shard_folder import ShardFolder
 
@@ -43,13 +45,23 @@ PREPARE_LAYOUT = Layout(
 )
 
 
-def _resolved(obj: Any) -> Any:
+def _resolve_secret_refs(text: str) -> str:
+    """`${oc.env:NAME}` references to secret-named variables (what a record may hold by design)
+    resolved from this environment where it has them; any other is left as the text it is."""
+    return ENV_REF.sub(lambda m: os.environ.get(m[1], m[0]) if is_secret_name(m[1]) else m[0], text)
+
+
+def _resolved(obj: Any, key: str = "") -> Any:
+    """run.yaml's config with its secret references resolved from this environment. Values taken as
+    typed (prompt.template, prompt.system, sampling.stop, ...) are the user's text, `${oc.env:...}`
+    included, and reach every task the same; so does a reference to a variable that is no secret
+    (attack42b K1: each task filled in its own value, or kept the text when it had none)."""
     if isinstance(obj, str):
-        return resolve_refs(obj)
+        return obj if key in LITERAL_KEYS or key in LITERAL_LIST_KEYS else _resolve_secret_refs(obj)
     if isinstance(obj, dict):
-        return {k: _resolved(v) for k, v in obj.items()}
+        return {k: _resolved(v, f"{key}.{k}" if key else str(k)) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_resolved(v) for v in obj]
+        return [_resolved(v, key) for v in obj]
     return obj
 
 
@@ -173,7 +185,7 @@ class RunDir:
         The cluster settings keep theirs: the sbatch scripts leave them to the task's shell."""
         if self._config is None:
             c = self.run["config"]
-            self._config = to_config({k: v if k == "cluster" else _resolved(v) for k, v in c.items()})
+            self._config = to_config({k: v if k == "cluster" else _resolved(v, k) for k, v in c.items()})
         return self._config
 
     @property

@@ -219,3 +219,24 @@ def test_a_url_entry_struck_in_run_yaml_is_still_a_secret_at_resume(monkeypatch:
         secret_env(stored)
     monkeypatch.setenv("DATABASE_URL", "postgres://u:pw123456@h/db")
     assert secret_env(stored) == {"DATABASE_URL": "postgres://u:pw123456@h/db"}
+
+
+def test_an_env_reference_typed_in_a_prompt_reaches_every_task_as_typed(
+    tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """attack42b K1: `${oc.env:MYVAR}` typed in prompt.system (taken as typed) was filled in by each
+    task from its own environment (or kept as text where unset): two tasks, two prompts."""
+    corpus = key_corpus(tmp_path / "k.jsonl")
+    typed = "You say ${oc.env:MYVAR} and ${oc.env:HF_TOKEN}"
+    extra = [f"prompt.system={typed}", "prompt.template=Q: {text}"]
+    monkeypatch.setenv("MYVAR", "hello")
+    run = prepare(compose(run_overrides(tiny_model_path, corpus, tmp_path / "r", *extra)))
+    seen = []
+    for value in ("hello", "goodbye", None):
+        if value is None:
+            monkeypatch.delenv("MYVAR")
+        else:
+            monkeypatch.setenv("MYVAR", value)
+        monkeypatch.setenv("HF_TOKEN", f"hf_{value}")
+        seen.append(RunDir(run.path).config.prompt.system)
+    assert seen == [typed] * 3
