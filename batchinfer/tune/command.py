@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from batchinfer import ownership, security
 from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, POOLING_TASKS, to_config
+from batchinfer.durable import write_record
 from batchinfer.errors import ConfigError, FolderRefused
 from batchinfer.redaction import redact_text
 from batchinfer.tune import results
@@ -49,6 +50,10 @@ TUNE_LAYOUT = ownership.Layout(
         "job.json",  # `tune ... cluster=slurm`: the tune job's record (tune/job.py) and its logs
         ".job.json.tmp",
         "logs",
+        # durable.write_record's temporaries of the records above (a kill while one is written)
+        ".tmp-tune.json.*",
+        ".tmp-tune.md.*",
+        ".tmp-job.json.*",
     ),
 )
 # What a finished older tune (no owner's mark) always made: a folder lacking any is not one.
@@ -354,7 +359,7 @@ def finish(
         "forecast": fc,
         "forecast_model": record(est) if est is not None else None,
     }
-    (folder / "tune.md").write_text(redact_text(results.format_result(result)) + "\n", encoding="utf-8")
+    write_record(folder / "tune.md", redact_text(results.format_result(result)) + "\n")
     results.plot(records, result["best"]["name"], folder / "tune.png")
     results.write_json(folder, result)
     return result

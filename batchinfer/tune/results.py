@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from batchinfer.durable import write_record
 from batchinfer.redaction import record_json, record_yaml
 from batchinfer.tune.halving import Outcome
 
@@ -99,21 +100,20 @@ def write_group(folder: Path, overrides: list[str]) -> Path:
     body = record_yaml(OmegaConf.to_container(OmegaConf.from_dotlist(dotlist))) if overrides else "{}\n"
     # submit and run find the tune result (its fingerprint and forecast) from this line
     source = f"{TUNE_RESULT_LINE}{(folder / 'tune.json').resolve()}\n"
-    path.write_text(
+    # through the one record writer: owner-only when it marks a secret's place (attack42b K6)
+    write_record(
+        path,
         "# @package _global_\n# Written by `batchinfer tune`: the fastest settings; none changes outputs.\n"
         + source
         + body,
-        encoding="utf-8",
     )
     return path
 
 
 def write_json(folder: Path, result: dict[str, Any]) -> Path:
-    """tune.json, written whole under a temporary name and renamed."""
+    """tune.json, written whole (durable.write_record: owner-only when it marks a secret's place)."""
     path = folder / "tune.json"
-    tmp = folder / ".tune.json.tmp"
-    tmp.write_text(record_json(result, indent=2, default=str) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    write_record(path, record_json(result, indent=2, default=str) + "\n")
     return path
 
 

@@ -224,3 +224,22 @@ def test_output_private_makes_the_tune_folder_private_whatever_the_umask(
     assert (out / "pilot.parquet").is_file() and list(out.rglob("spec.json"))  # the files the attack found
     loose = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in made if p.stat().st_mode & 0o077}
     assert not loose, loose
+
+
+def test_tune_records_marking_a_secrets_place_are_owner_only(
+    tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """attack42b K6: tune.json holds the tune's overrides with a secret's place marked, and was 0644."""
+    monkeypatch.setattr(command, "halve", fake_halve)
+    monkeypatch.setenv("HF_TOKEN", "hf_PLANTEDk6secret0123")
+    out = tmp_path / "T"
+    old = os.umask(0o022)
+    try:
+        ov = [*overrides(tmp_path, tiny_model_path), "+cluster.env.HF_TOKEN=hf_PLANTEDk6secret0123"]
+        command.tune(compose(ov), Options(ov, rows=8, tries=TRIES, out=str(out)))
+    finally:
+        os.umask(old)
+    assert "hf_PLANTEDk6secret0123" not in (out / "tune.md").read_text()
+    text = (out / "tune.json").read_text()
+    assert "+cluster.env.HF_TOKEN=${oc.env:HF_TOKEN}" in text and "hf_PLANTEDk6secret0123" not in text
+    assert (out / "tune.json").stat().st_mode & 0o077 == 0, oct((out / "tune.json").stat().st_mode)
