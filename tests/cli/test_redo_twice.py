@@ -46,6 +46,14 @@ def done(tmp_path: Path, tiny_model_path: Path) -> dict[str, Any]:
     return {"run": run, "cfg": cfg, "rows": rows, "length": length, "output": run.output_path.read_bytes()}
 
 
+def redo_killed_after_its_pass_folder(run: RunDir) -> tuple[Path, int]:
+    """A redo SIGKILLed (the signal proven) right after it made passes/1, before pass.json: that
+    folder and the killed process's pid."""
+    res = run_cli(redo_args(run, "sampling.max_tokens=9"), env=dict(standin_env(), **{ENV: PASS_FOLDER_MADE}))
+    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+    return pass_path(run, 1), res.pid
+
+
 def redo_args(run: RunDir, *overrides: str, where: str = LENGTH) -> list[str]:
     return ["redo", str(run.path), "--where", where, *overrides]
 
@@ -120,9 +128,7 @@ def test_a_redo_killed_between_its_pass_folder_and_pass_json_does_not_block_the_
     done: dict[str, Any], capsys: pytest.CaptureFixture
 ) -> None:
     run, cfg = done["run"], done["cfg"]
-    res = run_cli(redo_args(run, "sampling.max_tokens=9"), env=dict(standin_env(), **{ENV: PASS_FOLDER_MADE}))
-    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
-    path = pass_path(run, 1)
+    path, pid = redo_killed_after_its_pass_folder(run)
     assert path.is_dir() and not (path / "pass.json").exists()  # the kill landed there
     assert run.output_path.read_bytes() == done["output"]
     redo(str(run.path), LENGTH, ["sampling.max_tokens=9"], engine=StandinEngine(cfg))
@@ -173,14 +179,12 @@ def test_a_killed_redos_pass_holding_a_users_file_is_refused_naming_it(
 ) -> None:
     """Taking over a half-made pass removes only what a redo makes there, never a file put there since."""
     run, cfg = done["run"], done["cfg"]
-    res = run_cli(redo_args(run, "sampling.max_tokens=9"), env=dict(standin_env(), **{ENV: PASS_FOLDER_MADE}))
-    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
-    path = pass_path(run, 1)
+    path, pid = redo_killed_after_its_pass_folder(run)
     (path / "my-notes.txt").write_text("precious")
     with pytest.raises(RunDirError) as e:
         redo(str(run.path), LENGTH, ["sampling.max_tokens=9"], engine=StandinEngine(cfg))
     assert f"{path} was left half made by batchinfer redo (host " in str(e.value)
-    assert f"pid {res.pid}" in str(e.value) and "it holds my-notes.txt" in str(e.value)
+    assert f"pid {pid}" in str(e.value) and "it holds my-notes.txt" in str(e.value)
     assert (path / "my-notes.txt").read_text() == "precious" and run.output_path.read_bytes() == done["output"]
     (path / "my-notes.txt").unlink()
     redo(str(run.path), LENGTH, ["sampling.max_tokens=9"], engine=StandinEngine(cfg))

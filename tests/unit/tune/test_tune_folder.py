@@ -71,6 +71,17 @@ def overrides(tmp_path: Path, model: Path) -> list[str]:
     return [f"input.path={corpus(tmp_path)}", "input.id_column=id", *model_overrides(model)]
 
 
+def tune_in_a_child(tmp_path: Path, model: Path) -> tuple[Path, list[str], Any]:
+    """A tune of TMP/T in another process, held once its folder is claimed (it said "tuning"):
+    the folder, the overrides and the child (stdin releases it)."""
+    out = tmp_path / "T"
+    ov = overrides(tmp_path, model)
+    args = {"overrides": ov, "options": {"overrides": [], "rows": 8, "tries": TRIES, "out": str(out)}}
+    child = python_child(CHILD, json.dumps(args), str(Path(__file__).parent))
+    assert child.stdout is not None and child.stdout.readline().strip() == "tuning", child.communicate()[1][-3000:]
+    return out, ov, child
+
+
 def test_tune_out_refuses_a_users_folder_and_writes_nothing_there(
     tmp_path: Path, tiny_model_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -114,12 +125,8 @@ def test_two_tunes_of_one_folder_at_once_the_second_is_refused_naming_the_first(
     tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(command, "halve", fake_halve)
-    out = tmp_path / "T"
-    ov = overrides(tmp_path, tiny_model_path)
-    args = {"overrides": ov, "options": {"overrides": [], "rows": 8, "tries": TRIES, "out": str(out)}}
-    child = python_child(CHILD, json.dumps(args), str(Path(__file__).parent))
+    out, ov, child = tune_in_a_child(tmp_path, tiny_model_path)
     try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "tuning", child.communicate()[1][-3000:]
         before = {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("*")}
         with pytest.raises(FolderRefused) as e:
             command.tune(compose(ov), Options([], rows=8, tries=TRIES, out=str(out)))
@@ -157,15 +164,9 @@ def test_a_killed_tunes_folder_holding_a_users_file_is_refused_naming_it(
     tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(command, "halve", fake_halve)
-    out = tmp_path / "T"
-    ov = overrides(tmp_path, tiny_model_path)
-    args = {"overrides": ov, "options": {"overrides": [], "rows": 8, "tries": TRIES, "out": str(out)}}
-    child = python_child(CHILD, json.dumps(args), str(Path(__file__).parent))
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "tuning", child.communicate()[1][-3000:]
-    finally:
-        child.kill()
-        child.wait()
+    out, ov, child = tune_in_a_child(tmp_path, tiny_model_path)
+    child.kill()  # killed with its folder claimed, half made
+    child.wait()
     (out / "my-notes.txt").write_text("precious")
     with pytest.raises(FolderRefused) as e:
         command.tune(compose(ov), Options([], rows=8, tries=TRIES, out=str(out)))
