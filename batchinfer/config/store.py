@@ -14,8 +14,8 @@ def conf_dir() -> Path:
         import batchinfer.conf as packaged
 
         return Path(packaged.__file__).resolve().parent
-    except ImportError:
-        return Path(__file__).resolve().parent.parent / "conf"
+    except ImportError:  # a checkout on PYTHONPATH, batchinfer not installed (or installed elsewhere)
+        return Path(__file__).resolve().parents[2] / "conf"
 
 
 def register_configs() -> None:
