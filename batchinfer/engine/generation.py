@@ -14,7 +14,7 @@ from batchinfer.engine.phases import CLOCK
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.inputs.openai_batch import task_mismatch
 from batchinfer.requests.bounded import CharBound
-from batchinfer.requests.build import RowRequest, draft_request, encoded, sampling_for
+from batchinfer.requests.build import RowRequest, asked_adapter, draft_request, encoded, sampling_for
 from batchinfer.requests.prompts import Prompt, PromptBuilder, RowError
 from batchinfer.requests.request import ErrorRow, RequestKey
 from batchinfer.requests.verdict import engine_refusal
@@ -62,6 +62,8 @@ class GenerationRows:
         d = Drafted(rows, [])
         with CLOCK("request"):
             for index, base, row in rows:
+                if self.cfg.model.lora.adapters:  # every row's, its error row's too (report counts by it)
+                    base["adapter"] = asked_adapter(self.cfg, row)
                 why = task_mismatch(row, "generate")
                 if why:
                     d.out.append(_error(index, base, RowError("unsupported", why)))

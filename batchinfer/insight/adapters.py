@@ -13,13 +13,16 @@ from batchinfer.rundir.schema import jsonl_columns
 from batchinfer.rundir.store import RunDir
 
 BASE = "(base model)"  # the label of rows without an adapter
+UNKNOWN_KIND = "adapter"  # the error kind of a row naming no adapter of the run (requests/build.py)
 COLUMNS = ("adapter", "prompt_tokens", "output_tokens", "error")
 
 
 class AdapterRow(TypedDict):
-    """One adapter's committed rows in report.json's `adapters` (adapter None: the base model)."""
+    """One adapter's committed rows in report.json's `adapters` (adapter None: the base model;
+    unknown: the name rows asked for that model.lora.adapters lacks, all of them error rows)."""
 
     adapter: Optional[str]
+    unknown: bool
     rows: int
     error_rows: int
     prompt_tokens: int
@@ -47,12 +50,16 @@ def adapter_rows(run: RunDir) -> Optional[list[AdapterRow]]:
         return None
     t = committed_columns(run)
     t = t.append_column("failed", pc.cast(pc.is_valid(t["error"]), pa.int64()))
-    sums = t.group_by("adapter").aggregate(
+    # a row naming no adapter of the run is an error row of kind adapter, carrying the name it asked for
+    unknown = pc.fill_null(pc.equal(pc.struct_field(t["error"], "kind"), UNKNOWN_KIND), False)
+    t = t.append_column("unknown", unknown)
+    sums = t.group_by(["adapter", "unknown"]).aggregate(
         [("failed", "count"), ("failed", "sum"), ("prompt_tokens", "sum"), ("output_tokens", "sum")]
     )
     out = [
         AdapterRow(
             adapter=r["adapter"],
+            unknown=r["unknown"],
             rows=r["failed_count"],
             error_rows=r["failed_sum"] or 0,
             prompt_tokens=r["prompt_tokens_sum"] or 0,
@@ -60,7 +67,15 @@ def adapter_rows(run: RunDir) -> Optional[list[AdapterRow]]:
         )
         for r in sums.to_pylist()
     ]
-    return sorted(out, key=lambda a: (a["adapter"] is not None, a["adapter"] or ""))
+    return sorted(out, key=lambda a: (a["adapter"] is not None, a["unknown"], a["adapter"] or ""))
+
+
+def adapter_label(a: AdapterRow) -> str:
+    """An adapter's name in report.md: BASE for the base model, `(unknown: NAME)` for a name the
+    run's adapters lack."""
+    if a["adapter"] is None:
+        return BASE
+    return f"(unknown: {a['adapter']})" if a.get("unknown") else a["adapter"]
 
 
 def adapter_lines(rows: list[AdapterRow]) -> list[str]:
@@ -72,8 +87,7 @@ def adapter_lines(rows: list[AdapterRow]) -> list[str]:
         "|---|---:|---:|---:|---:|",
     ]
     for a in rows:
-        name = a["adapter"] if a["adapter"] is not None else BASE
         lines.append(
-            f"| {name} | {a['rows']:,} | {a['error_rows']:,} | {a['prompt_tokens']:,} | {a['output_tokens']:,} |"
+            f"| {adapter_label(a)} | {a['rows']:,} | {a['error_rows']:,} | {a['prompt_tokens']:,} | {a['output_tokens']:,} |"
         )
     return lines

@@ -135,6 +135,15 @@ def row_adapter(cfg: Config, row: dict[str, Any]) -> Optional[str]:
     return value if value is not None else cfg.model.lora.default
 
 
+def asked_adapter(cfg: Config, row: dict[str, Any]) -> Optional[str]:
+    """The adapter a row asks for, known or not (the output's adapter column, error rows' too, so
+    `report` counts a row under what it asked for): its input.adapter_column value as text, else
+    model.lora.default (None: the base model)."""
+    column = cfg.input.adapter_column
+    value = row.get(column) if column else None
+    return str(value) if value is not None else cfg.model.lora.default
+
+
 def _encode(encode: Encode, prompt: Prompt) -> list[int]:
     try:
         return encode(prompt)

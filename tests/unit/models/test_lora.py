@@ -201,14 +201,20 @@ def test_report_shows_rows_and_tokens_per_adapter(tmp_path: Path, adapters: list
     out = read_output(run.path)
     rep = build_report(run)
     by = {a["adapter"]: a for a in rep["adapters"]}
-    assert list(by) == [None, "alpha", "beta"]  # the base model first; r3's unknown adapter is an error row
+    # the base model first, the known adapters, then r3's unknown adapter (an error row) under its own name
+    assert list(by) == [None, "alpha", "beta", "gamma"]
+    assert [a["unknown"] for a in rep["adapters"]] == [False, False, False, True]
+    assert out[3]["adapter"] == "gamma" and out[3]["error"]["kind"] == "adapter"
     for name, a in by.items():
         mine = [r for r in out if r["adapter"] == name]
         assert a["rows"] == len(mine) and a["prompt_tokens"] == sum(r["prompt_tokens"] or 0 for r in mine), name
-        assert a["output_tokens"] == sum(r["output_tokens"] or 0 for r in mine) > 0, name
-    assert (by[None]["rows"], by[None]["error_rows"], by["alpha"]["rows"], by["alpha"]["error_rows"]) == (2, 1, 2, 0)
+        assert a["output_tokens"] == sum(r["output_tokens"] or 0 for r in mine), name
+        assert (a["output_tokens"] > 0) == (name != "gamma"), name
+    assert (by[None]["rows"], by[None]["error_rows"], by["alpha"]["rows"], by["alpha"]["error_rows"]) == (1, 0, 2, 0)
+    assert (by["gamma"]["rows"], by["gamma"]["error_rows"]) == (1, 1)
     text = format_report(rep, [])
-    assert "## Adapters" in text and "| (base model) | 2 | 1 |" in text and "| alpha | 2 | 0 |" in text
+    assert "## Adapters" in text and "| (base model) | 1 | 0 |" in text and "| alpha | 2 | 0 |" in text
+    assert "| (unknown: gamma) | 1 | 1 | 0 | 0 |" in text, text
 
 
 def test_validate_reports_rows_per_adapter(tmp_path: Path, adapters: list[str], tiny_model_path: Path) -> None:
