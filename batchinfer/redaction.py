@@ -73,9 +73,13 @@ OVERRIDE_LISTS = frozenset({"overrides", "tries"})
 # (postgres://bob:p@ss@db: a password may hold an @).
 _URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*:/+[^\s:/@'\"${}]*):([^\s/'\"]+)@")
 # NAME=value as a shell line or an override writes it (+cluster.env.DB_PASS=x); $NAME values are references.
-_ASSIGNMENT = re.compile(r"(?<![\w$.\-])([+~]{0,2}[A-Za-z_][\w.\-]*)=(\"[^\"]*\"|'[^']*'|[^\s;&|,)\]}`]+)")
+# An unquoted value ends at a quote: the quote closes the text around it ('token=abc' keeps its closing
+# quote); a `{name}` group is taken whole (a template's placeholder, kept by _named_value).
+_ASSIGNMENT = re.compile(
+    r"(?<![\w$.\-])([+~]{0,2}[A-Za-z_][\w.\-]*)=(\"[^\"]*\"|'[^']*'|\{+[^{}\s'\"]*\}+|[^\s;&|,)\]}`'\"]+)"
+)
 # --token VALUE, --api-key=VALUE: an option with a secret name and its argument.
-_FLAG = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*)(=|[ \t]+)(\"[^\"]*\"|'[^']*'|[^\s;&|`]+)")
+_FLAG = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*)(=|[ \t]+)(\"[^\"]*\"|'[^']*'|[^\s;&|`'\"]+)")
 # A value in a command line: up to a space, a quote or a shell separator.
 _VALUE = r"(?P<secret>[^\s'\";&|`]+)"
 # Commands that take a secret in their own syntax: the secret (and a header's name or a setting's
@@ -101,8 +105,9 @@ _COMMAND_SECRETS = (
     # https://TOKEN@github.com/...: a user without a password in an http(s) URL is a token
     re.compile(r"\bhttps?://(?P<secret>[^\s:/@'\"${}]+)@"),
 )
-# What a message writes where a value goes (`export HF_TOKEN=...`, --token <TOKEN>): no value.
-_PLACEHOLDER = re.compile(r"\.\.\.|\u2026|<[^<>\s]*>|\*{3,}")
+# What a message writes where a value goes (`export HF_TOKEN=...`, --token <TOKEN>, a template's
+# key={key} or key={{key}} placeholder): no value.
+_PLACEHOLDER = re.compile(r"\.\.\.|\u2026|<[^<>\s]*>|\*{3,}|\{+[\w.\[\]-]*\}+")
 ENV_REF = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)(?:,[^}]*)?\}")
 
 # Secrets given in the config (cluster.env, cluster.env_inherit) of this process: name -> value.
