@@ -24,6 +24,7 @@ from batchinfer.launch.jobs import ArrayRecord, JobsLine, all_job_ids, heal_stre
 from batchinfer.launch.node_layout import layout_lines
 from batchinfer.logs import plural
 from batchinfer.redaction import record_json
+from batchinfer.rundir.image_files import refuse_changed_images
 from batchinfer.rundir.merge import incomplete_shards
 from batchinfer.rundir.model_record import check_model_unchanged
 from batchinfer.rundir.prepare import freeze_paths, prepare
@@ -335,6 +336,7 @@ def resume(run_dir: str, overrides: list[str], force: bool = False, dry_run: boo
     todo = incomplete_shards(run)
     if todo:
         check_model_unchanged(run)  # the tasks would refuse it too, each after its wait in the queue
+        refuse_changed_images(run.path)
     if not todo:
         run.stats()  # a stats.json merge cannot read is refused, naming it, never called complete
         print(

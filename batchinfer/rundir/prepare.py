@@ -47,8 +47,10 @@ from batchinfer.models.locations import resolve_model
 from batchinfer.models.pooling import embedding_dim
 from batchinfer.models.tokens import model_dir
 from batchinfer.redaction import exact
+from batchinfer.requests.images import ImageLimits
 from batchinfer.requests.prompts import apply_labels, messages_note
 from batchinfer.requests.row_templates import check_row_templates
+from batchinfer.rundir import image_files
 from batchinfer.rundir.model_record import KEY as MODEL_IDENTITY
 from batchinfer.rundir.model_record import identity_of, refuse_changed_model
 from batchinfer.rundir.reuse import checked_reuse
@@ -221,6 +223,7 @@ def _reopen(
         model = c["model"]
         identity = identity_of(model["path"], model["revision"], model["lora"]["adapters"], recorded.mode)
     refuse_changed_model(run.path, old, identity, c["model"]["lora"]["adapters"])
+    image_files.refuse_changed_images(run.path)
     c = freeze_paths(run, c)
     if old["config"] != c:
         old["config"] = c  # only settings outside the fingerprint differ (commit intervals, cluster)
@@ -292,6 +295,7 @@ def _create(
     if note:
         log.warning("%s", note)
     schema = _run_schema(config, ds.data.schema)
+    _record_images(run, config, ds)
     ident = identify()
     input_record, keys, fp = ident.input_record, ident.keys, ident.fp
     sh = config.sharding
@@ -322,6 +326,19 @@ def _create(
     )
     (run.path / PREPARING).unlink(missing_ok=True)  # an older prepare's, or an older redo's
     log.info("prepared %s: %s in %s", run.path, plural(rows, "row"), plural(len(shards), "shard"))
+
+
+def _record_images(run: RunDir, config: Config, ds: Any) -> None:
+    """DIR/images.json: the image files the rows name, digested (a reopen or resume checks them)."""
+    column = image_files.image_column_of(config.prompt.image_column, ds.column_names)
+    if column is None or column not in ds.column_names:
+        return
+    limits = ImageLimits.of(config.prompt, config.input.path)
+    paths = image_files.image_paths(image_files.column_values(ds, column), column, limits)
+    if paths:
+        files = image_files.scan(paths)
+        image_files.write_record(run.path, files)
+        log.info("%s digested (%s)", plural(len(files), "image file"), run.path / image_files.RECORD)
 
 
 def _keep_restriction(run: RunDir, inp: InputConfig) -> None:

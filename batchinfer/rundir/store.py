@@ -23,6 +23,7 @@ from batchinfer.rundir.shard_folder import ShardFolder
 
 OUTPUT_EXT = {"jsonl": "jsonl", "openai": "jsonl", "parquet": "parquet", "hf": "parquet"}
 FILES_DIR = "files"  # frozen copies of the files the config names
+IMAGES_FILE = "images.json"  # the image files rows name, with their digests (rundir/image_files.py)
 # What a prepare of an older batchinfer wrote first into the folder it was making, removed once
 # run.yaml was there: such a folder is its own, half made.
 PREPARING = ".batchinfer-preparing"
@@ -38,6 +39,7 @@ PREPARE_LAYOUT = Layout(
         "input.tmp",  # the input being converted (inputs/convert.py)
         ".hf-cache",  # `datasets`' cache while converting
         FILES_DIR,
+        IMAGES_FILE,
         ".tmp-*",  # durable writes' temporaries
         PREPARING,
         ".batchinfer-write-test-*",  # prepare's write probe

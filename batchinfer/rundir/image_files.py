@@ -1,0 +1,170 @@
+"""The image files a run's rows name (prompt.image_column paths and file:// URLs, an OpenAI
+request's image_url file), recorded at prepare in DIR/images.json with each file's size, mtime and
+content digest; a reopen or resume whose files changed since is refused, naming them.
+
+Cost: prepare digests every file (threads: hashlib hashes without holding the GIL, so several
+files are read and hashed at once), one read of the image corpus beside the one the tasks make.
+A check (reopen, resume) stats every file and digests only those whose size or mtime differ: a
+touched or copied-back file whose bytes are the same is accepted (and its new stat recorded); a
+file whose bytes differ, or that is gone or appeared, is a change. The digest is the request
+digest's (requests/images.image_digest): output.reuse and dedup key on the same bytes.
+
+Images held in the input (bytes, data: URLs) are covered by the input's fingerprint; http URLs
+(prompt.image_http) are not recorded: what a server answers later is not checked."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from batchinfer.durable import read_json, write_json
+from batchinfer.errors import RunDirError
+from batchinfer.inputs.openai_batch import IMAGE_URL
+from batchinfer.requests.images import ImageLimits, image_digest, image_ref
+from batchinfer.requests.prompts import RowError
+from batchinfer.rundir.store import IMAGES_FILE as RECORD
+
+SHOWN = 5  # changed files a refusal names; the rest are counted
+THREADS = 8  # files hashed at once (network filesystems answer faster to several readers)
+
+
+@dataclass(frozen=True)
+class ImageFile:
+    """One image file as prepare saw it: its size and mtime, and the digest of its bytes (None:
+    it could not be read then, its rows being error rows of kind image)."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    digest: Optional[str]
+
+    def to_list(self) -> list[Any]:
+        """Its DIR/images.json entry."""
+        return [self.path, self.size, self.mtime_ns, self.digest]
+
+    @classmethod
+    def from_list(cls, entry: list[Any]) -> ImageFile:
+        """An entry of DIR/images.json."""
+        path, size, mtime_ns, digest = entry
+        return cls(str(path), int(size), int(mtime_ns), digest)
+
+
+def image_column_of(prompt_image_column: Optional[str], columns: list[str]) -> Optional[str]:
+    """The input column holding rows' images: prompt.image_column, else an OpenAI input's image_url column."""
+    if prompt_image_column:
+        return prompt_image_column
+    return IMAGE_URL if IMAGE_URL in columns else None
+
+
+def image_paths(values: Iterable[Any], column: str, limits: ImageLimits) -> list[str]:
+    """The distinct files the column's values name (paths, file:// URLs, `datasets` {path} without
+    bytes), sorted; values that name no file (bytes, data: URLs, http URLs, nulls) are left out."""
+    paths = set()
+    for value in values:
+        if value is None:
+            continue
+        try:
+            ref = image_ref(value, column, limits)
+        except RowError:
+            continue  # that row's error row says why; it names no file
+        if ref.path is not None:
+            paths.add(str(ref.path))
+    return sorted(paths)
+
+
+def column_values(ds: Any, column: str) -> Iterator[Any]:
+    """The column's values of a converted input (DIR/input), one Arrow chunk in memory at a time."""
+    for chunk in ds.data.column(column).chunks:
+        yield from chunk.to_pylist()
+
+
+def _stat(path: str) -> tuple[int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return -1, -1
+    return st.st_size, st.st_mtime_ns
+
+
+def _digest(path: str) -> Optional[str]:
+    try:
+        with open(path, "rb") as f:
+            return image_digest(f.read())  # an image is at most prompt.image_max_bytes
+    except OSError:
+        return None
+
+
+def scan(paths: list[str], previous: Optional[dict[str, ImageFile]] = None) -> list[ImageFile]:
+    """Each file's stat and digest (a file whose size and mtime are previous's keeps its digest
+    unread); hashed THREADS at a time."""
+    previous = previous or {}
+    stats = {p: _stat(p) for p in paths}
+
+    def known(p: str) -> Optional[ImageFile]:
+        old = previous.get(p)
+        return old if old is not None and stats[p][0] >= 0 and (old.size, old.mtime_ns) == stats[p] else None
+
+    todo = [p for p in paths if known(p) is None and stats[p][0] >= 0]
+    digests: dict[str, Optional[str]] = {}
+    if todo:
+        with ThreadPoolExecutor(min(THREADS, len(todo)), thread_name_prefix="batchinfer-image-digest") as pool:
+            digests = dict(zip(todo, pool.map(_digest, todo), strict=True))
+    out = []
+    for p in paths:
+        old = known(p)
+        out.append(ImageFile(p, *stats[p], old.digest if old is not None else digests.get(p)))
+    return out
+
+
+def write_record(run_path: Path, files: list[ImageFile]) -> None:
+    """DIR/images.json: every image file of the run (written only where rows name image files)."""
+    write_json(run_path / RECORD, {"files": [f.to_list() for f in files]})
+
+
+def read_record(run_path: Path) -> Optional[list[ImageFile]]:
+    """DIR/images.json's files, or None where the run has no such record (no image files, or made before it)."""
+    path = run_path / RECORD
+    if not path.is_file():
+        return None
+    record = read_json(path, f"restore it, or start a new run in another output.dir than {run_path}")
+    return [ImageFile.from_list(e) for e in record["files"]]
+
+
+def _change(old: ImageFile, new: ImageFile) -> Optional[str]:
+    if old.digest == new.digest:
+        return None
+    if new.digest is None:
+        return f"{old.path} (gone or unreadable)"
+    if old.digest is None:
+        return f"{old.path} (unreadable at prepare, there now)"
+    return f"{old.path} (contents changed: {old.size:,} -> {new.size:,} bytes)"
+
+
+def image_changes(run_path: Path) -> list[str]:
+    """The image files of DIR/images.json whose bytes differ now (or that are gone or appeared), each
+    with what changed; files only touched are recorded with their new stat."""
+    old = read_record(run_path)
+    if not old:
+        return []
+    now = scan([f.path for f in old], {f.path: f for f in old})
+    changes = [c for a, b in zip(old, now, strict=True) if (c := _change(a, b)) is not None]
+    if not changes and now != old:
+        write_record(run_path, now)  # touched, same bytes: the next check need not read them again
+    return changes
+
+
+def refuse_changed_images(run_path: Path) -> None:
+    """RunDirError naming the image files that changed since the run was prepared (the first few and the count)."""
+    changes = image_changes(run_path)
+    if not changes:
+        return
+    shown = "; ".join(changes[:SHOWN]) + (f"; and {len(changes) - SHOWN} more" if len(changes) > SHOWN else "")
+    raise RunDirError(
+        f"{run_path}: {len(changes)} image file{'s' if len(changes) != 1 else ''} the run's rows name changed since "
+        f"it was prepared ({run_path / RECORD}): {shown}. Rows answered from the old images and rows answered "
+        f"from the new ones would mix; restore the files, or start a new run in another output.dir"
+    )
