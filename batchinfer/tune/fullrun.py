@@ -34,6 +34,14 @@ class FullRun:
     prompt_tokens: int  # of the requests sent
     cached_tokens: int  # of those, served from the prefix cache
     output_mean: float  # mean output tokens per request drawn for the replay
+    in_flight: int = (
+        0  # sequences its engine runs at once while a shard lasts: max_num_seqs, or its largest shard's requests
+    )
+
+    def filled_by(self, requests: int) -> bool:
+        """Whether a rung of this many requests runs as many sequences at once as the full run does
+        (its steps then hold what the full run's hold)."""
+        return requests >= self.in_flight
 
     @property
     def duplicate_share(self) -> float:
@@ -101,6 +109,7 @@ def full_run(
     total = Load()
     requests = prompt = cached = 0
     drawn = 0
+    widest = 0  # requests of the largest shard
     for group in engine_groups(len(shards), shards_per_engine):
         seen: set[int] = set()
         for s in group:
@@ -111,6 +120,7 @@ def full_run(
                     firsts.setdefault(prompts.keys[i], i)
             rows = list(firsts.values())
             requests += len(rows)
+            widest = max(widest, len(rows))
             heads = [_head(prompts, i) for i in rows]
             order = _window_order(list(zip(heads, rows, strict=True)), limits.max_num_seqs)
             work = []
@@ -132,7 +142,8 @@ def full_run(
                 part = part.scaled(len(work) / len(replayed))
             prefill = sum(w.prompt for w in work)
             total = total + Load(part.steps + 1, part.decodes, prefill)  # + the shard's last, empty step
-    return FullRun(total, sum(b - a for a, b in shards), requests, prompt, cached, drawn / max(1, requests))
+    in_flight = min(limits.max_num_seqs, widest)
+    return FullRun(total, sum(b - a for a, b in shards), requests, prompt, cached, drawn / max(1, requests), in_flight)
 
 
 def _head(prompts: Prompts, i: int) -> tuple[int, int]:

@@ -161,5 +161,6 @@ def format_result(r: dict[str, Any]) -> str:
         if "cost_usd" in f:
             lines.append(_fig("cost", f["cost_usd"], " USD"))
         if model.get("note"):
-            lines.append(f"  generate hours: {model['note']}; start-up, merge and queueing not included")
+            by = f" by {model['model']}" if model.get("model") else ""
+            lines.append(f"  generate hours{by}: {model['note']}; start-up, merge and queueing not included")
     return "\n".join(lines)
