@@ -441,7 +441,8 @@ def ratio_page(report: dict[str, Any], cmd: str) -> str:
         "# `batchinfer tune`: forecast of generation seconds against the full run (issue 48)",
         "",
         f"{m['cpu']}, {m['cores']} cores, {m['mem_gb']} GB; CPU flags: {_flags(m)}; {versions}; {m['date']}.",
-        f"`{EAGER}` in every command. The machine was shared with other work during the runs (load noted below).",
+        f"`{EAGER}` in every command. The machine was shared with other work during the runs: 1-minute load "
+        f"average {' -> '.join(f'{x:.1f}' for x in report.get('load_1min', []))} (at the start and after each run).",
         "",
         "```bash",
         cmd,
@@ -452,15 +453,35 @@ def ratio_page(report: dict[str, Any], cmd: str) -> str:
         lines += [
             f"## {corpus}: median forecast / measured generation seconds {c['median_ratio']} over {len(c['trials'])} run(s)",
             "",
-            "| # | winner | forecast s (95% interval) | measured s | forecast / measured | within +-25% | in interval | output tokens ratio |",
-            "|---|---|---|---|---|---|---|---|",
+            "| # | winner | model | forecast s (95% interval) | measured s | forecast / measured | within +-25% | in interval "
+            "| step-cost / measured | pilot-rate / measured | output tokens ratio |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for t in c["trials"]:
             g, o = t["forecast_vs_measured"]["generate_seconds"], t["forecast_vs_measured"]["output_tokens"]
-            lines.append(
-                f"| {t['rep']} | {t['best']} | {g['forecast']:,} ({g['low']:,} .. {g['high']:,}) | {g['measured']:,} | "
-                f"{g['ratio']} | {'yes' if g['within_aim'] else 'no'} | {'yes' if g['in_interval'] else 'no'} | {o['ratio']} |"
+            fm = t.get("forecast_model") or {}
+            cand = (
+                {k: round(v / g["measured"], 3) for k, v in (fm.get("candidates") or {}).items()}
+                if g["measured"]
+                else {}
             )
+            lines.append(
+                f"| {t['rep']} | {t['best']} | {fm.get('model', '')} | {g['forecast']:,} ({g['low']:,} .. {g['high']:,}) | "
+                f"{g['measured']:,} | {g['ratio']} | {'yes' if g['within_aim'] else 'no'} | "
+                f"{'yes' if g['in_interval'] else 'no'} | {cand.get('step-cost', '')} | {cand.get('pilot-rate', '')} | {o['ratio']} |"
+            )
+        refused = [
+            f"run {t['rep']}: " + "; ".join(t["forecast_model"]["refused"])
+            for t in c["trials"]
+            if (t.get("forecast_model") or {}).get("refused")
+        ]
+        if refused:
+            lines += [
+                "",
+                "The step cost refused (the pilot's rate forecast instead):",
+                "",
+                *[f"- {r}" for r in refused],
+            ]
         lines += ["", "The last tune's table and forecast:", "", "```", c["trials"][-1]["table"].rstrip(), "```", ""]
     return "\n".join(lines) + "\n"
 
