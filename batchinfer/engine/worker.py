@@ -6,9 +6,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchinfer import faults
@@ -119,17 +121,17 @@ class ShardWorker:
         folder = self.run.shard_folder(shard.index)
         table = folder.read_rows(columns=counted)  # pooling outputs have no output_tokens
         rows = done_rows(table.column("row"))  # sorted, so resume needs no set of a shard's rows
-        kinds = pc.value_counts(pc.drop_null(pc.struct_field(table.column("error"), "kind"))).to_pylist()
+        counts = RowCounts.of(table)
         old = read_progress(folder.progress_path) or Progress(shard=shard.index)
         record = Progress(
             shard=shard.index,
             rows_total=shard.rows,
             rows_done=len(rows),
             parts=len(folder.committed_files()),
-            prompt_tokens=int(pc.sum(table.column("prompt_tokens")).as_py() or 0),
-            output_tokens=int(pc.sum(table.column("output_tokens")).as_py() or 0) if "output_tokens" in counted else 0,
-            errors={k["values"]: k["counts"] for k in kinds},
-            reused_rows=int(pc.sum(table.column(REUSED_COLUMN)).as_py() or 0) if REUSED_COLUMN in counted else 0,
+            prompt_tokens=counts.prompt_tokens,
+            output_tokens=counts.output_tokens,
+            errors=counts.errors,
+            reused_rows=counts.reused_rows,
             attempts=old.attempts + 1,
             failures=old.failures,
             failures_by_job=old.failures_by_job or {},
@@ -248,12 +250,12 @@ class ShardWorker:
         self.run.shard_folder(shard.index).write_part(table)
         record.parts += 1
         record.rows_done += len(rows)
-        record.prompt_tokens += sum(r["prompt_tokens"] or 0 for r in rows)
-        record.output_tokens += sum(r.get("output_tokens") or 0 for r in rows)
-        record.reused_rows += sum(1 for r in rows if r.get(REUSED_COLUMN))
-        for r in rows:
-            if r["error"]:
-                record.errors[r["error"]["kind"]] = record.errors.get(r["error"]["kind"], 0) + 1
+        counts = RowCounts.of(table)  # from the part's columns: a pass over Python rows per count cost more
+        record.prompt_tokens += counts.prompt_tokens
+        record.output_tokens += counts.output_tokens
+        record.reused_rows += counts.reused_rows
+        for kind, n in counts.errors.items():
+            record.errors[kind] = record.errors.get(kind, 0) + n
         record.seconds.commit += time.monotonic() - t0
         record.add_point()
         self.write_progress(shard, record, error=error)
@@ -272,6 +274,32 @@ class ShardWorker:
         record = self.record if self.record is not None and self.record.shard == shard.index else None
         path = self.run.shard_folder(shard.index).progress_path
         self.failures = count_failure(path, shard.index, f"{type(error).__name__}: {error}", record, self.engine_record)
+
+
+@dataclass(frozen=True)
+class RowCounts:
+    """What progress.json counts of some output rows: tokens, reused rows, error rows by kind."""
+
+    prompt_tokens: int
+    output_tokens: int
+    reused_rows: int
+    errors: dict[str, int]
+
+    @staticmethod
+    def of(table: pa.Table) -> RowCounts:
+        """The counts of a table of output rows (its columns the run's schema has: pooling outputs have
+        no output_tokens); the same for a commit's rows and for the parts a resume reads back."""
+
+        def total(name: str) -> int:
+            return int(pc.sum(table.column(name)).as_py() or 0) if name in table.column_names else 0
+
+        kinds = pc.value_counts(pc.drop_null(pc.struct_field(table.column("error"), "kind"))).to_pylist()
+        return RowCounts(
+            prompt_tokens=total("prompt_tokens"),
+            output_tokens=total("output_tokens"),
+            reused_rows=total(REUSED_COLUMN),
+            errors={k["values"]: k["counts"] for k in kinds},
+        )
 
 
 def _contains(sorted_rows: Any, row: int) -> bool:
