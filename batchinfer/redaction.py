@@ -5,15 +5,14 @@ Records a command reads back to run (run.yaml, pass.json, a tune's job.json, a t
 hold exactly what runs (exact_json, exact_yaml): only the values of secret-named keys are struck,
 never a free-text value (a prompt's `key={key}`, a stop string), which text patterns would damage.
 
-Secrets are found as secret scanners find them: by name (a word part token, secret, password,
-pass, pwd, key, jwt, cookie, credential, webhook, auth, ...), by a URL's `user:password@`, and by
+Secrets are found as secret scanners find them: by name (secret_names.py: a word part token,
+secret, password, pass, pwd, key, jwt, cookie, credential, webhook, auth, ...), by a URL's `user:password@`, and by
 value (the value of a secret-named variable of this environment, or of a secret given in the
 config). A value found by value is written as `${oc.env:NAME}`, a reference the task resolves
 from its own environment; one found by name becomes `<redacted>`."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -21,44 +20,14 @@ from typing import Any, Optional
 
 import yaml
 
-REDACTED = "<redacted>"
+from batchinfer.secret_names import is_secret_name
 
-# Whole word parts only: `max_tokens`, `sort_keys`, `tokenizer`, `passes` and `keep` are not secrets.
-# (A DSN carries its key, Sentry's, or a password, a database's.)
-SECRET_WORDS = frozenset(
-    "token key apikey secret secrets password passwords passwd pass pwd passphrase credential credentials auth "
-    "authorization jwt cookie cookies webhook webhooks pat bearer dsn sessionid sessid".split()
-)
-# A word written without separators (PGPASSWORD, AWSSECRETKEY, csrftoken), matched as secret scanners
-# match it. Anywhere in the word: words no English word holds by chance.
-SECRET_INFIXES = ("password", "passwd", "passphrase", "credential", "apikey", "privkey", "privatekey")
-# At its end: HFTOKEN, MYSQLPWD, OAUTH, SESSIONID, SENTRYDSN (tokenizers, passes, secretary: no).
-SECRET_ENDINGS = tuple("token secret secrets pwd jwt cookie webhook bearer auth sessionid sessid dsn".split())
-# "key", "pass" and "pat" end many ordinary words (monkey, compass, compat): a secret only after one
-# of these (PASSKEY, DBPASS, GITHUBPAT), as detect-secrets' keyword list has it.
-QUALIFIED_ENDINGS = {
-    "key": tuple(
-        "secret api priv private access auth ssh pass sign signing encryption crypt master client service account "
-        "db database session hmac license app admin root storage shared sas deploy webhook token gpg pgp rsa".split()
-    ),
-    "pass": tuple(
-        "db database key user admin root mysql pg postgres smtp mail ldap ftp redis mongo sql app proxy login sudo "
-        "ssh vault basic http".split()
-    ),
-    "pat": tuple("github gh gitlab gl ado azure devops hf bitbucket personal access".split()),
-}
-# Word parts of snake_case, kebab-case, dotted and camelCase names (HFToken -> HF, Token).
-_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
+REDACTED = "<redacted>"
 
 # Redaction by value: values shorter than this are common words and numbers ("true", "main",
 # "1234"), which would be struck out of every record; secret scanners and CI masks draw the line
 # at 8 characters too (GitLab refuses to mask shorter ones). Shorter secrets are caught by name.
 MIN_VALUE_LENGTH = 8
-# Names with a secret word that hold no secret: the shell's working folders (pwd); and a secret's
-# location (a socket, a file, a folder) as the name's last word part, which records name as paths.
-NOT_SECRET_ENV = frozenset({"PWD", "OLDPWD"})
-LOCATION_PARTS = frozenset({"path", "file", "dir", "sock", "socket", "home"})
-
 # Subtrees whose keys are the user's columns, not settings: few-shot examples, run.yaml's column summary.
 ROW_DATA = ("prompt.examples", "output_schema.columns")
 # Maps whose keys are the user's labels, not settings nor variables: a LoRA adapter named `auth`
@@ -115,29 +84,6 @@ _carried: dict[str, str] = {}
 # Values of secret-named keys as typed in overrides (and URL passwords there): value -> name, struck
 # from every line of this process by value, before the config is composed (a type error echoes them).
 _typed: dict[str, str] = {}
-
-
-@functools.lru_cache(maxsize=4096)
-def is_secret_name(name: str) -> bool:
-    """Whether a config key, option or environment variable name looks like it holds a secret: a
-    secret word as a word part, or inside a word written without separators (AWSSECRETKEY, hftoken);
-    a name that ends in a location (MY_KEY_FILE, HF_TOKEN_PATH) holds no secret, only where one is."""
-    if name in NOT_SECRET_ENV:
-        return False
-    parts = [p.lower() for p in _WORD.findall(str(name))]
-    if not parts or parts[-1] in LOCATION_PARTS:
-        return False
-    return any(_secret_word(p) for p in parts) or _secret_word("".join(parts))
-
-
-def _secret_word(word: str) -> bool:
-    """One lower-case word part (or a whole name's parts joined: SESSION_ID) that names a secret."""
-    if word in SECRET_WORDS or any(w in word for w in SECRET_INFIXES) or word.endswith(SECRET_ENDINGS):
-        return True
-    for ending, before in QUALIFIED_ENDINGS.items():
-        if word.endswith(ending) and word[: -len(ending)].endswith(before):
-            return True
-    return False
 
 
 def has_url_password(value: Any) -> bool:

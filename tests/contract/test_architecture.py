@@ -32,6 +32,7 @@ LAYERS = {
     "errors": 0,
     "security": 0,
     "redaction": 0,
+    "secret_names": 0,
     "faults": 0,
     "logs": 0,
     "versions": 0,
