@@ -5,8 +5,8 @@ Records a command reads back to run (run.yaml, pass.json, a tune's job.json, a t
 hold exactly what runs (exact_json, exact_yaml): only the values of secret-named keys are struck,
 never a free-text value (a prompt's `key={key}`, a stop string), which text patterns would damage.
 
-Secrets are found as secret scanners find them: by name (secret_names.py: a word part token,
-secret, password, pass, pwd, key, jwt, cookie, credential, webhook, auth, ...), by a URL's `user:password@`, and by
+Secrets are found as secret scanners find them: by name (secret_names.py: a secret word token,
+secret, password, pass, pwd, key, jwt, cookie, ... as the name's last word), by a URL's `user:password@`, and by
 value (the value of a secret-named variable of this environment, or of a secret given in the
 config). A value found by value is written as `${oc.env:NAME}`, a reference the task resolves
 from its own environment; one found by name becomes `<redacted>`."""

@@ -241,6 +241,62 @@ def test_names_inside_words_are_secrets_and_look_alikes_are_not() -> None:
     }
 
 
+# Settings users pass in cluster.env that hold a secret word, not a secret (K12): refused or struck,
+# they broke runs. A secret word is a secret's name only as the name's last word (after qualifiers).
+SETTINGS_NOT_SECRETS = [
+    "TOKEN_LIMIT",
+    "PRIMARY_KEY",
+    "AUTH_ENABLED",
+    "HF_HUB_DISABLE_IMPLICIT_TOKEN",
+    "PASS_THROUGH",
+    "MAX_TOKENS",
+    "MAX_TOKEN",
+    "KEY_COLUMN",
+    "TOKENIZERS_PARALLELISM",
+    "AWS_ACCESS_KEY_ID",
+    "SECRET_NAME",
+    "EOS_TOKEN",
+    "PAD_TOKEN",
+    "SORT_KEY",
+    "FORWARD_PASS",
+    "PASSWORD_MIN_LENGTH",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "CREDENTIALS_DIRECTORY",
+]
+SECRETS_STILL = [
+    "HF_TOKEN",
+    "GITHUB_PAT",
+    "DB_PASS",
+    "MYSQL_PWD",
+    "SESSION_COOKIE",
+    "CI_JOB_JWT",
+    "SLACK_WEBHOOK",
+    "SLACK_WEBHOOK_URL",
+    "AWS_SECRET_ACCESS_KEY",
+    "OPENAI_API_KEY",
+    "API_KEY",
+    "PRIVATE_KEY",
+    "CLIENT_SECRET",
+    "API_KEY_VALUE",
+    "SECRET_KEY_BASE",
+    "HF_TOKEN_2",
+    "DB_PASSWORD_PROD",
+    "BOT_TOKEN",
+]
+
+
+def test_a_secret_word_names_a_secret_only_as_the_last_word() -> None:
+    assert [n for n in SETTINGS_NOT_SECRETS if is_secret_name(n)] == []
+    assert [n for n in SECRETS_STILL if not is_secret_name(n)] == []
+    env = {n: "v-0123456789" for n in SETTINGS_NOT_SECRETS}
+    env["DATABASE_URL"] = f"postgres://bob:{P}@db/x"
+    # a setting stays in the records read back and is no secret entry (exported as written)
+    assert redaction.exact({"cluster": {"env": env}})["cluster"]["env"] == dict(env, DATABASE_URL=REDACTED)
+    assert [n for n, v in env.items() if redaction.is_secret_entry(n, v)] == ["DATABASE_URL"]
+    security.check_config_secrets({"cluster": {"setup": [f"export {n}=v-0123456789" for n in env if n[0] != "D"]}})
+    security.check_config_secrets({"model": {"engine_kwargs": {"max_token": 5, "primary_key": "id"}}})
+
+
 def test_a_url_password_is_struck_after_a_paths_normalisation(tmp_path: Path) -> None:
     from batchinfer.errors import InputError
     from batchinfer.inputs.paths import input_files

@@ -38,7 +38,6 @@ SECRET = [
     "DB_PASSWD",
     "AWS_SECRET_ACCESS_KEY",
     "client.secret",
-    "GOOGLE_APPLICATION_CREDENTIALS",
     "credential",
     "auth",
     "GITHUB_AUTH",
@@ -78,6 +77,7 @@ NOT_SECRET = [
     "VLLM_CPU_KVCACHE_SPACE",
     "id_column",
     "chat_template_kwargs",
+    "GOOGLE_APPLICATION_CREDENTIALS",  # a path: the file holds the secret
 ]
 PLANTED = "hf_PLANTEDunit1234567890"
 
