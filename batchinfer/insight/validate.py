@@ -51,6 +51,16 @@ def _check_columns(c: Config, ds: Any) -> Checked:
     return ids
 
 
+def image_note(c: Config, columns: list[str]) -> Optional[str]:
+    """How validate counted the rows' images' tokens (models/image_tokens.py), where rows have images."""
+    from batchinfer.inputs.openai_batch import IMAGE_URL
+    from batchinfer.models.image_tokens import model_image_tokens
+
+    if not c.prompt.image_column and IMAGE_URL not in columns:
+        return None
+    return model_image_tokens(c.model.path, c.model.revision).note()
+
+
 def adapter_counts(c: Config, ds: Any) -> Optional[dict[str, int]]:
     """Rows per LoRA adapter the rows name (all rows, even in a sample; null: model.lora.default,
     else the base model; a name model.lora.adapters lacks is counted too, its rows are error rows);
@@ -122,7 +132,7 @@ def validate(
         ids = _check_columns(c, ds)
         todo: Sequence[int] = Sample(rows, sample) if sample and sample < rows else range(rows)
         found = _check_all(c, ds, dest, folder, tok, max_len, todo, jobs or allowed_cpus(), progress)
-        notes = [n for n in [messages_note(c.prompt, ds.data)] if n]
+        notes = [n for n in [messages_note(c.prompt, ds.data), image_note(c, ds.column_names)] if n]
         adapters = adapter_counts(c, ds)
         del ds  # memory-mapped from tmp
     found.stops.kinds |= ids.stops.kinds  # after the rows' own stops, as the report lists them

@@ -13,6 +13,7 @@ from batchinfer.config.schema import Config
 from batchinfer.errors import InputError
 from batchinfer.inputs.openai_batch import ROW_SAMPLING, task_mismatch
 from batchinfer.inputs.textfiles import MAX_JSON_DEPTH, json_depth
+from batchinfer.models.image_tokens import model_image_tokens
 from batchinfer.requests.bounded import CharBound
 from batchinfer.requests.images import ImageLimits, RowImage, image_column, row_image, with_image
 from batchinfer.requests.prompts import Messages, Prompt, PromptBuilder, RowError
@@ -41,18 +42,31 @@ class RowRequest:
     adapter: Optional[str] = None  # the LoRA adapter's name (model.lora.adapters); None: the base model
     to_encode: bool = True  # its ids are the prompt's tokens (False: error_row and fail need no count)
     image: Optional[RowImage] = None  # the row's image (prompt.image_column), decoded
+    # The tokens the image adds beyond its one placeholder in ids (models/image_tokens.py: the
+    # engine's processor expands it); 0 where the model's files do not say.
+    image_tokens: int = 0
 
     @property
     def tokens(self) -> int:
-        """The prompt's tokens: counted, or the fewest it can have."""
-        return self.at_least or len(self.ids)
+        """The prompt's tokens (its image's expanded): counted, or the fewest it can have."""
+        return (self.at_least or len(self.ids)) + self.image_tokens
 
     def fit(self, policy: str, max_model_len: int) -> list[int]:
         """The token ids to send, prompt.overlong applied (see fit_prompt)."""
-        if self.image is not None and (self.at_least or len(self.ids) >= max_model_len) and policy in TRUNCATE:
-            raise RowError(  # cutting would split the image's tokens; its text alone is not cut yet
-                "overlong", f"a prompt with an image has {self.tokens} tokens; model.max_model_len is {max_model_len}"
-            )
+        if self.image is not None and (self.at_least or self.tokens >= max_model_len):
+            if policy in TRUNCATE:  # cutting would split the image's tokens; its text alone is not cut yet
+                raise RowError(
+                    "overlong",
+                    f"a prompt with an image has {self.tokens} tokens; model.max_model_len is {max_model_len}",
+                )
+            if not self.at_least:
+                msg = (
+                    f"prompt has {self.tokens} tokens ({self.image_tokens + 1} of them its "
+                    f"{self.image.width}x{self.image.height} image's); model.max_model_len is {max_model_len}"
+                )
+                if policy == "fail":
+                    raise InputError(f"{msg} (prompt.overlong=fail); raise model.max_model_len or use smaller images")
+                raise RowError("overlong", f"{msg}; raise model.max_model_len or use smaller images")
         if self.at_least and policy not in TRUNCATE:
             return overlong_tokens(self.ids, policy, max_model_len, self.sampling["max_tokens"], self.at_least)
         return fit_prompt(self.prompt, self.ids, self.encode, policy, max_model_len, self.sampling["max_tokens"])
@@ -111,9 +125,13 @@ def draft_request(
     if at_least is not None and policy in TRUNCATE:
         prompt = bound.shorten(prompt, from_end=policy == "truncate_left")
     to_encode = at_least is None or policy in TRUNCATE
+    extra = 0
     if image is not None:
         prompt = with_image(prompt)  # after the bound: it measures and cuts text content
-    return RowRequest(id_, own, sampling_for(cfg, own), prompt, [], encode, at_least, adapter, to_encode, image)
+        extra = model_image_tokens(cfg.model.path, cfg.model.revision).extra(image.width, image.height)
+    req = RowRequest(id_, own, sampling_for(cfg, own), prompt, [], encode, at_least, adapter, to_encode, image)
+    req.image_tokens = extra
+    return req
 
 
 def encoded(req: RowRequest, result: Union[list[int], Exception]) -> RowRequest:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any, Optional
 
 from batchinfer.engine.dtype import own_choice
 from support.tiny_model import bpe_tokenizer
@@ -43,21 +44,31 @@ def build(out: Path) -> Path:
     if (out / "model.safetensors").is_file():
         return out
     import torch
-    from transformers import (
-        Idefics3Config,
-        Idefics3ForConditionalGeneration,
-        Idefics3ImageProcessorPil,
-        Idefics3Processor,
-    )
+    from transformers import Idefics3ForConditionalGeneration
+
+    cfg = write_processor(out)
+    torch.manual_seed(0)
+    model = Idefics3ForConditionalGeneration(cfg)
+    dtype = own_choice(gpu=False)["dtype"]  # as `model.dtype: auto` resolves on this CPU
+    model.to(getattr(torch, dtype)).save_pretrained(out)
+    return out
+
+
+def write_processor(out: Path, split: Optional[tuple[int, int]] = None) -> Any:
+    """The model's config.json, tokenizer and processor in out, without weights (no torch: what the
+    login node reads to count an image's tokens); split: (longest edge, tile edge) to cut images
+    into tiles as SmolVLM does (the model itself is built without). Its Idefics3Config."""
+    from transformers import Idefics3Config, Idefics3ImageProcessorPil, Idefics3Processor
 
     out.mkdir(parents=True, exist_ok=True)
     fast = bpe_tokenizer(CORPUS)
     fast.add_special_tokens({"additional_special_tokens": SPECIAL})
     fast.chat_template = CHAT_TEMPLATE
+    longest, tile = split or (IMAGE_SIZE, IMAGE_SIZE)
     images = Idefics3ImageProcessorPil(
-        size={"longest_edge": IMAGE_SIZE},
-        max_image_size={"longest_edge": IMAGE_SIZE},
-        do_image_splitting=False,
+        size={"longest_edge": longest},
+        max_image_size={"longest_edge": tile},
+        do_image_splitting=split is not None,
     )
     processor = Idefics3Processor(
         image_processor=images, tokenizer=fast, image_seq_len=IMAGE_SEQ_LEN, chat_template=CHAT_TEMPLATE
@@ -91,11 +102,9 @@ def build(out: Path) -> Path:
         image_token_id=fast.convert_tokens_to_ids("<image>"),
         tie_word_embeddings=True,
     )
-    torch.manual_seed(0)
-    model = Idefics3ForConditionalGeneration(cfg)
-    dtype = own_choice(gpu=False)["dtype"]  # as `model.dtype: auto` resolves on this CPU
-    model.to(getattr(torch, dtype)).save_pretrained(out)
-    return out
+    cfg.architectures = ["Idefics3ForConditionalGeneration"]
+    cfg.save_pretrained(out)
+    return cfg
 
 
 def write_image(path: Path, index: int, size: int = 48, fmt: str = "PNG") -> Path:
