@@ -6,7 +6,15 @@ adapter by adapter, feed.adapter_rank)."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional
+from typing import Any, Optional
+
+
+def engine_loads(engine: Any) -> Optional[int]:
+    """The adapters a LoRA engine has moved into one of its slots so far (vllm_engine.Engine.lora_loads);
+    None for an engine without LoRA adapters or one that does not count them."""
+    if not getattr(engine, "max_loras", None) or not hasattr(engine, "lora_loads"):
+        return None
+    return int(engine.lora_loads())
 
 
 class LoraSlots:

@@ -19,7 +19,7 @@ from batchinfer.engine.commit_policy import CommitPolicy
 from batchinfer.engine.crashes import Crashes, count_suspects
 from batchinfer.engine.drafted import Drafted, Keyed, RowIn, SliceDraft
 from batchinfer.engine.feed import Feed
-from batchinfer.engine.lora_slots import LoraSlots
+from batchinfer.engine.lora_slots import LoraSlots, engine_loads
 from batchinfer.engine.phases import CLOCK
 from batchinfer.engine.rowbar import RowBar
 from batchinfer.engine.stopflag import StopFlag
@@ -116,6 +116,11 @@ class ShardScheduler:
         self.pending: list[OutputRow] = worker.crash_rows(self.crashes.crashed_rows)  # rows to commit
         self.in_flight: dict[str, RequestKey] = {}  # request id -> key, sent and not finished
         self.slots = LoraSlots(getattr(engine, "max_loras", None))  # LoRA adapters in flight
+        # the engine's adapter loads so far (it may have run other shards) and the shard's earlier attempts'
+        self.loads_at_start = engine_loads(engine)
+        if self.loads_at_start is not None and record.adapter_loads is None:
+            record.adapter_loads = 0
+        self.loads_before = record.adapter_loads or 0
         self.n_isolate = 0  # isolated requests still to finish: while any, one request at a time
         self.finished = 0  # rows finished in this attempt (for the trace)
         self.seq = 0
@@ -176,7 +181,15 @@ class ShardScheduler:
                 "shard %d: %d rows took an identical finished request's result", self.shard.index, self.feed.cache.hits
             )
         if self.pending:
+            # counted at commits the engine is healthy at, not after an error: it may be dead or hung
+            self._count_loads()
             self.worker.commit(self.shard, self.pending, self.record)
+
+    def _count_loads(self) -> None:
+        """The shard's adapter loads in its record, as the engine counts them (LoRA engines only)."""
+        now = engine_loads(self.engine) if self.loads_at_start is not None else None
+        if now is not None:
+            self.record.adapter_loads = self.loads_before + now - self.loads_at_start
 
     def step(self) -> bool:
         """One round: submit, refill, drain one engine step, maybe commit; False once all is answered."""
@@ -297,6 +310,7 @@ class ShardScheduler:
         now = time.monotonic()
         if self.policy.due(len(self.pending), now - self.last_commit):
             self.record.seconds.generate += now - self.t_gen
+            self._count_loads()
             self.worker.commit(self.shard, self.pending, self.record)
             self.pending = []
             self.last_commit = self.t_gen = time.monotonic()

@@ -207,7 +207,8 @@ class Engine:
 
     def lora_loads(self) -> int:
         """Adapters the engine has moved into a LoRA slot so far (each a load of its weights)."""
-        return sum(self.llm.collective_rpc("lora_loads")) if self.max_loras else 0
+        # every rank of a tensor- or pipeline-parallel engine loads its share of the same adapter
+        return max(self.llm.collective_rpc("lora_loads")) if self.max_loras else 0
 
     def _reasoning_parser(self, name: Optional[str]) -> Any:
         """vLLM's parser that splits a reasoning model's output into (reasoning, answer)."""

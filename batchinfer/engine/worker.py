@@ -139,6 +139,7 @@ class ShardWorker:
             crashed=old.crashed,
             seconds=old.seconds,
             prefix_cache=old.prefix_cache,
+            adapter_loads=old.adapter_loads,
             series=old.series,
         )
         return record, rows

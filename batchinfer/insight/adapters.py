@@ -78,8 +78,21 @@ def adapter_label(a: AdapterRow) -> str:
     return f"(unknown: {a['adapter']})" if a.get("unknown") else a["adapter"]
 
 
-def adapter_lines(rows: list[AdapterRow]) -> list[str]:
-    """report.md's table of rows and tokens per adapter."""
+def loads_line(loads: list[Optional[int]]) -> list[str]:
+    """report.md's line on the engine's adapter loads (shards' adapter_loads; none counted: no line)."""
+    counted = [n for n in loads if n is not None]
+    if not counted:
+        return []
+    where = f" over {len(counted)} shards (at most {max(counted):,} in one)" if len(counted) > 1 else ""
+    return [
+        "",
+        f"Adapter loads: {sum(counted):,}{where}, each the engine moving an adapter into one of its "
+        "model.lora.max_loras slots (rows are sent adapter by adapter so that this stays small).",
+    ]
+
+
+def adapter_lines(rows: list[AdapterRow], loads: Optional[list[Optional[int]]] = None) -> list[str]:
+    """report.md's table of rows and tokens per adapter, and the engine's adapter loads (per shard)."""
     lines = [
         "## Adapters",
         "",
@@ -90,4 +103,4 @@ def adapter_lines(rows: list[AdapterRow]) -> list[str]:
         lines.append(
             f"| {adapter_label(a)} | {a['rows']:,} | {a['error_rows']:,} | {a['prompt_tokens']:,} | {a['output_tokens']:,} |"
         )
-    return lines
+    return lines + loads_line(loads or [])

@@ -161,7 +161,11 @@ def format_report(rep: Report, charts: list[Path]) -> str:
         "Prefix cache hits: prompt tokens vLLM served from its prefix cache.",
         "",
         *([*engine_lines(rep["engines"]), ""] if rep.get("engines") else []),
-        *([*adapter_lines(rep["adapters"]), ""] if rep.get("adapters") else []),
+        *(
+            [*adapter_lines(rep["adapters"], [s.get("adapter_loads") for s in rep["shards"]]), ""]
+            if rep.get("adapters")
+            else []
+        ),
         "## Cost",
         "",
         *cost_lines(rep["cost"]),

@@ -39,6 +39,7 @@ class ShardState(TypedDict):
     failures: int
     engine: Optional[EngineSlot]  # which of its task's engines; None: the only one
     failures_this_submission: NotRequired[int]  # cluster.max_attempts counts per submission
+    adapter_loads: NotRequired[int]  # LoRA runs: adapters the engine moved into a slot for this shard
     job: Optional[str]
     job_state: Optional[str]
     state: str  # done, running, pending, failed or partial
@@ -63,6 +64,7 @@ class StatusTotals(TypedDict):
     running_rows_per_s: Optional[float]
     eta_seconds: Optional[int]
     time: str
+    adapter_loads: NotRequired[int]  # LoRA runs: over the shards that count them
 
 
 def task_log_paths(folder: Path, job: str) -> list[Path]:
@@ -160,6 +162,8 @@ def shard_status(run: RunDir, states: dict[str, str], nodes: Optional[dict[str, 
             failures=progress.failures,
             engine=engine_record(progress.engine),  # which of its task's engines; None: the only one
         )
+        if progress.adapter_loads is not None:
+            rec["adapter_loads"] = progress.adapter_loads
         task = tasks.get(shard.index)
         # cluster.max_attempts counts per submission: the worker keys failures by Slurm job id
         if task and progress.failures_by_job is not None:
@@ -244,7 +248,8 @@ def summarize(records: list[ShardState]) -> StatusTotals:
     counts: dict[str, int] = {}
     for r in records:
         counts[r["state"]] = counts.get(r["state"], 0) + 1
-    return {
+    loads = [r["adapter_loads"] for r in records if "adapter_loads" in r]
+    out: StatusTotals = {
         "shards": len(records),
         "states": counts,
         "rows": rows,
@@ -259,6 +264,9 @@ def summarize(records: list[ShardState]) -> StatusTotals:
         "eta_seconds": round(eta) if eta is not None else None,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+    if loads:
+        out["adapter_loads"] = sum(loads)
+    return out
 
 
 def failures_note(r: ShardState) -> str:
@@ -288,7 +296,9 @@ def format_status(
         value = r["rows_per_s"] if pooled else r["output_tokens_per_s"]
         tps = f"{value:.1f}" if value else "-"
         which = engine_note(r) if r["state"] in ("failed", "partial") else ""
-        note_text = "; ".join(x for x in (which, nodes_note(r.get("nodes")), failures_note(r), r.get("error")) if x)
+        loads = f"{r['adapter_loads']} adapter loads" if "adapter_loads" in r else ""
+        notes = (which, nodes_note(r.get("nodes")), failures_note(r), loads, r.get("error"))
+        note_text = "; ".join(x for x in notes if x)
         lines.append(
             f"{r['shard']:>5}  {r['state']:<8} {rows:>15}  {tps:>8}  {r['job'] or '-':<14} {r['attempts']:>8}  {note_text[:100]}"
         )
@@ -301,6 +311,7 @@ def format_status(
     lines.append(
         f"total: {totals['rows_done']} of {totals['rows']} rows; shards: {states}"
         + (f"; {totals['reused_rows']} rows reused (output.reuse)" if totals.get("reused_rows") else "")
+        + (f"; {totals['adapter_loads']} LoRA adapter loads" if "adapter_loads" in totals else "")
         + ("" if pooled else f"; output tokens: {totals['output_tokens']}")
         + (f" ({tps} {rate} per {unit} while {'computing' if pooled else 'generating'})" if tps else "")
         + (f"; now {now} {rate} over {tasks} running task{'s' * (tasks != 1)}" if now else "")

@@ -77,6 +77,7 @@ class ProgressRecord(TypedDict, total=False):
     crashed: dict[str, int]
     seconds: SecondsRecord
     prefix_cache: Optional[PrefixCacheRecord]
+    adapter_loads: int  # LoRA runs only
     series: list[SeriesPoint]
     first_request_seconds: float
     updated: float
@@ -155,6 +156,10 @@ class Progress:
     crashed: dict[str, int] = field(default_factory=dict)
     seconds: Seconds = field(default_factory=Seconds)
     prefix_cache: Optional[PrefixCache] = None  # None: the engine does not report it
+    # LoRA adapters the engine moved into one of its max_loras slots for this shard's requests, over
+    # its attempts (each a load of an adapter's weights); None: a run without adapters, or a record
+    # from before this count
+    adapter_loads: Optional[int] = None
     series: list[SeriesPoint] = field(default_factory=list)  # one point per commit, for charts
     first_request_seconds: Optional[float] = None
     # Read from the file, written by write_progress (not carried from one attempt to the next):

@@ -46,6 +46,7 @@ class ShardStats(Rated):
     series: list[SeriesPoint]
     device: Optional[str]
     engine: Optional[EngineSlot]  # which of its task's engines ran it (None: a single-engine run)
+    adapter_loads: Optional[int]  # LoRA adapters the engine loaded into a slot (None: no adapters)
 
 
 class Totals(Rated):
@@ -54,6 +55,7 @@ class Totals(Rated):
     rows: int
     shards: int
     shards_done: int
+    adapter_loads: Optional[int]  # over the shards that count them (None: none does)
 
 
 class PassCounts(TypedDict, total=False):
@@ -116,6 +118,7 @@ def shard_stats(run: RunDir) -> list[ShardStats]:
                 series=rec.series,
                 device=rec.device,
                 engine=rec.engine,
+                adapter_loads=rec.adapter_loads,
             )
         )
     return out
@@ -132,6 +135,7 @@ def totals(shards: list[ShardStats]) -> Totals:
         for kind, n in s["errors"].items():
             errors[kind] = errors.get(kind, 0) + n
     r = rates(prompt, output, rows_done, seconds["generate"], PrefixCache(**prefix) if caches else None)
+    loads = [s["adapter_loads"] for s in shards if s.get("adapter_loads") is not None]
     return Totals(
         rows=sum(s["rows"] for s in shards),
         rows_done=rows_done,
@@ -147,6 +151,7 @@ def totals(shards: list[ShardStats]) -> Totals:
         shards=len(shards),
         shards_done=sum(s["done"] for s in shards),
         errors=errors,
+        adapter_loads=sum(loads) if loads else None,  # type: ignore[arg-type]
     )
 
 

@@ -15,6 +15,7 @@ from support.runs import run_overrides
 
 from batchinfer.config.compose import compose
 from batchinfer.launch.local import run_local
+from batchinfer.rundir.progress import read_progress
 
 pytestmark = pytest.mark.engine
 
@@ -70,8 +71,11 @@ def test_three_adapters_and_the_base_model_interleaved_answer_as_their_own_runs(
     lora = lora_overrides(tiny_adapters)
     loads = lora_engine.lora_loads()
     ov = run_overrides(tiny_model_path, corpus, tmp_path / "mixed", *lora, "input.adapter_column=task")
-    mixed = read_output(run_local(compose(ov), engine=lora_engine).path)
+    run = run_local(compose(ov), engine=lora_engine)
+    mixed = read_output(run.path)
     loads = lora_engine.lora_loads() - loads
+    # the shards' DONE.json hold the engine's own count of this run's loads (not the engine's earlier ones)
+    assert sum(read_progress(run.shard_folder(s.index).done_path).adapter_loads for s in run.shards()) == loads
     assert [r["adapter"] for r in mixed] == [r["task"] for r in rows]
     assert all(r["error"] is None for r in mixed)
     # One slot, two windows (32 rows, then 8; max_num_seqs=16), each adapter by adapter, the second

@@ -45,6 +45,8 @@ class FakeEngine:
         self.loras_in_flight: list[set[str]] = []  # the adapters of the requests queued at each step
         self.died_with: list[list[int]] | None = None  # the requests queued when it died
         self.aborted: list[list[int]] = []  # requests dropped by abort_all
+        self.lora_slots: list[str] = []  # adapters in its max_loras slots, least recently used first
+        self.loads = 0  # adapters moved into a slot (vLLM's LRUCacheLoRAModelManager.activate_adapter)
 
     def ids(self, text: str) -> list[int]:
         """Token ids of a prompt of one message (the default chat prompt of a row's text)."""
@@ -79,6 +81,22 @@ class FakeEngine:
         self.queue.append((request_id, token_ids))
         self.added.append(token_ids)
         self.sent_adapters.append(adapter)
+        if adapter is not None and self.max_loras:
+            self._activate(adapter)
+
+    def _activate(self, adapter: str) -> None:
+        """An adapter into a slot, as vLLM's LRU of max_loras slots does: a load unless it is there."""
+        if adapter in self.lora_slots:
+            self.lora_slots.remove(adapter)
+        else:
+            self.loads += 1
+            if len(self.lora_slots) == self.max_loras:
+                self.lora_slots.pop(0)
+        self.lora_slots.append(adapter)
+
+    def lora_loads(self) -> int:
+        """Adapters moved into a slot so far (vllm_engine.Engine.lora_loads)."""
+        return self.loads
 
     def step(self) -> list[Completion]:
         if any(tuple(ids) in self.poisoned for _, ids in self.queue):

@@ -282,3 +282,57 @@ def test_reuse_and_redo_with_adapters(tmp_path: Path, adapters: list[str]) -> No
     out = read_output(first.path)
     assert [r["adapter"] for r in out] == ["beta", "beta", "alpha", "alpha", "alpha", "alpha"]
     assert [r["text"] for r in out[:2]] == [FakeEngine.answer(eng.ids(f"text {i}"), "beta") for i in range(2)]
+
+
+def test_adapter_loads_are_recorded_per_shard_and_shown_in_report_and_status(
+    tmp_path: Path, adapters: list[str]
+) -> None:
+    from batchinfer.insight.report import build_report, format_report
+    from batchinfer.insight.status import format_status, shard_status, summarize
+    from batchinfer.rundir.progress import read_progress
+
+    gamma = adapter(tmp_path, "gamma", 8)
+    names = ["alpha", None, "beta", "gamma", "beta", "alpha", None, "gamma"]
+    rows = [{"id": f"r{i}", "text": f"text {i}", "task": names[i % len(names)]} for i in range(40)]
+    corpus = write_rows(tmp_path / "c.jsonl", rows)
+    ov = fake_overrides(
+        tmp_path,
+        corpus,
+        "input.id_column=id",
+        "input.adapter_column=task",
+        *adapters,
+        f"+model.lora.adapters.gamma={gamma}",
+    )
+    run = prepare(compose([*ov, "model.lora.max_loras=1", "sharding.num_shards=2", "output.commit_every_rows=4"]))
+    eng = keyed(FakeEngine(), run)
+    eng.max_loras = 1
+    eng.loads = 7  # loads of whatever the engine ran before: not this run's shards'
+    counted = []
+    for shard in (0, 1):
+        before = eng.lora_loads()
+        run_shards(run, [shard], engine=eng)  # one engine for both shards, as a task's shards share it
+        counted.append(eng.lora_loads() - before)
+    assert all(n >= 3 for n in counted), counted  # three adapters in each shard of one slot
+    done = [read_progress(run.shard_folder(s).done_path) for s in (0, 1)]
+    assert [d.adapter_loads for d in done] == counted
+    assert json.loads(run.shard_folder(0).done_path.read_text())["adapter_loads"] == counted[0]
+    rep = build_report(run)
+    assert [s["adapter_loads"] for s in rep["shards"]] == counted and rep["totals"]["adapter_loads"] == sum(counted)
+    text = format_report(rep, [])
+    assert f"Adapter loads: {sum(counted)} over 2 shards (at most {max(counted)} in one)" in text, text
+    records = shard_status(run, {})
+    totals = summarize(records)
+    assert [r["adapter_loads"] for r in records] == counted and totals["adapter_loads"] == sum(counted)
+    said = format_status(run, records, totals)
+    assert f"{sum(counted)} LoRA adapter loads" in said and f"{counted[1]} adapter loads" in said, said
+
+
+def test_a_run_without_adapters_records_no_adapter_loads(tmp_path: Path) -> None:
+    from batchinfer.insight.report import build_report, format_report
+
+    corpus = write_rows(tmp_path / "c.jsonl", ROWS[:3])
+    run = prepare(compose(fake_overrides(tmp_path, corpus, "input.id_column=id")))
+    run_shards(run, [0], engine=keyed(FakeEngine(), run))
+    assert "adapter_loads" not in json.loads(run.shard_folder(0).done_path.read_text())
+    rep = build_report(run)
+    assert rep["totals"]["adapter_loads"] is None and "Adapter loads" not in format_report(rep, [])
