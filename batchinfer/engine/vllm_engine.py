@@ -140,7 +140,7 @@ def lora_requests(adapters: dict[str, str]) -> dict[str, Any]:
     """vLLM's LoRARequest of each adapter of model.lora.adapters (ids stable by sorted name)."""
     from vllm.lora.request import LoRARequest
 
-    return {n: LoRARequest(n, i, str(adapter_folder(adapters[n]))) for n, i in adapter_ids(adapters).items()}
+    return {n: LoRARequest(n, i, str(adapter_folder(adapters[n], n))) for n, i in adapter_ids(adapters).items()}
 
 
 RANK_WORKER_EXIT = 70  # a worker of an engine over several nodes whose step raised

@@ -185,15 +185,20 @@ def resolve_model(path: str, revision: Optional[str]) -> tuple[str, Optional[str
                 hint = "; prepare it once with `batchinfer prepare-model model=all-minilm-l6-v2`"
             raise ConfigError(f"model.path {path}: no model folder with a config.json there{hint}")
         return str(p), revision
+    return path, hub_snapshot(path, revision, "model.path").name
+
+
+def hub_snapshot(name: str, revision: Optional[str], key: str) -> Path:
+    """The snapshot folder of hub name `name` (org/model) at revision (None: the cached main) in the
+    local Hugging Face cache, never fetched; ConfigError naming key and the download command."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        snap = snapshot_download(path, revision=revision, local_files_only=True)
+        return Path(snapshot_download(name, revision=revision, local_files_only=True))
     except (LocalEntryNotFoundError, OSError, ValueError):
         raise ConfigError(
-            f"model.path {path}: not in the local Hugging Face cache. Compute nodes run offline "
+            f"{key} {name}: not in the local Hugging Face cache. Compute nodes run offline "
             f"(HF_HUB_OFFLINE=1): download it once on the login node with "
-            f"`huggingface-cli download {path}` (HF_TOKEN for gated models), then submit again"
+            f"`huggingface-cli download {name}` (HF_TOKEN for gated models), then submit again"
         ) from None
-    return path, Path(snap).name

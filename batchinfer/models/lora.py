@@ -16,14 +16,28 @@ ADAPTER_CONFIG = "adapter_config.json"  # PEFT's: r is the adapter's rank
 LORA_WORKER = "batchinfer.engine.vllm_engine.LoraWorker"
 
 
-def adapter_folder(path: str) -> Path:
-    """A local PEFT adapter folder (~ expanded)."""
-    return Path(path).expanduser()
+def adapter_folder(path: str, name: str = "") -> Path:
+    """A PEFT adapter's folder: a local folder (~ expanded), or a hub name (org/adapter) as model.path
+    takes one, its snapshot in the local Hugging Face cache (never fetched; ConfigError naming
+    model.lora.adapters.NAME and the download command when it is not there)."""
+    from batchinfer.models.locations import hub_snapshot, looks_local
+
+    if looks_local(path):
+        return Path(path).expanduser()
+    return hub_snapshot(path, None, f"model.lora.adapters.{name or path}")
+
+
+def pinned_adapters(adapters: dict[str, str]) -> dict[str, str]:
+    """model.lora.adapters with each hub name pinned to its snapshot folder in the local cache, as
+    prepare pins model.path's revision: a later download of a newer revision leaves the run as it was."""
+    from batchinfer.models.locations import looks_local
+
+    return {n: p if looks_local(p) else str(adapter_folder(p, n)) for n, p in adapters.items()}
 
 
 def adapter_rank(name: str, path: str) -> int:
     """The rank (`r`) in an adapter's adapter_config.json; ConfigError naming the file otherwise."""
-    file = adapter_folder(path) / ADAPTER_CONFIG
+    file = adapter_folder(path, name) / ADAPTER_CONFIG
     try:
         r = json.loads(file.read_text(encoding="utf-8")).get("r")
     except (OSError, ValueError, AttributeError) as e:
@@ -102,7 +116,7 @@ def check_lora(lora: Any, adapter_column: Optional[str]) -> None:
 
 def adapter_identities(adapters: dict[str, str], mode: str = SAMPLED) -> dict[str, ModelIdentity]:
     """Each adapter folder's identity (models/identity.py, its large files hashed as mode says), by name."""
-    return {name: model_identity(adapter_folder(path), mode) for name, path in sorted(adapters.items())}
+    return {name: model_identity(adapter_folder(path, name), mode) for name, path in sorted(adapters.items())}
 
 
 def lora_elements_per_slot(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> int:

@@ -44,6 +44,7 @@ from batchinfer.locks import flock_works
 from batchinfer.logs import plural
 from batchinfer.models.identity import IdentityRecord, ModelIdentity, recorded_identity
 from batchinfer.models.locations import resolve_model
+from batchinfer.models.lora import pinned_adapters
 from batchinfer.models.pooling import embedding_dim
 from batchinfer.models.tokens import model_dir
 from batchinfer.redaction import exact
@@ -82,6 +83,8 @@ def resolve_input(cfg: DictConfig, input_required: bool = True) -> tuple[dict[st
     c = to_dict(cfg)
     apply_labels(c)
     c["model"]["path"], c["model"]["revision"] = resolve_model(c["model"]["path"], c["model"]["revision"])
+    lora = c["model"]["lora"]
+    lora["adapters"] = pinned_adapters(lora["adapters"])  # hub names: their snapshot folders
     if not c["input"]["path"]:
         return c, []
     files = input_files(c["input"]["path"], c["input"]["split"])

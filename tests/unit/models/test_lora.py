@@ -336,3 +336,69 @@ def test_a_run_without_adapters_records_no_adapter_loads(tmp_path: Path) -> None
     assert "adapter_loads" not in json.loads(run.shard_folder(0).done_path.read_text())
     rep = build_report(run)
     assert rep["totals"]["adapter_loads"] is None and "Adapter loads" not in format_report(rep, [])
+
+
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty local Hugging Face cache in tmp_path/hub, HF_HUB_CACHE pointed at it (offline)."""
+    import huggingface_hub.constants as hc
+
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(hub))  # read once at import: the env alone comes too late
+    return hub
+
+
+def cached_adapter(hub: Path, repo: str, r: int, rev: str = "b" * 40) -> Path:
+    """A PEFT adapter in the cache's layout (models--ORG--NAME/snapshots/REV, refs/main naming REV)."""
+    top = hub / f"models--{repo.replace('/', '--')}"
+    snap = top / "snapshots" / rev
+    snap.mkdir(parents=True)
+    (snap / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": 2 * r}))
+    (snap / "adapter_model.safetensors").write_bytes(repo.encode() * 10)
+    (top / "refs").mkdir()
+    (top / "refs" / "main").write_text(rev)
+    return snap
+
+
+def test_a_hub_id_adapter_is_its_snapshot_in_the_local_cache(
+    tmp_path: Path, adapters: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    snap = cached_adapter(hub_cache(tmp_path, monkeypatch), "org/tiny-lora", 8)
+    corpus = write_rows(tmp_path / "c.jsonl", ROWS)
+    ov = fake_overrides(
+        tmp_path,
+        corpus,
+        "input.id_column=id",
+        "input.adapter_column=task",
+        *adapters,
+        "+model.lora.adapters.hub=org/tiny-lora",
+    )
+    kw = llm_kwargs(to_config(compose(ov)))
+    assert kw["max_lora_rank"] == 16 and kw["max_loras"] == 3  # its r=8 read from the cached adapter_config.json
+    run = prepare(compose([*ov, "model.lora.default=hub"]))
+    assert run.config.model.lora.adapters["hub"] == str(snap)  # pinned to the snapshot, as model.revision is
+    eng = keyed(FakeEngine(), run)
+    run_shards(run, [0], engine=eng)
+    merge(run)
+    out = {r["id"]: r for r in read_output(run.path)}
+    assert out["r2"]["adapter"] == "hub" and out["r2"]["text"] == FakeEngine.answer(eng.ids("one"), "hub")
+    # the adapter's files are part of the model's identity: a changed snapshot is refused on resume
+    (snap / "adapter_model.safetensors").write_bytes(b"retrained")
+    with pytest.raises(RunDirError, match=r"LoRA adapter hub .*lora/hub/adapter_model.safetensors changed"):
+        check_model_unchanged(run)
+
+
+def test_a_hub_id_adapter_not_in_the_cache_is_refused_before_dir_is_made(
+    tmp_path: Path, adapters: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hub_cache(tmp_path, monkeypatch)
+    corpus = write_rows(tmp_path / "c.jsonl", ROWS)
+    ov = fake_overrides(tmp_path, corpus, *adapters, "+model.lora.adapters.hub=org/absent-lora")
+    with pytest.raises(ConfigError) as e:
+        prepare(compose(ov))
+    said = str(e.value)
+    assert said.startswith("model.lora.adapters.hub org/absent-lora: not in the local Hugging Face cache"), said
+    assert "`huggingface-cli download org/absent-lora`" in said and "\n" not in said
+    assert not (tmp_path / "run").exists()
