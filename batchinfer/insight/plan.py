@@ -3,6 +3,7 @@ encoder-only pooling model: the tokens per batch its activations fit). No engine
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -18,6 +19,7 @@ from batchinfer.insight.plan_records import (
     NodesLayout,
     PlanReport,
     PromptTokens,
+    VisionSection,
 )
 from batchinfer.models import node_sizing, sizing
 from batchinfer.models.lora import lora_bytes
@@ -136,6 +138,11 @@ def model_section(c: Config, folder: Path) -> tuple[sizing.ModelSize, ModelSecti
     encoder-only model: no KV cache, activation bytes per token instead)."""
     m, q = c.model, c.quantization
     model = sizing.read_model(folder)
+    vision = _vision(folder, model, m.dtype)
+    if vision is not None and model.params_source == "config.json":  # the text model's count alone
+        model = dataclasses.replace(
+            model, params=model.params + vision["params"], params_source="config.json, vision_config included"
+        )
     max_len, _ = max_model_len(m.max_model_len, folder)
     method = q.method
     if model.quant_method:
@@ -175,6 +182,34 @@ def model_section(c: Config, folder: Path) -> tuple[sizing.ModelSize, ModelSecti
         "max_model_len": max_len,
         "kv_bytes_per_sequence": per_token * max_len,
         "max_num_batched_tokens": m.max_num_batched_tokens,
+        "vision": vision,
+    }
+
+
+def _vision(folder: Path, model: sizing.ModelSize, dtype: str) -> Optional[VisionSection]:
+    """The vision encoder of a vision-language model from its config.json (None: a text model)."""
+    import json
+
+    from batchinfer.models.image_tokens import image_tokens
+    from batchinfer.models.vision_sizing import vision_encoder
+
+    try:
+        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    v = vision_encoder(folder, cfg, sizing.kv_dtype_bytes("auto", dtype))
+    if v is None:
+        return None
+    return {
+        "layers": v.layers,
+        "hidden_size": v.hidden,
+        "patch_size": v.patch,
+        "image_size": v.image_size,
+        "params": v.params,
+        "max_image_tokens": v.max_image_tokens,
+        "embedded_tokens": v.embedded_tokens,
+        "encoder_cache_bytes_per_image": v.cache_bytes_per_image,
+        "image_tokens": image_tokens(str(folder)).note(),
     }
 
 

@@ -66,6 +66,21 @@ class ModelSection(TypedDict):
     max_model_len: int
     kv_bytes_per_sequence: int
     max_num_batched_tokens: Optional[int]
+    vision: NotRequired[Optional[VisionSection]]  # a vision-language model's encoder (None: a text model)
+
+
+class VisionSection(TypedDict):
+    """A vision-language model's vision encoder (models/vision_sizing.py) and one image's cost."""
+
+    layers: int
+    hidden_size: int
+    patch_size: int
+    image_size: int
+    params: int  # in the model's params and weight bytes
+    max_image_tokens: Optional[int]  # prompt tokens of the largest image the processor makes
+    embedded_tokens: Optional[int]  # of those, image embeddings (what the encoder cache holds)
+    encoder_cache_bytes_per_image: Optional[int]
+    image_tokens: str  # how an image's tokens are counted (models/image_tokens.py)
 
 
 class NodesLayout(TypedDict):

@@ -106,6 +106,7 @@ def _model_lines(ms: ModelSection) -> list[str]:
             f"         + {_bin(ms['lora_bytes'])} of LoRA adapter slots (model.lora: max_loras x max_lora_rank) "
             f"= {ms['weight_bytes'] / GB:,.2f} GB"
         )
+    lines += _vision_lines(ms)
     if kv:
         return lines + [
             f"kv       2 (K, V) x {ms['layers']} layers x {ms['kv_heads']} KV heads x head_dim {ms['head_dim']} x "
@@ -122,6 +123,24 @@ def _model_lines(ms: ModelSection) -> list[str]:
         f"run one after another), {_bin(act * ms['max_model_len'])} per sequence of "
         f"max_model_len={ms['max_model_len']:,}",
     ]
+
+
+def _vision_lines(ms: ModelSection) -> list[str]:
+    """A vision-language model's encoder: its weights (in the figure above) and one image's cost."""
+    v = ms.get("vision")
+    if not v:
+        return []
+    lines = [
+        f"vision   {v['layers']}-layer ViT, hidden {v['hidden_size']:,}, {v['patch_size']} px patches of "
+        f"{v['image_size']} px images: {_params(v['params'])} parameters with its connector (in the weights above)"
+    ]
+    if v["max_image_tokens"] is not None and v["encoder_cache_bytes_per_image"] is not None:
+        lines.append(
+            f"         the largest image: {v['max_image_tokens']:,} prompt tokens ({v['embedded_tokens']:,} image "
+            f"embeddings), {_bin(v['encoder_cache_bytes_per_image'])} of encoder cache; vLLM keeps room for "
+            "max(max_num_batched_tokens, one image's) image embeddings"
+        )
+    return lines + [f"         {v['image_tokens']}"]
 
 
 def _one_gpu_lines(g: GpuRow, ms: ModelSection) -> list[str]:
