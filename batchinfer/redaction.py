@@ -295,17 +295,23 @@ def strike_try(text: str) -> str:
     )  # `k=<redacted>` splits as one
 
 
+def _struck_by_exact(path: str, k: Any, v: Any) -> bool:
+    """Whether exact() strikes the value of key k of the map at path: a secret-named key (not a row's
+    column nor a map's label), or an environment entry holding a URL's password."""
+    if path.endswith(ROW_DATA) or path.endswith(LABEL_MAPS):
+        return False
+    return is_secret_name(str(k)) or ((path == "env" or path.endswith(".env")) and has_url_password(v))
+
+
 def exact(obj: Any, path: str = "") -> Any:
     """A copy of a record read back to run: the values of secret-named keys struck (and a URL's
     password in an environment entry), lists of overrides struck as strike_override does; every
     other value exactly as it is, so what a command reads back is what the user gave."""
     if isinstance(obj, dict):
         out = {}
-        keep = path.endswith(ROW_DATA) or path.endswith(LABEL_MAPS)
-        in_env = path == "env" or path.endswith(".env")
         for k, v in obj.items():
             key = f"{path}.{k}" if path else str(k)
-            if not keep and (is_secret_name(str(k)) or (in_env and has_url_password(v))):
+            if _struck_by_exact(path, k, v):
                 out[k] = _strike(v)
             elif str(k) in OVERRIDE_LISTS and isinstance(v, (list, tuple)):
                 strike = strike_try if k == "tries" else strike_override
@@ -316,6 +322,28 @@ def exact(obj: Any, path: str = "") -> Any:
     if isinstance(obj, (list, tuple)):
         return [exact(v, path) for v in obj]
     return obj
+
+
+def struck_by_older(obj: Any, path: str = "") -> list[str]:
+    """The keys of a record read back to run (run.yaml's config) whose value holds REDACTED where
+    exact() keeps the value as given: text an older batchinfer's text redaction struck out of what
+    runs (`key=<redacted>` in a prompt). An environment entry holding it is a secret's place (taken
+    from the environment: security.secret_value), as are the values exact() strikes."""
+    if isinstance(obj, dict):
+        in_env = path == "env" or path.endswith(".env")
+        found: list[str] = []
+        for k, v in obj.items():
+            key = f"{path}.{k}" if path else str(k)
+            if _struck_by_exact(path, k, v) or (in_env and isinstance(v, str) and REDACTED in v):
+                continue
+            found += [f for f in struck_by_older(v, key) if f not in found]
+        return found
+    if isinstance(obj, (list, tuple)):
+        found = []
+        for v in obj:
+            found += [f for f in struck_by_older(v, path) if f not in found]
+        return found
+    return [path] if isinstance(obj, str) and REDACTED in obj else []
 
 
 def exact_json(obj: Any, **dumps: Any) -> str:

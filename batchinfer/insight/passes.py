@@ -58,7 +58,7 @@ def pass_records(root: RunDir) -> list[PassStatus]:
                 "shards": len(shards),
                 "shards_done": done,
                 "state": state,
-                "sampling_overridden": list(run.config.input.sampling_overridden) if run.exists() else [],
+                "sampling_overridden": list(run.recorded_config.input.sampling_overridden) if run.exists() else [],
                 "strays": list(found.strays),
             }
         )

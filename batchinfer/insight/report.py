@@ -53,8 +53,8 @@ def build_report(
     for s in shards:
         s["engine"] = engine_record(s["engine"])
     tot = totals(shards)
-    gpus = gpus_per_task(run.config, [s["device"] for s in shards])
-    gpu_seconds, layouts = engine_gpu_seconds(run.config, gpus, shards)
+    gpus = gpus_per_task(run.recorded_config, [s["device"] for s in shards])
+    gpu_seconds, layouts = engine_gpu_seconds(run.recorded_config, gpus, shards)
     rep: Report = {  # type: ignore[typeddict-item]  # its forecast follows
         "dir": str(run.path),
         "partial": tot["shards_done"] < tot["shards"],
@@ -69,7 +69,7 @@ def build_report(
             watts=watts,
             gpu_seconds=gpu_seconds,
             layouts=layouts,
-            nodes=task_nodes(run.config),
+            nodes=task_nodes(run.recorded_config),
         ),
         "engines": engine_table(shards),
         "adapters": adapter_rows(run),

@@ -287,7 +287,7 @@ def format_status(
 ) -> str:
     """A plain table for people and Slurm logs; note says Slurm did not answer, unrecorded lists
     jobs found only by the name of a submission that was cut short."""
-    pooled = run.config.task.name in POOLING_TASKS  # nothing generated: rows/s is the rate
+    pooled = run.recorded_config.task.name in POOLING_TASKS  # nothing generated: rows/s is the rate
     rate = "rows/s" if pooled else "tok/s"
     head = f"{'shard':>5}  {'state':<8} {'rows':>15}  {rate:>8}  {'job':<14} {'attempts':>8}  note"
     lines = [f"{run.path}", head]

@@ -43,7 +43,7 @@ def incomplete_shards(run: RunDir) -> list[int]:
 
 def merge(run: RunDir) -> MergeStats:
     """Write DIR/output* and DIR/stats.json; refuses, naming them, while shards are incomplete."""
-    output = run.config.output
+    output = run.recorded_config.output
     with private_umask(output.private):
         # One merge at a time (a merge job and a `batchinfer merge` typed meanwhile): the second
         # is refused naming the first, instead of renaming the other's half-written file.

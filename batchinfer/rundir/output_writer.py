@@ -137,7 +137,7 @@ def openai_lines(run: RunDir) -> Callable[[pa.Table], bytes]:
     from batchinfer.inputs.openai_batch import CHAT_URL, response_line
 
     urls = open_input(run.input_dir).data.column("url") if run.run["input"]["format"] == "openai" else None
-    model = run.config.model.path
+    model = run.recorded_config.model.path
     tag = run.run["fingerprint"][:12]
     created = int(time.time())
 

@@ -56,7 +56,7 @@ from batchinfer.rundir.model_record import KEY as MODEL_IDENTITY
 from batchinfer.rundir.model_record import identity_of, refuse_changed_model
 from batchinfer.rundir.reuse import checked_reuse
 from batchinfer.rundir.schema import output_schema, pooling_schema, schema_summary, schema_to_text
-from batchinfer.rundir.store import FILES_DIR, PREPARE_LAYOUT, PREPARING, InputRecord, RunDir
+from batchinfer.rundir.store import EXACT_RECORD, FILES_DIR, PREPARE_LAYOUT, PREPARING, InputRecord, RunDir
 from batchinfer.security import exposure_warning, keep_restriction, make_private, private_umask, remove_path
 from batchinfer.versions import installed_versions
 
@@ -228,8 +228,9 @@ def _reopen(
     refuse_changed_model(run.path, old, identity, c["model"]["lora"]["adapters"])
     image_files.refuse_changed_images(run.path)
     c = freeze_paths(run, c)
-    if old["config"] != c:
+    if old["config"] != c or old.get("redaction") != EXACT_RECORD:
         old["config"] = c  # only settings outside the fingerprint differ (commit intervals, cluster)
+        old["redaction"] = EXACT_RECORD  # composed now: what the user typed, as it runs
         run.write_run(old)
     return run
 
@@ -315,6 +316,7 @@ def _create(
     run.write_run(
         {
             "batchinfer": __version__,
+            "redaction": EXACT_RECORD,  # its config holds what runs (an older one's may hold struck text)
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "host": socket.gethostname(),
             "fingerprint": fp,

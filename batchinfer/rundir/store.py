@@ -17,7 +17,7 @@ from batchinfer.errors import RunDirError
 from batchinfer.inputs.shards import Shard
 from batchinfer.models.identity import IdentityRecord
 from batchinfer.ownership import Layout
-from batchinfer.redaction import ENV_REF, exact_yaml, is_secret_name
+from batchinfer.redaction import ENV_REF, REDACTED, exact_yaml, is_secret_name, struck_by_older
 from batchinfer.rundir.schema import schema_from_text
 from batchinfer.rundir.shard_folder import ShardFolder
 
@@ -45,6 +45,12 @@ PREPARE_LAYOUT = Layout(
         ".batchinfer-write-test-*",  # prepare's write probe
     ),
 )
+
+
+# run.yaml's `redaction` when its config holds exactly what runs but secret-named keys' values
+# (redaction.exact): written by prepare and by a reopen, which write a config composed now. A run.yaml
+# without it is an older version's, whose text redaction may have struck free text (K7).
+EXACT_RECORD = "exact"
 
 
 def _resolve_secret_refs(text: str) -> str:
@@ -99,6 +105,7 @@ class RunRecord(TypedDict, total=False):
     there; `model_identity` and `files` absent from older ones)."""
 
     batchinfer: str  # the version that prepared it
+    redaction: str  # EXACT_RECORD; absent: an older version's, whose config may hold struck text
     created: str
     host: str
     fingerprint: str
@@ -145,6 +152,48 @@ def read_run_yaml(path: Path) -> RunRecord:
     return run
 
 
+def struck_keys(record: RunRecord) -> list[str]:
+    """The config keys of an older version's run.yaml (no `redaction` mark) holding text its text
+    redaction struck: `<redacted>` where only a secret-named key's value is struck now, or, in a value
+    taken as typed, a `${oc.env:NAME}` of a secret variable it wrote over the secret's value (tasks
+    then resolved it; they run it as typed now). None in a run.yaml marked exact: there such text is
+    what the user typed."""
+    if record.get("redaction") == EXACT_RECORD:
+        return []
+    c = record["config"]
+    found = struck_by_older(c)
+    for key in (*LITERAL_KEYS, *LITERAL_LIST_KEYS):
+        group, _, name = key.partition(".")
+        value = (c.get(group) or {}).get(name) if isinstance(c.get(group), dict) else None
+        texts = value if isinstance(value, list) else [value]
+        refs = [n for t in texts if isinstance(t, str) for n in ENV_REF.findall(t)]
+        if any(is_secret_name(n) for n in refs) and key not in found:
+            found.append(key)
+    return found
+
+
+def refuse_struck(path: Path, record: RunRecord) -> None:
+    """RunDirError naming the keys of run.yaml an older version struck (struck_keys), and what to
+    do: a task would run `<redacted>` where the user typed a value."""
+    keys = struck_keys(record)
+    if not keys:
+        return
+    fp = record.get("fingerprint_keys") or {}
+    outputs = [k for k in keys if any(k == f or k.startswith(f + ".") for f in fp)]
+    if outputs:  # resume refuses a key that changes outputs
+        how = (
+            f"prepare the run again with the original values in a new output.dir (`batchinfer run ... "
+            f"output.dir=NEW`): {', '.join(outputs)} change{'s' if len(outputs) == 1 else ''} outputs"
+        )
+    else:
+        given = " ".join(f"{k}=..." for k in keys)
+        how = f"give the original values again: `batchinfer resume {path} {given}`"
+    raise RunDirError(
+        f"{path}/run.yaml was written by an older batchinfer, which struck text out of {', '.join(keys)} "
+        f"({REDACTED} or ${{oc.env:...}} in place of what was typed), so a task would run that text; {how}"
+    )
+
+
 class RunDir:
     """Paths and records of one run directory."""
 
@@ -159,6 +208,7 @@ class RunDir:
         self._run: Optional[RunRecord] = None
         self._schema: Optional[pa.Schema] = None
         self._config: Optional[Config] = None
+        self._runnable = False  # refuse_struck found nothing in run.yaml as read
 
     def exists(self) -> bool:
         """Whether run.yaml has been written."""
@@ -179,16 +229,27 @@ class RunDir:
         write_record(self.run_yaml, exact_yaml(record))
         self._run = record
         self._config = None
+        self._runnable = False
 
     @property
-    def config(self) -> Config:
+    def recorded_config(self) -> Config:
         """The run's frozen config, typed (run.yaml's `config`), its references to secret variables
         (`${oc.env:NAME}`) resolved from this environment: the latest moment, where it is used.
-        The cluster settings keep theirs: the sbatch scripts leave them to the task's shell."""
+        The cluster settings keep theirs: the sbatch scripts leave them to the task's shell.
+        For what reads settings and runs nothing (status, report, merge); what runs reads `config`."""
         if self._config is None:
             c = self.run["config"]
             self._config = to_config({k: v if k == "cluster" else _resolved(v, k) for k, v in c.items()})
         return self._config
+
+    @property
+    def config(self) -> Config:
+        """The config a task, a submission, a resume or a redo runs (recorded_config), refused when
+        run.yaml was written by an older version and holds text its redaction struck (refuse_struck)."""
+        if not self._runnable:
+            refuse_struck(self.path, self.run)
+            self._runnable = True
+        return self.recorded_config
 
     @property
     def schema(self) -> pa.Schema:
@@ -200,7 +261,7 @@ class RunDir:
     @property
     def output_format(self) -> str:
         """jsonl, parquet, openai or hf."""
-        return self.config.output.format
+        return self.recorded_config.output.format
 
     @property
     def part_format(self) -> str:
@@ -210,7 +271,7 @@ class RunDir:
     @property
     def output_split(self) -> Optional[int]:
         """output.max_rows_per_file: the merged output as several files of at most this many rows."""
-        return self.config.output.max_rows_per_file
+        return self.recorded_config.output.max_rows_per_file
 
     @property
     def output_path(self) -> Path:

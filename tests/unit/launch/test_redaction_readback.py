@@ -4,7 +4,31 @@ texts, and the records a redo or a tune reads back."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from support.runs import run_overrides
+from support.standin import StandinEngine
+
+from batchinfer import cli
+from batchinfer.config.compose import compose
+from batchinfer.errors import RunDirError
+from batchinfer.launch.local import run_task
+from batchinfer.launch.redo import redo
+from batchinfer.launch.submit import apply_resource_overrides
 from batchinfer.redaction import REDACTED, record_yaml, redact_printed, redact_text
+from batchinfer.rundir.prepare import prepare
+from batchinfer.rundir.store import RunDir
+
+TEMPLATE = "Sort by key={key}: {text}"
+
+
+def key_corpus(path: Path) -> Path:
+    """Rows with a column named `key`, which a template names as `key={key}`."""
+    path.write_text("".join(json.dumps({"id": f"r{i}", "text": f"hello {i}", "key": f"k{i}"}) + "\n" for i in range(6)))
+    return path
 
 
 def test_a_struck_value_keeps_the_quote_that_closes_it_and_a_placeholder_is_no_secret() -> None:
@@ -19,3 +43,71 @@ def test_a_struck_value_keeps_the_quote_that_closes_it_and_a_placeholder_is_no_s
     assert f"template: use key={{key}} and 'token={REDACTED}' now\n" in printed
     assert f'system: say "pass={REDACTED}" ok\n' in printed
     assert "abc" not in printed and "xyz" not in printed
+
+
+def _as_an_older_version_wrote_it(run: RunDir, **struck: str) -> None:
+    """run.yaml as a version before the exact records wrote it: no `redaction` mark, and the given
+    config keys (prompt.template=...) holding the text its redaction struck, fingerprint keys too."""
+    record = yaml.safe_load(run.run_yaml.read_text())
+    record.pop("redaction", None)
+    for key, value in struck.items():
+        group, name = key.split("__")
+        record["config"][group][name] = yaml.safe_load(value) if value.startswith("[") else value
+        if f"{group}.{name}" in record["fingerprint_keys"]:
+            record["fingerprint_keys"][f"{group}.{name}"] = record["config"][group][name]
+    run.run_yaml.write_text(yaml.safe_dump(record, sort_keys=False))
+
+
+def test_an_older_run_yaml_with_struck_free_text_is_refused_where_it_would_run(
+    tmp_path: Path, tiny_model_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """K7: a run.yaml an older version wrote with `token=<redacted>` in prompt.template (typed
+    `token=t0k3n-abc`) ran that text in every task, resume and redo without a word. Refused, naming
+    DIR, the key and what to do; status still reads it."""
+    corpus = key_corpus(tmp_path / "k.jsonl")
+    cfg = compose(
+        run_overrides(tiny_model_path, corpus, tmp_path / "old", "prompt.template=Use token=t0k3n-abc: {text}")
+    )
+    run = prepare(cfg)
+    _as_an_older_version_wrote_it(run, prompt__template=f"Use token={REDACTED}: {{text}}")
+    with pytest.raises(RunDirError) as refused:
+        run_task(str(run.path), 0, engine=StandinEngine(cfg))  # what an array task, resume's and redo's, run
+    msg = str(refused.value)
+    assert "\n" not in msg and f"{run.path}/run.yaml" in msg and "prompt.template" in msg
+    assert "new output.dir" in msg and "prompt.template changes outputs" in msg
+    assert not list(run.shards_dir.glob("*/*.parquet")) and not list(run.shards_dir.glob("*/*.jsonl"))
+    with pytest.raises(RunDirError, match="prompt.template"):
+        redo(str(run.path), "row < 2", [])
+    assert cli.main(["status", str(run.path)]) == 0  # status reads it: it runs nothing
+    assert "pending" in capsys.readouterr().out
+
+
+def test_an_older_run_yaml_struck_in_a_setting_says_resume_gives_it_again(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """K7: a key resume accepts (cluster.setup) struck by an older version: resume DIR KEY=... mends it."""
+    corpus = key_corpus(tmp_path / "k.jsonl")
+    run = prepare(compose(run_overrides(tiny_model_path, corpus, tmp_path / "old")))
+    _as_an_older_version_wrote_it(run, cluster__setup=f"['wandb login --token {REDACTED}', 'module load cuda']")
+    with pytest.raises(RunDirError) as refused:
+        RunDir(run.path).config  # noqa: B018
+    assert f"`batchinfer resume {run.path} cluster.setup=...`" in str(refused.value)
+    old = RunDir(run.path)
+    apply_resource_overrides(old, ["cluster.setup=['module load cuda']"])
+    assert RunDir(run.path).config.cluster.setup == ["module load cuda"]
+
+
+def test_typed_redacted_text_in_a_prompt_runs_as_typed(tmp_path: Path, tiny_model_path: Path) -> None:
+    """The mark tells the user's own `<redacted>` (a prompt asking to mask names) from an older
+    version's strike; a reopen of an unmarked run.yaml composed the same marks it."""
+    corpus = key_corpus(tmp_path / "k.jsonl")
+    template = f"Mask names as {REDACTED} in key={REDACTED}: {{text}}"
+    cfg = compose(run_overrides(tiny_model_path, corpus, tmp_path / "new", f"prompt.template={template}"))
+    run = prepare(cfg)
+    assert yaml.safe_load(run.run_yaml.read_text())["redaction"] == "exact"
+    assert RunDir(run.path).config.prompt.template == template
+    _as_an_older_version_wrote_it(run)
+    with pytest.raises(RunDirError, match="prompt.template"):
+        RunDir(run.path).config  # noqa: B018
+    prepare(cfg)  # the same command again: what it composes is what the user typed
+    assert RunDir(run.path).config.prompt.template == template
