@@ -207,6 +207,15 @@ def redact_text(text: str, values: Optional[list[tuple[str, str]]] = None) -> st
     return _command_secrets(_FLAG.sub(flag, _ASSIGNMENT.sub(assignment, text)))
 
 
+def shown_change(old: str, new: str) -> str:
+    """`OLD -> NEW` for a message, or `differs in a redacted part` when the two print the same once
+    struck (the difference is inside a secret-shaped part: `token=aaaa` -> `token=bbbb`), instead
+    of two identical texts."""
+    if old != new and redact_text(old) == redact_text(new):
+        return "differs in a redacted part"
+    return f"{old} -> {new}"
+
+
 # A JSON string literal, as json.dumps writes it.
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 

@@ -10,6 +10,7 @@ from typing import Any, Optional
 from batchinfer.config.json_schema import KEY as JSON_KEY
 from batchinfer.config.json_schema import json_schema_path, parse_json_schema, read_json_schema
 from batchinfer.errors import ConfigError
+from batchinfer.redaction import shown_change
 
 # engine_kwargs that change speed or memory, not what greedy decoding generates: a run may be
 # reopened or resumed with other values. speculative_config is one (the speculative=ngram preset
@@ -234,4 +235,4 @@ def describe_change(name: str, old: Any, new: Any) -> str:
     def shown(v: Any) -> str:
         return f"file {v['file']} (sha256 {v['sha256'][:12]})" if _is_file_record(v) else repr(v)
 
-    return f"{name} ({shown(old)} -> {shown(new)})"
+    return f"{name} ({shown_change(shown(old), shown(new))})"

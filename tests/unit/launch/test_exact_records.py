@@ -68,7 +68,8 @@ def test_a_reopen_compares_the_values_as_typed(tmp_path: Path, tiny_model_path: 
     out = tmp_path / "run"
     prepare(compose(run_overrides(tiny_model_path, corpus, out, "prompt.template=Answer {text} with key=aaaa1111")))
     other = compose(run_overrides(tiny_model_path, corpus, out, "prompt.template=Answer {text} with key=bbbb2222"))
-    with pytest.raises(RunDirError, match=r"different config: prompt.template .*key=aaaa1111.*key=bbbb2222"):
+    # the difference is after `key=`, struck in printed lines: said, not shown as two identical texts (K8)
+    with pytest.raises(RunDirError, match=r"different config: prompt.template \(differs in a redacted part\)"):
         prepare(other)
 
 

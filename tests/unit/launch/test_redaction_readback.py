@@ -111,3 +111,26 @@ def test_typed_redacted_text_in_a_prompt_runs_as_typed(tmp_path: Path, tiny_mode
         RunDir(run.path).config  # noqa: B018
     prepare(cfg)  # the same command again: what it composes is what the user typed
     assert RunDir(run.path).config.prompt.template == template
+
+
+def test_a_different_config_inside_a_struck_part_is_said_not_shown_twice(
+    tmp_path: Path, tiny_model_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """K8: reopening DIR with a prompt that differs only after `token=` printed the refusal with two
+    identical struck texts (`'Use token=<redacted>' -> 'Use token=<redacted>'`)."""
+    corpus = key_corpus(tmp_path / "k.jsonl")
+    out = tmp_path / "run"
+    prepare(compose(run_overrides(tiny_model_path, corpus, out, "prompt.template={text} token=aaaa1111")))
+    other = compose(run_overrides(tiny_model_path, corpus, out, "prompt.template={text} token=bbbb2222"))
+    with pytest.raises(RunDirError) as refused:
+        prepare(other)
+    printed = redact_printed(str(refused.value))  # as the console prints it
+    assert "prompt.template (differs in a redacted part)" in printed
+    assert "aaaa1111" not in printed and "bbbb2222" not in printed
+    # a difference outside the struck part is shown, the struck part struck
+    prepare(compose(run_overrides(tiny_model_path, corpus, tmp_path / "b", "prompt.template={text} a token=aaaa1111")))
+    with pytest.raises(RunDirError) as refused:
+        prepare(
+            compose(run_overrides(tiny_model_path, corpus, tmp_path / "b", "prompt.template={text} b token=aaaa1111"))
+        )
+    assert f"('{{text}} a token={REDACTED}' -> '{{text}} b token={REDACTED}')" in redact_printed(str(refused.value))
