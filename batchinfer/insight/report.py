@@ -8,6 +8,7 @@ from typing import Any, Optional, TypedDict
 from batchinfer.insight import forecast_check
 from batchinfer.insight.adapters import AdapterRow, adapter_lines, adapter_rows
 from batchinfer.insight.cost import CostRecord
+from batchinfer.insight.image_counts import ImageCounts, image_counts, image_lines
 from batchinfer.insight.passes import report_lines, rows_per_pass
 from batchinfer.redaction import redact_text
 from batchinfer.rundir.stats import ShardStats, Totals, markdown_table, reused_line, shard_stats, totals
@@ -38,6 +39,7 @@ class Report(TypedDict):
     cost: CostRecord
     engines: Optional[list[EngineRow]]
     adapters: Optional[list[AdapterRow]]  # committed rows and tokens per LoRA adapter (None: no adapters)
+    images: Optional[ImageCounts]  # images of the committed rows (None: a run without images)
     shards: list[ShardStats]
     forecast: Any  # forecast_check.compare's (None: the run recorded no forecast)
 
@@ -73,6 +75,7 @@ def build_report(
         ),
         "engines": engine_table(shards),
         "adapters": adapter_rows(run),
+        "images": image_counts(run),
         "shards": shards,
     }
     rep["forecast"] = forecast_check.compare(run, tot, rep["cost"])  # None: the run recorded no forecast
@@ -166,6 +169,7 @@ def format_report(rep: Report, charts: list[Path]) -> str:
             if rep.get("adapters")
             else []
         ),
+        *([*image_lines(rep["images"]), ""] if rep.get("images") else []),
         "## Cost",
         "",
         *cost_lines(rep["cost"]),
