@@ -218,6 +218,9 @@ class ClusterConfig:
     # while the others wait at most cache_wait_s, then start on a private cache (engine/compile_cache.py).
     cache_dir: Optional[str] = None
     cache_wait_s: int = 900
+    # MiB of decoded images (prompt.image_column) a worker holds made ahead of its engine: the rows
+    # made ahead stop there, so a window of big pictures costs this much memory, not its rows' worth.
+    image_window_mb: int = 512
     # The merge job (no GPU): minutes, memory (None: the partition's default) and CPUs. Merge streams
     # shard by shard, so its memory does not grow with the run; its time does (see benchmarks/results/merge.md).
     merge_time: int = 60

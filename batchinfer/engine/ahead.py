@@ -4,7 +4,11 @@ the rendered prompts' tokens in one call of the tokenizer (which releases the GI
 the cores), so that slice N is tokenized while slice N+1 is rendered and the main thread steps the
 engine. The next window is ready before the engine drains the current one. Requests are handed over
 in input order, and what making a row raised is raised where that row is taken, as if the main
-thread had made it."""
+thread had made it.
+
+Images made ahead are held within a budget (Room): a slice ends before a row whose image has no
+room, and the helper waits for the taker to send images to the engine before it makes the rest;
+meanwhile a taker with requests queued or in flight is told "later" rather than kept waiting."""
 
 from __future__ import annotations
 
@@ -14,14 +18,28 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from batchinfer.requests.image_budget import ImageBudget
 from batchinfer.requests.request import Made
 
 Item = Union[Made, BaseException]  # a row's request, or what making it raised
 WAIT_S = 0.05  # a taker waiting for the helper checks for a stop signal this often
 SWITCH_S = 0.001  # the interpreter's thread switch interval while a shard streams (Python's default: 5 ms)
 _END = object()  # the slices are all made
+LATER = object()  # what a taker gets instead of a request while the helper waits for image room
+
+
+@dataclass(frozen=True)
+class Room:
+    """The image budget a slice's making holds its decoded images under; `rest(state)`: the rows of
+    a begun slice it left for later (no room for their images); `defer()`: whether the taker has
+    requests queued or in flight (sending them frees room), so it may take LATER instead of waiting."""
+
+    budget: ImageBudget
+    rest: Callable[[Any], list[int]]
+    defer: Callable[[], bool]
 
 
 class _Failed:
@@ -46,8 +64,10 @@ class Ahead:
         depth: int,
         check_stop: Callable[[], None],
         stopping: Callable[[], bool],
+        room: Optional[Room] = None,
     ):
         self.slices = slices
+        self.room = room
         self.begin, self.tokenize, self.finish = begin, tokenize, finish
         self.check_stop = check_stop  # raises Stopped: a taker waiting on the helper still stops
         self.stopping = stopping  # a stop is pending: the helper makes no further slice
@@ -59,7 +79,7 @@ class Ahead:
         self._started = False
         self._switch: Optional[float] = None  # the interpreter's switch interval while streaming
 
-    def __iter__(self) -> Iterator[tuple[int, Made]]:
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
         if not self._started:
             self._started = True
             # The main thread takes the GIL back from the helpers within 1 ms (not 5) of an engine
@@ -71,16 +91,27 @@ class Ahead:
             batch = self._take()
             if batch is _END:
                 return
+            if batch is LATER:
+                yield -1, LATER
+                continue
             if isinstance(batch, _Failed):
                 raise batch.error
-            for index, made in batch:
+            batch.reverse()
+            while batch:  # popped, not iterated: a taken request's image is not kept alive here
+                index, made = batch.pop()
                 if isinstance(made, BaseException):
                     raise made
                 yield index, made
+                made = None
 
     def _take(self) -> Any:
         """The next made slice, waiting for the helper (a stop signal meanwhile raises Stopped)."""
         while True:
+            budget = self.room.budget if self.room is not None else None
+            if budget is not None and budget.waiting and self._made.empty():
+                if self.room.defer():  # type: ignore[union-attr]
+                    return LATER  # send what is queued: that frees the room the helper waits for
+                budget.force()  # nothing the taker holds frees room: over the budget rather than wait for ever
             try:
                 return self._made.get(timeout=WAIT_S)
             except queue.Empty:
@@ -91,15 +122,28 @@ class Ahead:
     def _run(self) -> None:
         pending: Optional[tuple[Any, Future[None]]] = None  # the slice being tokenized
         try:
-            for indices in self.slices:
+            slices = iter(self.slices)
+            rest: list[int] = []
+            while True:
+                indices = rest or next(slices, None)
+                if indices is None:
+                    break
                 if self._closed.is_set() or self.stopping():
                     return
+                held = self.room.budget.now() if self.room is not None else 0
                 try:
                     state = self.begin(indices)  # rendered while the slice before is tokenized
                 except BaseException as e:
                     if self._hand_over(pending):
                         self._put(_Failed(e))  # after the slices before it
                     return
+                rest = self.room.rest(state) if self.room is not None else []
+                if rest and len(rest) == len(indices):  # not one row had room: wait for the taker to send
+                    if not self._hand_over(pending):
+                        return
+                    pending = None
+                    self._wait_for_room(held)
+                    continue
                 job = self._tokenize(state)
                 if not self._hand_over(pending):
                     return
@@ -108,6 +152,11 @@ class Ahead:
                 self._put(_END)
         except BaseException as e:  # tokenizing or finishing a slice: raised where it starts
             self._put(_Failed(e))
+
+    def _wait_for_room(self, held: int) -> None:
+        """Wait until images held when a slice found no room are sent (or the making stops)."""
+        assert self.room is not None
+        self.room.budget.wait_for_room(held, lambda: self._closed.is_set() or self.stopping())
 
     def _tokenize(self, state: Any) -> Future[None]:
         """Count a slice's tokens on the tokenizer thread (here, with one core)."""

@@ -8,10 +8,11 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
+from batchinfer.engine.ahead import LATER
 from batchinfer.engine.phases import CLOCK
 from batchinfer.engine.stream import ResultCache, result_bytes
 from batchinfer.engine.vllm_engine import Completion
-from batchinfer.requests.request import Answered, ErrorRow, Made, RequestKey
+from batchinfer.requests.request import Answered, ErrorRow, RequestKey
 from batchinfer.rundir.schema import OutputRow
 
 PREFIX_TOKENS = 32  # a system prompt or template head (longer shared runs stay in the prefix cache)
@@ -39,7 +40,7 @@ class Feed:
 
     def __init__(
         self,
-        made: Iterator[tuple[int, Made]],
+        made: Iterator[tuple[int, Any]],
         result_row: Callable[[OutputRow, Completion], OutputRow],
         sizes: list[int],
         window: int,
@@ -63,6 +64,10 @@ class Feed:
         taken = 0
         for _, made in self.made:
             check_stop()
+            if made is LATER:  # the helper waits for room: the window so far is queued, to be sent
+                if self._building:
+                    self._flush()
+                break
             if isinstance(made, (ErrorRow, Answered)):  # a bad row, or output.reuse's answer
                 out.append(made.row)
             elif made.key in self.groups:
@@ -75,6 +80,7 @@ class Feed:
                     self.groups[made.key] = [made.base]
                     self._building.append(made.key)
             self._read += 1
+            made = None  # not kept while the next is awaited: a duplicate's image leaves the window
             if self._read >= self._size:
                 self._flush()
             taken += 1
@@ -84,6 +90,10 @@ class Feed:
             self.exhausted = True
             self._flush()
         return out
+
+    def holding(self) -> bool:
+        """Whether requests are read and not yet sent (queued, or in the window being built)."""
+        return bool(self.queue or self._building)
 
     def finished(self, key: RequestKey, result: Completion) -> None:
         """Keep a finished request's result for identical requests still to come."""

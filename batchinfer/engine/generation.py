@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 from batchinfer import faults
 from batchinfer.config.schema import Config
@@ -15,6 +15,7 @@ from batchinfer.engine.vllm_engine import Completion
 from batchinfer.inputs.openai_batch import task_mismatch
 from batchinfer.requests.bounded import CharBound
 from batchinfer.requests.build import RowRequest, asked_adapter, draft_request, encoded, sampling_for
+from batchinfer.requests.image_budget import ImageBudget, NoRoom
 from batchinfer.requests.prompts import Prompt, PromptBuilder, RowError
 from batchinfer.requests.request import ErrorRow, RequestKey
 from batchinfer.requests.verdict import engine_refusal
@@ -51,8 +52,9 @@ class GenerationRows:
         drafted.tokenize()
         return self.finish(drafted, engine)
 
-    def draft(self, rows: list[RowIn], engine: Any) -> Drafted:
-        """The first half of requests(): each row's request without its tokens, its prompt rendered."""
+    def draft(self, rows: list[RowIn], engine: Any, images: Optional[ImageBudget] = None) -> Drafted:
+        """The first half of requests(): each row's request without its tokens, its prompt rendered;
+        rows' images decoded under `images`, the slice ending before a row whose image has no room."""
         kwargs = self.cfg.prompt.chat_template_kwargs
         bound = CharBound.of(engine.max_model_len, getattr(engine, "max_token_chars", None))
 
@@ -69,8 +71,11 @@ class GenerationRows:
                     d.out.append(_error(index, base, RowError("unsupported", why)))
                     continue
                 try:
-                    d.drafts[len(d.out)] = draft_request(self.cfg, self.prompts, row, index, encode, bound)
+                    d.drafts[len(d.out)] = draft_request(self.cfg, self.prompts, row, index, encode, bound, images)
                     d.out.append(ErrorRow({}))  # its place, until its request is made
+                except NoRoom:  # this row and the rest wait for the images held to be sent
+                    d.rows = rows[: len(d.out)]
+                    break
                 except RowError as e:
                     d.out.append(_error(index, base, e))
                 except Exception as e:  # raised where this row is taken, as if made alone

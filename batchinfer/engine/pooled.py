@@ -64,8 +64,9 @@ class PoolingRows:
         the model cannot run) in its row's place."""
         return self.finish(self.draft(rows, engine), engine)
 
-    def draft(self, rows: list[RowIn], engine: Any) -> Drafted:
-        """Every row's request made at once (texts are tokenized one by one, pairs among them)."""
+    def draft(self, rows: list[RowIn], engine: Any, images: Any = None) -> Drafted:
+        """Every row's request made at once (texts are tokenized one by one, pairs among them);
+        pooling rows have no images (`images` unused)."""
         d = Drafted(rows, [])
         for index, base, row in rows:
             try:

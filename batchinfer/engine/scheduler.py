@@ -14,7 +14,7 @@ import numpy as np
 
 from batchinfer import faults
 from batchinfer.config.schema import Config
-from batchinfer.engine.ahead import Ahead, Item
+from batchinfer.engine.ahead import Ahead, Item, Room
 from batchinfer.engine.commit_policy import CommitPolicy
 from batchinfer.engine.crashes import Crashes, count_suspects
 from batchinfer.engine.drafted import Drafted, Keyed, RowIn, SliceDraft
@@ -27,6 +27,7 @@ from batchinfer.engine.stream import ahead_slices, first_window_rows, slice_rows
 from batchinfer.engine.vllm_engine import Completion
 from batchinfer.errors import Stopped, StorageError
 from batchinfer.inputs.shards import Shard
+from batchinfer.requests.image_budget import ImageBudget
 from batchinfer.requests.prompts import Prompt
 from batchinfer.requests.request import ErrorRow, Made, RequestKey
 from batchinfer.requests.verdict import engine_refusal
@@ -59,7 +60,7 @@ class TaskRows(Protocol):
 
     def request(self, index: int, base: OutputRow, row: dict[str, Any], engine: Any) -> RequestKey | ErrorRow: ...
     def requests(self, rows: list[RowIn], engine: Any) -> list[Keyed]: ...
-    def draft(self, rows: list[RowIn], engine: Any) -> Drafted: ...
+    def draft(self, rows: list[RowIn], engine: Any, images: Optional[ImageBudget] = None) -> Drafted: ...
     def finish(self, d: Drafted, engine: Any) -> list[Keyed]: ...
     def params(self, engine: Any, own: str) -> Any: ...
     def result_row(self, base: OutputRow, c: Completion) -> OutputRow: ...
@@ -76,7 +77,9 @@ class ShardRunner(Protocol):
 
     @property
     def dataset(self) -> Any: ...
-    def draft(self, rows: list[tuple[int, dict[str, Any]]], engine: EngineLike) -> SliceDraft: ...
+    def draft(
+        self, rows: list[tuple[int, dict[str, Any]]], engine: EngineLike, images: Optional[ImageBudget] = None
+    ) -> SliceDraft: ...
     def finish(self, draft: SliceDraft, engine: EngineLike) -> list[Made | Exception]: ...
     def crash_rows(self, rows: list[int]) -> list[OutputRow]: ...
     def commit(self, shard: Shard, rows_in: list[OutputRow], record: Progress, error: Optional[str] = None) -> None: ...
@@ -102,6 +105,8 @@ class ShardScheduler:
         size = slice_rows(engine.max_num_seqs)
         slices = itertools.chain([isolated] if isolated else [], todo_slices(shard.start, shard.stop, skip, size))
         depth = ahead_slices(engine.max_num_seqs)
+        # Decoded images made ahead are held within cluster.image_window_mb (freed once sent).
+        self.images = ImageBudget(worker.cfg.cluster.image_window_mb << 20)
         self.ahead = Ahead(
             slices,
             self._begin,
@@ -110,6 +115,7 @@ class ShardScheduler:
             depth,
             worker.stop.check,
             lambda: worker.stop.signum is not None,
+            Room(self.images, lambda begun: begun[2], lambda: bool(self.in_flight) or self.feed.holding()),
         )
         sizes = ([len(isolated)] if isolated else []) + [first_window_rows(engine.max_num_seqs)]
         self.feed = Feed(self.ahead, worker.task_rows.result_row, sizes, self.window)
@@ -135,15 +141,18 @@ class ShardScheduler:
         self.policy = CommitPolicy.for_shard(worker.cfg.output, shard.rows)
         self.first_request = True
 
-    def _begin(self, indices: list[int]) -> tuple[list[int], SliceDraft]:
-        """A slice's rows read and drafted (on the helper thread; their tokens are counted next)."""
+    def _begin(self, indices: list[int]) -> tuple[list[int], SliceDraft, list[int]]:
+        """A slice's rows read and drafted (on the helper thread; their tokens are counted next):
+        (rows drafted, their draft, rows left for later: their images had no room yet)."""
         with CLOCK("read"):
             rows = self.worker.dataset.select(indices).to_list()
-        return indices, self.worker.draft(list(zip(indices, rows, strict=True)), self.engine)
+        draft = self.worker.draft(list(zip(indices, rows, strict=True)), self.engine, self.images)
+        taken = len(draft.out)
+        return indices[:taken], draft, indices[taken:]
 
-    def _finish(self, begun: tuple[list[int], SliceDraft]) -> list[tuple[int, Item]]:
+    def _finish(self, begun: tuple[list[int], SliceDraft, list[int]]) -> list[tuple[int, Item]]:
         """A drafted slice's requests, once its tokens are counted; crashed ones are error rows."""
-        indices, draft = begun
+        indices, draft, _ = begun
         made = self.worker.finish(draft, self.engine)
         return [
             (i, m if isinstance(m, BaseException) else self.crashes.unless_crashed(m))
@@ -224,6 +233,8 @@ class ShardScheduler:
                     extra["image"] = (key.image, key.pixels)
                 self.engine.add(rid, list(key.ids), params, **extra)
                 self.in_engine = False
+                key.pixels = None  # the engine has the image now: its bytes leave the image window
+                extra.clear()
             except Exception as e:  # vLLM refused this request alone (whatever its type): an error row
                 if getattr(self.engine, "dead", False):
                     raise  # the engine died: not this request's fault (in_engine: rows in flight are suspects)

@@ -30,6 +30,7 @@ from batchinfer.inputs.convert import open_input
 from batchinfer.inputs.shards import Shard
 from batchinfer.locks import ShardLock, configured_mode
 from batchinfer.requests.build import row_id
+from batchinfer.requests.image_budget import ImageBudget
 from batchinfer.requests.prompts import PromptBuilder
 from batchinfer.requests.request import ErrorRow, Made, RequestKey
 from batchinfer.rundir.done import DoneRecord, Reproducibility, done_record
@@ -198,8 +199,11 @@ class ShardWorker:
         draft.tokenize()
         return self.finish(draft, engine)
 
-    def draft(self, rows: list[tuple[int, dict[str, Any]]], engine: EngineLike) -> SliceDraft:
-        """The first half of requests(): output bases, requests without tokens, prompts rendered."""
+    def draft(
+        self, rows: list[tuple[int, dict[str, Any]]], engine: EngineLike, images: Optional[ImageBudget] = None
+    ) -> SliceDraft:
+        """The first half of requests(): output bases, requests without tokens, prompts rendered;
+        images decoded under `images` (the slice may end early: its `out` holds the rows made)."""
         out: list[Made | Exception] = []
         todo: list[tuple[int, OutputRow, dict[str, Any]]] = []  # (index, output base, row)
         places: list[int] = []
@@ -211,7 +215,10 @@ class ShardWorker:
                     out.append(ErrorRow({}))  # its place, until made
                 except Exception as e:  # raised where this row is taken
                     out.append(e)
-        return SliceDraft(out, places, self.task_rows.draft(todo, engine))
+        drafted = self.task_rows.draft(todo, engine, images)
+        if len(drafted.rows) < len(todo):  # an image had no room: the slice ends before its row
+            out, places = out[: places[len(drafted.rows)]], places[: len(drafted.rows)]
+        return SliceDraft(out, places, drafted)
 
     def finish(self, draft: SliceDraft, engine: EngineLike) -> list[Made | Exception]:
         """The second half of requests(), once draft.tokenize() has counted the prompts' tokens."""

@@ -15,6 +15,7 @@ from batchinfer.inputs.openai_batch import ROW_SAMPLING, task_mismatch
 from batchinfer.inputs.textfiles import MAX_JSON_DEPTH, json_depth
 from batchinfer.models.image_tokens import model_image_tokens
 from batchinfer.requests.bounded import CharBound
+from batchinfer.requests.image_budget import ImageBudget
 from batchinfer.requests.images import ImageLimits, RowImage, image_column, row_image, with_image
 from batchinfer.requests.prompts import Messages, Prompt, PromptBuilder, RowError
 from batchinfer.requests.verdict import RULES, Limits, adapter_refusal, limits, refusal
@@ -106,9 +107,11 @@ def draft_request(
     index: int,
     encode: Encode,
     bound: Optional[CharBound] = None,
+    images: Optional[ImageBudget] = None,
 ) -> RowRequest:
     """build_request without counting the prompt's tokens: when `to_encode`, its ids are those of
-    `prompt` (set them with `encoded`; the worker tokenizes a window's prompts together)."""
+    `prompt` (set them with `encoded`; the worker tokenizes a window's prompts together); the row's
+    image decoded under `images` (NoRoom: not now)."""
     why = task_mismatch(row, cfg.task.name)  # an OpenAI request this run cannot honour
     if why:
         raise RowError("unsupported", why)
@@ -119,7 +122,7 @@ def draft_request(
     image = None
     column = image_column(cfg.prompt, row)
     if column:  # the image first: a row whose image is bad costs no tokenizing
-        image = row_image(row, column, ImageLimits.of(cfg.prompt, cfg.input.path))
+        image = row_image(row, column, ImageLimits.of(cfg.prompt, cfg.input.path), budget=images)
     policy = cfg.prompt.overlong
     at_least = bound.at_least(prompt) if bound is not None else None
     if at_least is not None and policy in TRUNCATE:

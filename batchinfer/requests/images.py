@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from batchinfer.config.schema import PromptConfig
 from batchinfer.inputs.openai_batch import IMAGE_URL
+from batchinfer.requests.image_budget import RGB_BYTES, ImageBudget, NoRoom
 from batchinfer.requests.prompts import Messages, Prompt, RowError
 
 KIND = "image"
@@ -174,9 +175,12 @@ def image_digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def open_image(data: bytes, where: str, limits: ImageLimits, decode: bool = True) -> RowImage:
+def open_image(
+    data: bytes, where: str, limits: ImageLimits, decode: bool = True, budget: Optional[ImageBudget] = None
+) -> RowImage:
     """The image's size from its header and, when decode, its pixels as RGB; RowError kind image
-    when Pillow cannot read it or it has more than limits.max_pixels pixels."""
+    when Pillow cannot read it or it has more than limits.max_pixels pixels; NoRoom when its pixels
+    do not fit the budget beside those held (decoded, they are held under it)."""
     from PIL import Image
 
     try:
@@ -190,8 +194,13 @@ def open_image(data: bytes, where: str, limits: ImageLimits, decode: bool = True
                     f"image {where} is {width}x{height} pixels, over prompt.image_max_pixels={limits.max_pixels:,}; "
                     "shrink it or raise the limit",
                 )
+            nbytes = width * height * RGB_BYTES
+            if decode and budget is not None and not budget.admits(nbytes):
+                raise NoRoom(nbytes)
             pixels = img.convert("RGB") if decode else None  # convert loads (decodes) every pixel
-    except RowError:
+            if pixels is not None and budget is not None:
+                budget.hold(pixels, nbytes)
+    except (RowError, NoRoom):
         raise
     except Image.UnidentifiedImageError:  # its text names a BytesIO's address: no two runs would agree
         raise RowError(KIND, f"image {where} does not decode as an image: not a format Pillow reads") from None
@@ -207,10 +216,13 @@ def image_column(prompt: PromptConfig, row: dict[str, Any]) -> Optional[str]:
     return IMAGE_URL if row.get(IMAGE_URL) is not None else None
 
 
-def row_image(row: dict[str, Any], column: str, limits: ImageLimits, decode: bool = True) -> RowImage:
-    """A row's image from its column: located, read, digested and (decode) decoded."""
+def row_image(
+    row: dict[str, Any], column: str, limits: ImageLimits, decode: bool = True, budget: Optional[ImageBudget] = None
+) -> RowImage:
+    """A row's image from its column: located, read, digested and (decode) decoded, its pixels
+    held under budget (NoRoom: they do not fit now)."""
     ref = image_ref(row.get(column), column, limits)
-    return open_image(read_image_bytes(ref, limits), ref.where, limits, decode)
+    return open_image(read_image_bytes(ref, limits), ref.where, limits, decode, budget)
 
 
 def with_image(prompt: Prompt) -> Messages:

@@ -35,7 +35,7 @@ class FakeEngine:
         self.queue: list[tuple[str, list[int]]] = []
         self.adapters: dict[str, str] = {}  # request id -> its LoRA adapter (none: the base model)
         self.images: dict[str, str] = {}  # request id -> its image's content digest (none: no image)
-        self.pixels: list[Any] = []  # the decoded images it was given, in the order added
+        self.sizes: list[tuple[int, int]] = []  # the sizes of the decoded images it was given, in the order added
         self.added: list[list[int]] = []
         self.steps = 0
         self.refused = {tuple(self.ids(t)) for t in refuse}
@@ -74,7 +74,7 @@ class FakeEngine:
             self.adapters[request_id] = adapter
         if image is not None:  # (content digest, decoded PIL image), as the real engine takes it
             self.images[request_id] = image[0]
-            self.pixels.append(image[1])
+            self.sizes.append(image[1].size)  # not the image: vLLM keeps its processed tensors, not the picture
         if tuple(token_ids) in self.refused:
             raise vllm_refusal(f"the fake engine refuses this request ({len(token_ids)} tokens)")
         check_logprobs(params, MAX_LOGPROBS)

@@ -145,7 +145,7 @@ def test_a_run_sends_each_image_once_with_its_request(tmp_path: Path) -> None:
         assert out[id_]["error"] is None and out[id_]["text"] == FakeEngine.answer(ids, None, digests[i]), id_
     assert len({out[k]["text"] for k in "abc"}) == 3  # the image decides the answer
     assert sorted(eng.images.values()) == sorted(digests)  # d's picture is b's: computed once
-    assert {p.size for p in eng.pixels} == {(32, 32)}
+    assert set(eng.sizes) == {(32, 32)}
     assert out["e"]["error"]["kind"] == "image" and "img/missing.png: no such file" in out["e"]["error"]["message"]
     assert out["e"]["error"]["message"].startswith("row 4: image ")
     assert out["f"]["error"]["kind"] == "image" and "bad.png does not decode" in out["f"]["error"]["message"]
