@@ -1,19 +1,28 @@
 """Image rows on the real engine (one tiny random Idefics3, support/tiny_vlm.py, started once for
 this module): a run over image rows answers as vLLM's own LLM.chat with the same images, row for
 row; bad images are error rows naming the row and the file, and the shard completes; the same
-picture under two paths is computed once."""
+picture under two paths is computed once; a `batchinfer run` subprocess SIGKILLed inside an image
+shard, then run again, answers every row once, its committed parts unchanged."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support import tiny_vlm
-from support.corpus import read_output
-from support.runs import model_overrides
+from support.corpus import project, read_output
+from support.procs import group_alive, run_cli
+from support.runs import (
+    assert_only_missing_rows_redone,
+    committed_parts_are_whole,
+    committed_rows,
+    model_overrides,
+    recorded_commits,
+)
 
 from batchinfer.config.compose import compose
 from batchinfer.launch.local import run_local
@@ -156,3 +165,48 @@ def test_openai_batch_image_url_parts_run_as_vllm_own_chat(tmp_path: Path, vlm_p
         usage = out[cid]["response"]["body"]["usage"]
         assert out[cid]["response"]["body"]["choices"][0]["message"]["content"] == want.outputs[0].text
         assert usage["prompt_tokens"] == len(want.prompt_token_ids)
+
+
+KILL_ROWS = 160  # 2 shards of 80 image rows, a part every 16
+
+
+@pytest.mark.kill
+def test_sigkill_during_an_image_shard_then_the_same_run(
+    tmp_path: Path, vlm_path: Path, vlm_engine: Any, clean_shm: None
+) -> None:
+    """A real `batchinfer run` (its own engine) SIGKILLed between engine steps of the first image
+    shard, then the same run in this process: every row once, as an uninterrupted run answers it,
+    the parts committed before the kill byte for byte as they were, only the other rows redone."""
+    for i in range(23):
+        tiny_vlm.write_image(tmp_path / "img" / f"{i}.png", i)
+    rows = [{"id": f"r{i}", "text": TEXTS[i % 3], "image": f"img/{i % 23}.png"} for i in range(KILL_ROWS)]
+    with open(tmp_path / "corpus.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    base = [
+        f"input.path={tmp_path / 'corpus.jsonl'}",
+        "input.id_column=id",
+        "prompt.image_column=image",
+        "sampling.max_tokens=24",
+        "sharding.num_shards=2",
+        "output.commit_every_rows=16",
+        "output.format=jsonl",  # committed rows compared as the bytes of their lines
+        *model_overrides(vlm_path),
+    ]
+    clean = read_output(run_local(compose([*base, f"output.dir={tmp_path}/clean"]), engine=vlm_engine).path)
+    assert [r["id"] for r in clean] == [r["id"] for r in rows] and all(r["error"] is None for r in clean)
+
+    out = tmp_path / "killed"
+    res = run_cli(["run", *base, f"output.dir={out}"], env={"BATCHINFER_FAULT": "in-generate:60"})
+    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+    assert group_alive(res.pid) == []  # the engine's processes died with it
+    committed = committed_parts_are_whole(out)
+    assert 0 < committed < KILL_ROWS // 2, committed  # killed inside the first shard, after some parts
+    assert not list(out.glob("shards/*/DONE.json"))  # no shard finished
+    before = committed_rows(out)
+
+    with recorded_commits() as redone:
+        run = run_local(compose([*base, f"output.dir={out}"]), engine=vlm_engine)
+    again = read_output(run.path)
+    assert [r["row"] for r in again] == list(range(KILL_ROWS)) and [r["id"] for r in again] == [r["id"] for r in rows]
+    assert project(again) == project(clean) and all(r["error"] is None for r in again)
+    assert_only_missing_rows_redone(out, before, redone, KILL_ROWS)  # committed lines unchanged, the rest once
