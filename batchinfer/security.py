@@ -89,26 +89,37 @@ def check_secret_values(c: dict[str, Any]) -> None:
     variable is missing."""
     values = secret_values()
     for key, text in _string_values(c, ""):
-        if has_url_password(text):
-            raise ConfigError(
-                f"{key} holds a URL with a password, and the config is stored in DIR/run.yaml where others may "
-                f"read it (tasks, resume and redo run what it holds, so it is not struck there either): give "
-                f"the URL without its password and the password in the environment your tool reads (a "
-                f"variable exported and named in cluster.env_inherit, or ~/.netrc), then run the command again"
+        refuse_secret_in(key, text, values)
+
+
+def refuse_secret_in(
+    key: str,
+    text: str,
+    values: Optional[list[tuple[str, str]]] = None,
+    record: str = "the config is stored in DIR/run.yaml",
+) -> None:
+    """ConfigError when a value a record holds exactly (a config value, redo's --where) holds a URL's
+    password or a secret's value (secret_values), naming the key and the variable, never the value."""
+    if has_url_password(text):
+        raise ConfigError(
+            f"{key} holds a URL with a password, and {record} where others may "
+            f"read it (tasks, resume and redo run what it holds, so it is not struck there either): give "
+            f"the URL without its password and the password in the environment your tool reads (a "
+            f"variable exported and named in cluster.env_inherit, or ~/.netrc), then run the command again"
+        )
+    for value, name in secret_values() if values is None else values:
+        if value in text:
+            whose = f"the value of {name}, a secret" if name else "a password given in the overrides"
+            advice = (
+                f"; if it is no secret, unset {name} in this shell or give it a name without a secret word"
+                if name
+                else ""
             )
-        for value, name in values:
-            if value in text:
-                whose = f"the value of {name}, a secret" if name else "a password given in the overrides"
-                advice = (
-                    f"; if it is no secret, unset {name} in this shell or give it a name without a secret word"
-                    if name
-                    else ""
-                )
-                raise ConfigError(
-                    f"{key} holds {whose} ({len(value)} characters), and the config is stored in DIR/run.yaml "
-                    f"where others may read it (tasks, resume and redo run what it holds, so the value is "
-                    f"neither stored nor rewritten): take it out of {key}{advice}, then run the command again"
-                )
+            raise ConfigError(
+                f"{key} holds {whose} ({len(value)} characters), and {record} "
+                f"where others may read it (tasks, resume and redo run what it holds, so the value is "
+                f"neither stored nor rewritten): take it out of {key}{advice}, then run the command again"
+            )
 
 
 def _string_values(node: Any, key: str) -> Iterator[tuple[str, str]]:

@@ -17,13 +17,14 @@ from batchinfer.config.schema import DEFAULT_ROWS_PER_SHARD, structured
 from batchinfer.config.store import conf_dir
 from batchinfer.errors import ConfigError, RunDirError
 from batchinfer.ownership import Kind
+from batchinfer.redaction import strike_overrides
 from batchinfer.rundir import passes
 from batchinfer.rundir.merge import format_indices, incomplete_shards, merge
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.splice import select_rows, view_schema, write_selection
 from batchinfer.rundir.store import RunDir
 from batchinfer.rundir.where import compile_where
-from batchinfer.security import private_umask
+from batchinfer.security import private_umask, refuse_secret_in
 
 log = logging.getLogger("batchinfer")
 
@@ -41,6 +42,9 @@ def redo(
     if passes.is_pass(root):
         raise RunDirError(f"{root.path} is a pass of {passes.root_of(root).path}: redo selects from that one")
     compile_where(where, view_schema(root))  # a bad expression is refused before anything
+    # pass.json keeps the --where as typed (a resume and the same redo run it): no secret in it (K5)
+    strike_overrides(list(overrides))  # a secret typed in these overrides counts too
+    refuse_secret_in("--where", where, record="the pass's pass.json keeps it as typed")
     for ov in overrides:
         if ov.lstrip("+~").startswith(OWN_KEYS):
             raise ConfigError(f"{ov}: a pass sets {ov.split('=')[0]} itself (its input is the selected rows)")

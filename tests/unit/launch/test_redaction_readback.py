@@ -14,8 +14,8 @@ from support.standin import StandinEngine
 
 from batchinfer import cli
 from batchinfer.config.compose import compose
-from batchinfer.errors import RunDirError
-from batchinfer.launch.local import run_task
+from batchinfer.errors import ConfigError, RunDirError
+from batchinfer.launch.local import run_local, run_task
 from batchinfer.launch.redo import redo
 from batchinfer.launch.submit import apply_resource_overrides
 from batchinfer.redaction import REDACTED, record_yaml, redact_printed, redact_text
@@ -134,3 +134,27 @@ def test_a_different_config_inside_a_struck_part_is_said_not_shown_twice(
             compose(run_overrides(tiny_model_path, corpus, tmp_path / "b", "prompt.template={text} b token=aaaa1111"))
         )
     assert f"('{{text}} a token={REDACTED}' -> '{{text}} b token={REDACTED}')" in redact_printed(str(refused.value))
+
+
+def test_a_where_holding_a_secrets_value_is_refused_before_pass_json_keeps_it(
+    tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """K5: `redo DIR --where EXPR` with a secret variable's value in EXPR: pass.json keeps the --where as
+    typed (a resume and the same redo run it), so the secret was stored. Refused, as compose refuses a
+    secret's value in a config value, naming --where and the variable, not the value."""
+    monkeypatch.setenv("PROJECT_TOKEN", "sharedproj01")
+    corpus = key_corpus(tmp_path / "k.jsonl")
+    cfg = compose(run_overrides(tiny_model_path, corpus, tmp_path / "run"))
+    run = run_local(cfg, engine=StandinEngine(cfg))
+    with pytest.raises(ConfigError) as refused:
+        redo(str(run.path), 'text != "sharedproj01"', [], engine=StandinEngine(cfg))
+    assert "--where holds the value of PROJECT_TOKEN, a secret (12 characters)" in str(refused.value)
+    assert "sharedproj01" not in str(refused.value)
+    # a password typed in the redo's own overrides counts too
+    with pytest.raises(ConfigError, match="--where holds the value of DB_PASS, a secret"):
+        redo(
+            str(run.path), 'text != "pw-typed-here"', ["+cluster.env.DB_PASS=pw-typed-here"], engine=StandinEngine(cfg)
+        )
+    assert not (run.path / "passes").exists() or not any((run.path / "passes").iterdir())
+    redo(str(run.path), 'text != "sharedproj"', [], engine=StandinEngine(cfg))  # no secret: runs
+    assert "sharedproj" in json.loads((run.path / "passes" / "1" / "pass.json").read_text())["where"]
