@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchinfer.durable import write_record
-from batchinfer.redaction import record_json, record_yaml
+from batchinfer.redaction import exact_yaml, record_json
 from batchinfer.tune.halving import Outcome
 
 GROUP, OPTION = "tuned", "best"
@@ -97,7 +97,9 @@ def write_group(folder: Path, overrides: list[str]) -> Path:
     path = folder / "conf" / GROUP / f"{OPTION}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     dotlist = [o.lstrip("+") for o in overrides]  # a command line's `++key=value` is `key: value` here
-    body = record_yaml(OmegaConf.to_container(OmegaConf.from_dotlist(dotlist))) if overrides else "{}\n"
+    # read back by run and submit: exactly what runs but a secret-named key's value (K11: an env.NAME
+    # value was struck or rewritten to a reference as text)
+    body = exact_yaml(OmegaConf.to_container(OmegaConf.from_dotlist(dotlist))) if overrides else "{}\n"
     # submit and run find the tune result (its fingerprint and forecast) from this line
     source = f"{TUNE_RESULT_LINE}{(folder / 'tune.json').resolve()}\n"
     # through the one record writer: owner-only when it marks a secret's place (attack42b K6)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from batchinfer.errors import ConfigError
-from batchinfer.redaction import is_secret_name
-from batchinfer.security import secret_value
+from batchinfer.redaction import is_secret_name, strike_override
+from batchinfer.security import refuse_secret_in, secret_value
 
 MAX_NUM_SEQS = (64, 128, 512)
 MAX_NUM_BATCHED_TOKENS = (2048, 4096, 16384)
@@ -64,8 +64,26 @@ def parse_tries(tries: list[str]) -> list[Setting]:
         env = {w.split("=", 1)[0].removeprefix("env."): w.split("=", 1)[1] for w in words if w.startswith("env.")}
         # a secret struck in TUNE/job.json: the tune job's environment carries it (security.submission_env)
         env = {k: secret_value(k, v, f"env.{k}", f"the tune folder (--try {text!r})") for k, v in env.items()}
+        _refuse_secret_values(words, env)
         out.append(Setting(tuple(w for w in words if not w.startswith("env.")), env))
     return out
+
+
+# Where a --try's words are kept as typed, but a secret-named key's value (redaction.exact).
+TRY_RECORDS = "the tune folder keeps it as typed (job.json, each trial's spec.json, conf/tuned/best.yaml)"
+
+
+def _refuse_secret_values(words: list[str], env: dict[str, str]) -> None:
+    """A --try's values kept as typed (every one a secret-named key's is not) hold no secret's value
+    nor a URL's password, as compose refuses one in a config value: the env.NAME ones as resolved
+    (`env.PLAIN=${oc.env:HF_TOKEN}` would put HF_TOKEN's value under a name that is no secret's)."""
+    for word in words:
+        key, _, value = word.partition("=")
+        if not key.startswith("env.") and strike_override(word) == word:
+            refuse_secret_in(f"--try {key}", value, record=TRY_RECORDS)
+    for name, value in env.items():
+        if strike_override(f"env.{name}={value}") == f"env.{name}={value}":
+            refuse_secret_in(f"--try env.{name}", value, record=TRY_RECORDS)
 
 
 def try_secrets(tries: list[str]) -> dict[str, str]:

@@ -21,6 +21,8 @@ from batchinfer.launch.submit import apply_resource_overrides
 from batchinfer.redaction import REDACTED, record_yaml, redact_printed, redact_text
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.store import RunDir
+from batchinfer.tune import results
+from batchinfer.tune.settings import Setting, parse_tries
 
 TEMPLATE = "Sort by key={key}: {text}"
 
@@ -158,3 +160,38 @@ def test_a_where_holding_a_secrets_value_is_refused_before_pass_json_keeps_it(
     assert not (run.path / "passes").exists() or not any((run.path / "passes").iterdir())
     redo(str(run.path), 'text != "sharedproj"', [], engine=StandinEngine(cfg))  # no secret: runs
     assert "sharedproj" in json.loads((run.path / "passes" / "1" / "pass.json").read_text())["where"]
+
+
+def test_a_try_holding_a_secrets_value_is_refused_before_the_tune_folder_keeps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """K10: a --try value under a key that is no secret's (prompt.system, env.PLAIN, also as a
+    reference it resolves to) is kept as typed in job.json and each trial's spec.json; one holding a
+    secret's value was stored there, the trial's compose refusing it only after. Refused at parse,
+    as compose refuses it, naming the --try key and the variable; a secret-named env.NAME is no
+    such value (it travels in the environment)."""
+    monkeypatch.setenv("PROJECT_TOKEN", "sharedproj01")
+    for word in ("prompt.system=x-sharedproj01", "env.PLAIN=sharedproj01", "env.PLAIN=${oc.env:PROJECT_TOKEN}"):
+        with pytest.raises(ConfigError) as refused:
+            parse_tries([f"model.max_num_seqs=8 {word}"])
+        key = word.partition("=")[0]
+        assert f"--try {key} holds the value of PROJECT_TOKEN, a secret (12 characters)" in str(refused.value)
+        assert "sharedproj01" not in str(refused.value)
+    with pytest.raises(ConfigError, match="--try model.engine_kwargs.dsn_url holds a URL with a password"):
+        parse_tries(["model.engine_kwargs.dsn_url=postgres://app:pw-1234@db/x"])
+    (kept,) = parse_tries(["model.max_num_seqs=8 env.HF_TOKEN=sharedproj01 env.PLAIN=sharedproj"])
+    assert kept.env == {"HF_TOKEN": "sharedproj01", "PLAIN": "sharedproj"}
+
+
+def test_best_yaml_holds_the_winners_environment_as_it_runs(tmp_path: Path, tiny_model_path: Path) -> None:
+    """K11: conf/tuned/best.yaml, read back by `run --config-dir TUNE/conf +tuned=best`, was written
+    by the text redaction: an env.NAME that is no secret lost its text (`http://<redacted>@proxy`),
+    so the run took another value than the trial measured. Exact but a secret-named key's value."""
+    winner = Setting(
+        ("model.max_num_seqs=8",),
+        {"HTTPS_PROXY": "http://proxyuser@proxy.example:3128", "HF_TOKEN": "hf_secretvalue1"},
+    )
+    group = results.write_group(tmp_path / "tune", winner.override_strings())
+    text = group.read_text()
+    assert "HTTPS_PROXY: http://proxyuser@proxy.example:3128\n" in text
+    assert f"HF_TOKEN: {REDACTED}\n" in text and "hf_secretvalue1" not in text
