@@ -43,12 +43,13 @@ OVERRIDE_LISTS = frozenset({"overrides", "tries"})
 _URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*:/+[^\s:/@'\"${}]*):([^\s/'\"]+)@")
 # NAME=value as a shell line or an override writes it (+cluster.env.DB_PASS=x); $NAME values are references.
 # An unquoted value ends at a quote: the quote closes the text around it ('token=abc' keeps its closing
-# quote); a `{name}` group is taken whole (a template's placeholder, kept by _named_value).
+# quote); a quote never closed opens the value up to a space (a parse error's TOKEN='abc); a `{name}`
+# group is taken whole (a template's placeholder, kept by _named_value).
 _ASSIGNMENT = re.compile(
-    r"(?<![\w$.\-])([+~]{0,2}[A-Za-z_][\w.\-]*)=(\"[^\"]*\"|'[^']*'|\{+[^{}\s'\"]*\}+|[^\s;&|,)\]}`'\"]+)"
+    r"(?<![\w$.\-])([+~]{0,2}[A-Za-z_][\w.\-]*)=(\"[^\"]*\"|'[^']*'|[\"'][^\s'\"]*|\{+[^{}\s'\"]*\}+|[^\s;&|,)\]}`'\"]+)"
 )
 # --token VALUE, --api-key=VALUE: an option with a secret name and its argument.
-_FLAG = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*)(=|[ \t]+)(\"[^\"]*\"|'[^']*'|[^\s;&|`'\"]+)")
+_FLAG = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*)(=|[ \t]+)(\"[^\"]*\"|'[^']*'|[\"'][^\s'\"]*|[^\s;&|`'\"]+)")
 # A value in a command line: up to a space, a quote or a shell separator.
 _VALUE = r"(?P<secret>[^\s'\";&|`]+)"
 # Commands that take a secret in their own syntax: the secret (and a header's name or a setting's

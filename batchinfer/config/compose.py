@@ -14,7 +14,7 @@ from batchinfer.config.keys import schema_keys, unknown_key_message, unknown_key
 from batchinfer.config.schema import escape_interpolation
 from batchinfer.config.store import conf_dir, register_configs
 from batchinfer.errors import ConfigError
-from batchinfer.redaction import REDACTED, has_url_password, is_secret_name, strike_overrides
+from batchinfer.redaction import REDACTED, has_url_password, is_secret_name, strike_override, strike_overrides
 
 # Values typed in a shell that Hydra's grammar would reject or interpolate ({, [, #, ${): taken as typed.
 LITERAL_KEYS = ("prompt.template", "prompt.system", "task.query", "task.document")
@@ -71,6 +71,7 @@ def compose(overrides: list[str], config_dir: Optional[str] = None) -> DictConfi
 
     register_configs()
     strike_overrides(list(overrides))  # an error below may echo a value: a secret's is printed struck
+    given = list(overrides)
     overrides = quote_literals(list(overrides))
     if config_dir:
         cdir = Path(config_dir).expanduser().resolve()
@@ -86,7 +87,7 @@ def compose(overrides: list[str], config_dir: Optional[str] = None) -> DictConfi
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
             cfg = hydra_compose(config_name="config", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(_override_error(e)) from None
+        raise ConfigError(_secret_parse_error(given, overrides[: len(given)]) or _override_error(e)) from None
     finally:
         GlobalHydra.instance().clear()
     from omegaconf.errors import InterpolationResolutionError
@@ -136,11 +137,43 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     strike_overrides(list(overrides))
+    quoted = quote_literals(overrides)
     try:
-        for ov in OverridesParser.create().parse_overrides(quote_literals(overrides)):
+        for ov in OverridesParser.create().parse_overrides(quoted):
             OmegaConf.update(cfg, ov.key_or_group, ov.value(), merge=True, force_add=ov.is_add())
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
+        raise ConfigError(_secret_parse_error(overrides, quoted) or str(e).splitlines()[0]) from None
+
+
+def _secret_parse_error(given: list[str], quoted: list[str]) -> Optional[str]:
+    """An override holding a secret (a secret-named key's value, a URL's password) that Hydra's
+    grammar cannot read: said naming the key and how to write it. Hydra's own message echoes the
+    override, or the part of the value where it stopped (`no viable alternative at input '[ab'`),
+    which no text pattern can tell for a secret (K14)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for typed, ov in zip(given, quoted, strict=True):
+        key, sep, value = typed.partition("=")
+        if not sep or (strike_override(typed) == typed and not has_url_password(value)):
+            continue
+        try:
+            parser.parse_override(ov)
+        except HydraException:
+            name = key.lstrip("+~")
+            by_name = (
+                f", or pass it by name: `export {name.rsplit('.', 1)[-1]}` in this shell and "
+                f"cluster.env_inherit=[{name.rsplit('.', 1)[-1]}]"
+                if name.startswith("cluster.env.")
+                else ""
+            )
+            what = "it is a secret" if strike_override(typed) != typed else "it holds a URL's password"
+            return (
+                f"{name}: Hydra's override grammar cannot read the value given (not shown: {what}); "
+                f"write it in Hydra's quotes, \"{key}='...'\" (a ' inside as \\'){by_name}"
+            )
+    return None
 
 
 def _first_lines(msg: str) -> str:

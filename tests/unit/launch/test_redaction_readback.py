@@ -13,7 +13,7 @@ from support.runs import run_overrides
 from support.standin import StandinEngine
 
 from batchinfer import cli
-from batchinfer.config.compose import compose
+from batchinfer.config.compose import apply_overrides, compose
 from batchinfer.errors import ConfigError, RunDirError
 from batchinfer.launch.local import run_local, run_task
 from batchinfer.launch.redo import redo
@@ -41,6 +41,9 @@ def test_a_struck_value_keeps_the_quote_that_closes_it_and_a_placeholder_is_no_s
         f"use key={{key}} or key={{{{key}}}} and 'token={REDACTED}' now --token {REDACTED} --api-key={REDACTED}\" end"
     )
     assert redact_printed('say "api_key=xyz" ok') == f'say "api_key={REDACTED}" ok'
+    # a quote never closed (a parse error's echo) opens a value up to a space
+    assert redact_text("error: HF_TOKEN='ab3 here") == f"error: HF_TOKEN={REDACTED} here"
+    assert redact_text("error: --token 'cd4") == f"error: --token {REDACTED}"
     printed = record_yaml({"prompt": {"template": "use key={key} and 'token=abc' now", "system": 'say "pass=xyz" ok'}})
     assert f"template: use key={{key}} and 'token={REDACTED}' now\n" in printed
     assert f'system: say "pass={REDACTED}" ok\n' in printed
@@ -195,3 +198,34 @@ def test_best_yaml_holds_the_winners_environment_as_it_runs(tmp_path: Path, tiny
     text = group.read_text()
     assert "HTTPS_PROXY: http://proxyuser@proxy.example:3128\n" in text
     assert f"HF_TOKEN: {REDACTED}\n" in text and "hf_secretvalue1" not in text
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "+cluster.env.HF_TOKEN=ab{",  # Hydra echoed the override whole
+        "+cluster.env.HF_TOKEN=[ab1",  # ... or the part where it stopped: `no viable alternative at input '[ab1'`
+        "+cluster.env.HF_TOKEN=a,b2{",  # ... a list's first item struck, the rest shown
+        "+cluster.env.HF_TOKEN='ab3",  # a quote never closed
+        "model.engine_kwargs.api_key=[ab4",
+    ],
+)
+def test_an_override_hydra_cannot_parse_echoes_no_piece_of_a_secret(override: str, tmp_path: Path) -> None:
+    """K14: a Hydra grammar error in an override holding a secret printed the override or the part of
+    the value where the parser stopped; the error now names the key and how to write the value."""
+    key = override.partition("=")[0]
+    value = override.partition("=")[2]
+    with pytest.raises(ConfigError) as refused:
+        compose([f"input.path={tmp_path / 'in.jsonl'}", "model.path=/nonexistent", override])
+    printed = redact_printed(str(refused.value))
+    assert printed.startswith(f"{key.lstrip('+')}: Hydra's override grammar cannot read the value given")
+    assert f"\"{key}='...'\"" in printed
+    assert value.strip("'[{") not in printed and value.strip("'[{").split(",")[-1].strip("{") not in printed
+    with pytest.raises(ConfigError) as refused:  # resume's and redo's overrides, on a config
+        apply_overrides(compose([f"input.path={tmp_path / 'in.jsonl'}", "model.path=/x"]), [override])
+    assert str(refused.value).startswith(f"{key.lstrip('+')}: Hydra's override grammar cannot read")
+
+
+def test_a_parse_error_in_an_override_holding_no_secret_is_hydras() -> None:
+    with pytest.raises(ConfigError, match=r"Error parsing override 'model.max_num_seqs=a\{'"):
+        compose(["model.max_num_seqs=a{"])
