@@ -19,6 +19,7 @@ from batchinfer.engine.commit_policy import CommitPolicy
 from batchinfer.engine.crashes import Crashes, count_suspects
 from batchinfer.engine.drafted import Drafted, Keyed, RowIn, SliceDraft
 from batchinfer.engine.feed import Feed
+from batchinfer.engine.image_ahead import ImageAhead
 from batchinfer.engine.lora_slots import LoraSlots, engine_loads
 from batchinfer.engine.phases import CLOCK
 from batchinfer.engine.rowbar import RowBar
@@ -117,6 +118,9 @@ class ShardScheduler:
             lambda: worker.stop.signum is not None,
             Room(self.images, lambda begun: begun[2], lambda: bool(self.in_flight) or self.feed.holding()),
         )
+        # vLLM's image processor runs for the next requests to send on a thread of its own, not in add
+        # (made at the first request with an image, where the engine can: image_ahead.py).
+        self.image_ahead: Optional[ImageAhead] = None
         sizes = ([len(isolated)] if isolated else []) + [first_window_rows(engine.max_num_seqs)]
         self.feed = Feed(self.ahead, worker.task_rows.result_row, sizes, self.window)
         self.pending: list[OutputRow] = worker.crash_rows(self.crashes.crashed_rows)  # rows to commit
@@ -179,11 +183,11 @@ class ShardScheduler:
             while self.step():
                 pass
         except BaseException as e:
-            self.ahead.close()  # before the commit: the helper stops making requests no one takes
+            self._close_helpers()  # before the commit: the helpers stop making requests no one takes
             self._after_error(e)
             raise
         finally:
-            self.ahead.close()
+            self._close_helpers()
         self.record.seconds.generate += time.monotonic() - self.t_gen
         if self.feed.cache.hits:
             log.info(
@@ -200,11 +204,21 @@ class ShardScheduler:
         if now is not None:
             self.record.adapter_loads = self.loads_before + now - self.loads_at_start
 
+    def _close_helpers(self) -> None:
+        """Stop the threads that make requests and process images ahead."""
+        self.ahead.close()
+        if self.image_ahead is not None:
+            self.image_ahead.close()
+
     def step(self) -> bool:
         """One round: submit, refill, drain one engine step, maybe commit; False once all is answered."""
         self.submit()
         if not self.refill() and not self.in_flight and not self.feed.queue:
             return False
+        if self.image_ahead is None and self.feed.queue and self.feed.queue[0].image is not None:
+            self.image_ahead = ImageAhead.of(self.engine, self.engine.max_num_seqs, self.images)
+        if self.image_ahead is not None:  # the next requests' images, processed while the engine steps
+            self.image_ahead.ahead(itertools.islice(self.feed.queue, self.image_ahead.depth))
         if self.in_flight:
             self.drain()
         self.worker.stop.check()
@@ -230,7 +244,7 @@ class ShardScheduler:
                 if key.adapter is not None:  # a LoRA adapter's request (model.lora.adapters)
                     extra["adapter"] = key.adapter
                 if key.image is not None:  # a row's image (prompt.image_column)
-                    extra["image"] = (key.image, key.pixels)
+                    extra["image"] = self._image(key)
                 self.engine.add(rid, list(key.ids), params, **extra)
                 self.in_engine = False
                 key.pixels = None  # the engine has the image now: its bytes leave the image window
@@ -253,6 +267,15 @@ class ShardScheduler:
             self.slots.sent(key.adapter)
             if key in self.worker.task_rows.poisoned:
                 faults.kill_engine()
+
+    def _image(self, key: RequestKey) -> Any:
+        """A request's image for the engine's add: processed ahead where the engine can, else
+        (content digest, decoded image)."""
+        if self.image_ahead is None:
+            self.image_ahead = ImageAhead.of(self.engine, self.engine.max_num_seqs, self.images)
+            if self.image_ahead is None:
+                return key.image, key.pixels
+        return self.image_ahead.take(key)
 
     def _refused(self, key: RequestKey, e: Exception) -> None:
         """The rows of a request the engine refused are error rows."""

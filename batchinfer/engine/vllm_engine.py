@@ -19,6 +19,7 @@ from batchinfer.engine.completion import PAIR_SEP, Completion, PairParams, cosin
 from batchinfer.engine.dtype import device_name, engine_dtype
 from batchinfer.engine.engine_args import llm_kwargs, model_key
 from batchinfer.engine.environment import engine_environment
+from batchinfer.engine.image_ahead import Processed, tensor_bytes
 from batchinfer.engine.sampling_args import sampling_kwargs, structured_kwargs
 from batchinfer.engine.watchdog import Watchdog
 from batchinfer.models.lora import adapter_folder, adapter_ids
@@ -297,19 +298,33 @@ class Engine:
         """A slice's prompts rendered; `.tokens()` gives each encode()'s ids, in one tokenizer call."""
         return encoding.render_many(self.tokenizer, prompts, kwargs)
 
+    def process_image(self, token_ids: list[int], image: tuple[str, Any]) -> Processed:
+        """A request's image (content digest, PIL image) through vLLM's multimodal processor, on the
+        calling thread (the worker's image thread, engine/image_ahead.py), for add. Outside vLLM's
+        sender-side cache (skip_mm_cache, as vLLM's render-only servers do): that cache assumes each
+        request it saw is sent, in order, and one processed ahead may never be (a stop)."""
+        mm = {"multi_modal_data": {"image": image[1]}, "multi_modal_uuids": {"image": [image[0]]}}
+        (engine_input,) = self.engine.renderer.render_cmpl([{"prompt_token_ids": token_ids, **mm}], skip_mm_cache=True)
+        return Processed(image[0], engine_input, tensor_bytes(engine_input.get("mm_kwargs")))
+
     def add(
         self, request_id: str, token_ids: list[int], params: Any, adapter: Optional[str] = None, image: Any = None
     ) -> None:
         """Queue one request (a bi-encoder pair as two, answered as one); adapter: a LoRA adapter's name
-        (None: the base model); image: (content digest, PIL image), vLLM expanding its token, caching by digest."""
+        (None: the base model); image: (content digest, PIL image), vLLM expanding its token, caching by
+        digest, or that image already processed (process_image)."""
         if isinstance(params, PairParams):
             self._pairs[request_id] = {}
             self.add(f"{request_id}{PAIR_SEP}0", token_ids[: params.split], params.embed)
             self.add(f"{request_id}{PAIR_SEP}1", token_ids[params.split :], params.embed)
             return
         # As LLM.generate renders (vLLM >= 0.14); all but EngineDeadError is this request's refusal (submit)
-        mm = {"multi_modal_data": {"image": image[1]}, "multi_modal_uuids": {"image": [image[0]]}} if image else {}
-        (engine_input,) = self.engine.renderer.render_cmpl([{"prompt_token_ids": token_ids, **mm}])
+        if isinstance(image, Processed):  # its image processed ahead (engine/image_ahead.py)
+            engine_input = image.engine_input
+            engine_input["arrival_time"] = time.time()  # when it is sent, as render_cmpl here would set it
+        else:
+            mm = {"multi_modal_data": {"image": image[1]}, "multi_modal_uuids": {"image": [image[0]]}} if image else {}
+            (engine_input,) = self.engine.renderer.render_cmpl([{"prompt_token_ids": token_ids, **mm}])
         lora = self._lora[adapter] if adapter is not None else None
         self.engine.add_request(request_id, engine_input, params, lora_request=lora)
         self._live.add(request_id)
