@@ -26,8 +26,9 @@ batchinfer run input.path="$out.input/images.jsonl" input.id_column=id input.col
   model.path="$model" model.max_model_len="$len" model.enforce_eager=true sampling.max_tokens=24 \
   output.dir="$out" "$@"
 python - "$out" <<'PY'
-import json, sys, pathlib
-rows = [json.loads(l) for l in (pathlib.Path(sys.argv[1]) / "output.jsonl").read_text().splitlines()]
+import pathlib, sys
+import pyarrow.parquet as pq
+rows = pq.read_table(pathlib.Path(sys.argv[1]) / "output.parquet").to_pylist()
 for r in rows[:5]:
     print(r["id"], r["input"], "->", repr(r["text"]), r["prompt_tokens"], "prompt tokens")
 print(f"{len(rows)} rows, {sum(r['error'] is not None for r in rows)} error rows")
