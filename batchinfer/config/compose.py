@@ -156,7 +156,9 @@ def _secret_parse_error(given: list[str], quoted: list[str]) -> Optional[str]:
     parser = OverridesParser.create()
     for typed, ov in zip(given, quoted, strict=True):
         key, sep, value = typed.partition("=")
-        if not sep or (strike_override(typed) == typed and not has_url_password(value)):
+        # the key's name decides, whatever the value's form (a ${oc.decode:...} is no reference to keep)
+        secret_key = strike_override(f"{key}=value") != f"{key}=value"
+        if not sep or not (secret_key or has_url_password(value)):
             continue
         try:
             parser.parse_override(ov)
@@ -168,7 +170,7 @@ def _secret_parse_error(given: list[str], quoted: list[str]) -> Optional[str]:
                 if name.startswith("cluster.env.")
                 else ""
             )
-            what = "it is a secret" if strike_override(typed) != typed else "it holds a URL's password"
+            what = "it is a secret" if secret_key else "it holds a URL's password"
             return (
                 f"{name}: Hydra's override grammar cannot read the value given (not shown: {what}); "
                 f"write it in Hydra's quotes, \"{key}='...'\" (a ' inside as \\'){by_name}"
