@@ -209,6 +209,25 @@ def open_image(
     return RowImage(image_digest(data), where, width, height, pixels)
 
 
+def absolute_image_paths(values: list[Any], base_dir: Path) -> list[Any]:
+    """Column values with each relative image path made absolute against base_dir (a `datasets`
+    {bytes, path} without bytes too): a redo pass's selection of rows lives in another folder than
+    the input its paths were relative to. URLs, bytes and absolute paths stay as they are."""
+
+    def fixed(value: Any) -> Any:
+        if isinstance(value, dict) and value.get("bytes") is None and isinstance(value.get("path"), str):
+            return dict(value, path=fixed(value["path"]))
+        if not isinstance(value, str) or not value.strip():
+            return value
+        text = value.strip()
+        if ":" in text[:12] and text.split(":", 1)[0].lower() in ("data", "file", "http", "https"):
+            return value
+        path = Path(text).expanduser()
+        return value if path.is_absolute() else str(base_dir / path)
+
+    return [fixed(v) for v in values]
+
+
 def image_column(prompt: PromptConfig, row: dict[str, Any]) -> Optional[str]:
     """The column holding a row's image: prompt.image_column, else an OpenAI request's image_url part."""
     if prompt.image_column:

@@ -190,7 +190,7 @@ def write_selection(root: RunDir, rows: np.ndarray, folder: Path, batch: int = 5
         try:
             for start in range(0, len(rows), batch):
                 chunk = rows[start : start + batch]
-                table = _input_rows(ds, chunk)
+                table = _with_absolute_images(root, _input_rows(ds, chunk))
                 if SOURCE_ROW in table.column_names:
                     raise RunDirError(
                         f"{root.path}: the input has a column {SOURCE_ROW!r}, which redo needs for itself"
@@ -205,6 +205,21 @@ def write_selection(root: RunDir, rows: np.ndarray, folder: Path, batch: int = 5
 
     target = folder / SELECTION
     publish_stream(target, fill, replace=target)  # a temporary, fsynced, renamed, the folder fsynced
+
+
+def _with_absolute_images(root: RunDir, table: pa.Table) -> pa.Table:
+    """The rows with their image paths absolute: relative ones start at DIR's input file's folder,
+    and the pass's input (its selection) is in another folder."""
+    from batchinfer.requests.images import absolute_image_paths
+    from batchinfer.rundir.image_files import image_column_of
+
+    c = root.config
+    column = image_column_of(c.prompt.image_column, table.column_names)
+    if column is None or column not in table.column_names or not c.input.path:
+        return table
+    at = table.column_names.index(column)
+    values = absolute_image_paths(table.column(at).to_pylist(), Path(c.input.path).expanduser().parent)
+    return table.set_column(at, table.field(at), pa.array(values, table.field(at).type))
 
 
 def _input_rows(ds: Any, rows: np.ndarray) -> pa.Table:

@@ -1,0 +1,41 @@
+"""A redo pass over image rows reads the images the rows name: paths relative to the run's input
+file, not to the pass's folder (DIR/passes/N, where its selection of rows is)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from support import tiny_vlm
+from support.corpus import read_output, write_rows
+from support.fake_engine import FakeEngine, fake_overrides, keyed
+
+from batchinfer.config.compose import compose
+from batchinfer.launch.local import run_local
+from batchinfer.launch.redo import redo
+from batchinfer.requests.images import image_digest
+
+
+def test_a_redo_of_image_rows_reads_their_images_relative_to_the_input(tmp_path: Path) -> None:
+    for i in range(3):
+        tiny_vlm.write_image(tmp_path / "img" / f"{i}.png", i, size=32)
+    rows = [{"id": f"r{i}", "text": "what colour", "image": f"img/{i}.png"} for i in range(4)]  # img/3.png missing
+    write_rows(tmp_path / "c.jsonl", rows)
+    cfg = compose(fake_overrides(tmp_path, tmp_path / "c.jsonl", "input.id_column=id", "prompt.image_column=image"))
+    eng = FakeEngine()
+    run = run_local(cfg, engine=keyed(eng, _prepared(cfg)))
+    before = {r["id"]: r for r in read_output(run.path)}
+    assert before["r3"]["error"]["kind"] == "image" and "img/3.png: no such file" in before["r3"]["error"]["message"]
+    tiny_vlm.write_image(tmp_path / "img" / "3.png", 3, size=32)  # the picture is put there: redo the row
+    redo(str(run.path), "error is not null", [], engine=keyed(FakeEngine(), run))
+    after = {r["id"]: r for r in read_output(run.path)}
+    assert after["r3"]["error"] is None and after["r3"]["pass"] == 1, after["r3"]["error"]
+    ids = eng.encode([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour"}]}])
+    digest = image_digest((tmp_path / "img" / "3.png").read_bytes())
+    assert after["r3"]["text"] == FakeEngine.answer(ids, None, digest)
+    assert [after[f"r{i}"]["text"] for i in range(3)] == [before[f"r{i}"]["text"] for i in range(3)]
+
+
+def _prepared(cfg: object) -> object:
+    from batchinfer.rundir.prepare import prepare
+
+    return prepare(cfg)  # type: ignore[arg-type]
