@@ -412,6 +412,42 @@ def test_ids_in_increasing_order_are_unique_without_sorting(monkeypatch: pytest.
     assert check([[1, None, 3]], sort=True)[0] == 1  # a null: named, through the passes
 
 
+def test_increasing_ids_are_not_hashed_and_ids_that_stop_increasing_are_still_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the ids increase no hash is taken (they are unique without one); ids that stop increasing
+    after such a chunk are checked by the pass over the column, naming the duplicate as a dict does."""
+    real = idcheck._id_hashes
+    hashed_chunks: list[int] = []
+
+    def counting(chunk: Any) -> Any:
+        hashed_chunks.append(len(chunk))
+        return real(chunk)
+
+    monkeypatch.setattr(idcheck, "_id_hashes", counting)
+    ids = pa.chunked_array(
+        [pa.array([f"q{i:08d}" for i in range(1000)]), pa.array([f"q{i:08d}" for i in range(1000, 3000)])]
+    )
+    hashed = idcheck.IdHashes()
+    for chunk in ids.chunks:
+        hashed.add(chunk)
+    assert hashed_chunks == [] and id_problems(ids, "id", 5, hashed) == (0, [])
+    values = ["a", "b", "c", "b", "d"]
+    ids = pa.chunked_array([pa.array(values[:3]), pa.array(values[3:])])
+    hashed = idcheck.IdHashes()
+    for chunk in ids.chunks:
+        hashed.add(chunk)
+    assert not hashed.usable and hashed_chunks == []  # the first chunk went unhashed: the pass hashes all
+    assert (
+        id_problems(ids, "id", 5, hashed)
+        == dict_id_problems(values, "id", 5)
+        == (
+            1,
+            ["duplicate id 'b' in rows 1 and 3; ids must be unique"],
+        )
+    )
+
+
 def test_id_check_of_other_id_types() -> None:
     import datetime as dt
     from decimal import Decimal
