@@ -185,7 +185,9 @@ def cache_failure(e: BaseException, root: Path) -> Optional[str]:
             return text.splitlines()[0][:300]
         for marker in (ENGINE_CORE_FAILED, INSPECTION_FAILED):
             if marker in text:  # its line (pydantic's first line only names the class)
-                line = next(ln for ln in text.splitlines() if marker in ln).strip()
+                line = (
+                    next(ln for ln in text.splitlines() if marker in ln).strip().split(" [type=")[0]
+                )  # pydantic's tail
                 return f"{line[:300]} (the engine's own log above says why)"
         x = x.__cause__ or x.__context__
     return None
