@@ -16,10 +16,9 @@ import math
 from typing import Any, Optional
 
 from batchinfer.requests.regexes import XGRAMMAR, regex_problem
+from batchinfer.requests.schema_walk import SCHEMA_LISTS, SCHEMA_MAPS, SCHEMA_VALUES, schema_types, subschemas
 
 JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
-# Keywords whose values are data, not schemas: a "type" inside them is no keyword.
-DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 MAX_NESTING = 64  # vLLM's MAX_STRUCTURED_OUTPUT_JSON_NESTING: objects and arrays in the schema
 # vLLM's STRING_SUPPORTED_FORMATS (xgrammar's); guidance knows no format xgrammar lacks that a run could use.
 STRING_FORMATS = frozenset(
@@ -39,21 +38,6 @@ STRING_FORMATS = frozenset(
         "json-pointer",
         "relative-json-pointer",
     }
-)
-SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
-SCHEMA_VALUES = (
-    "additionalProperties",
-    "items",
-    "not",
-    "contains",
-    "propertyNames",
-    "if",
-    "then",
-    "else",
-    "additionalItems",
-    "unevaluatedProperties",
-    "unevaluatedItems",
 )
 COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 # kind -> (low, high) keywords that bound the same count
@@ -94,7 +78,7 @@ def _problem(schema: Any, where: str, root: Any, backend: str) -> Optional[str]:
     if not isinstance(schema, dict):
         what = f"{where} is" if where else "it is"
         return f'{what} a {type(schema).__name__}, but a schema is an object such as {{"type": "object"}}'
-    kinds = _types(schema)
+    kinds = schema_types(schema)
     unknown = [k for k in kinds if k not in JSON_TYPES]
     if unknown:
         return (
@@ -105,31 +89,11 @@ def _problem(schema: Any, where: str, root: Any, backend: str) -> Optional[str]:
         own = _xgrammar_problem(schema, kinds)
     if own:
         return f"{where or 'the schema'} {own}"
-    for sub_where, sub in _subschemas(schema, f"{where}." if where else ""):
+    for sub_where, sub in subschemas(schema, f"{where}." if where else ""):
         problem = _problem(sub, sub_where, root, backend)
         if problem:
             return problem
     return None
-
-
-def _types(schema: dict[str, Any]) -> list[Any]:
-    kind = schema.get("type")
-    return kind if isinstance(kind, list) else [kind] if kind is not None else []
-
-
-def _subschemas(schema: dict[str, Any], at: str) -> list[tuple[str, Any]]:
-    """(path, sub-schema) of each schema below this one (their kinds were checked already)."""
-    subs = []
-    for key, value in schema.items():
-        if key in DATA_KEYWORDS:
-            continue
-        if key in SCHEMA_MAPS:
-            subs += [(f"{at}{key}.{name}", sub) for name, sub in value.items()]
-        elif key in SCHEMA_LISTS or (key == "items" and isinstance(value, list)):
-            subs += [(f"{at}{key}[{i}]", sub) for i, sub in enumerate(value)]
-        elif key in SCHEMA_VALUES or isinstance(value, dict):
-            subs.append((f"{at}{key}", value))
-    return subs
 
 
 def _keyword_problem(s: dict[str, Any], kinds: list[Any], root: Any, backend: str) -> Optional[str]:
