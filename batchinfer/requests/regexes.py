@@ -17,7 +17,7 @@ are refused: xgrammar would match the letter.
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 XGRAMMAR = "xgrammar"
 _NAMED = re.compile(r"\(\?<([A-Za-z_]\w*)>")  # (?<name>...): both backends take it, Python spells it (?P<name>
@@ -169,3 +169,47 @@ def _class(p: str, i: int, xgrammar_only: bool) -> tuple[int, Optional[str]]:
     while i < len(p) and p[i] != "]":
         i += 2 if p[i] == "\\" else 1
     return i + 1, None
+
+
+UNBOUNDED = 2**31  # a width at or above it: Python's parser says "no upper bound" (MAXREPEAT)
+
+
+class PatternLengths(NamedTuple):
+    """The lengths of the strings a JSON schema's pattern admits (a search, not a full match)."""
+
+    fewest: int  # characters of the shortest string holding a match
+    most: Optional[int]  # of the longest (anchored at both ends and bounded; None: no limit)
+    anchored: bool  # at both ends (^...$): the match is the whole string
+
+
+def pattern_lengths(pattern: str) -> Optional[PatternLengths]:
+    """The lengths of strings holding a match of pattern, as Python's parser reads it; None when it
+    cannot read the pattern (e.g. \\p classes)."""
+    try:
+        from re import _constants as sre_constants
+        from re import _parser as sre_parse
+    except ImportError:  # Python 3.10
+        import sre_constants  # type: ignore[no-redef]
+        import sre_parse  # type: ignore[no-redef]
+    try:
+        parsed = sre_parse.parse(_NAMED.sub(r"(?P<\1>", pattern))
+        low, high = parsed.getwidth()
+    except (re.error, RecursionError, OverflowError, ValueError):
+        return None
+    both = _anchored(list(parsed), sre_constants, True) and _anchored(list(parsed), sre_constants, False)
+    return PatternLengths(low, high if both and high < UNBOUNDED else None, both)
+
+
+def _anchored(items: list, c: Any, start: bool) -> bool:
+    """Whether every match of items begins (start) or ends at the string's edge: ^ / $ (\\A, \\Z) first
+    or last, inside groups and in every alternative."""
+    if not items:
+        return False
+    op, av = items[0] if start else items[-1]
+    if op is c.AT:
+        return av in ((c.AT_BEGINNING, c.AT_BEGINNING_STRING) if start else (c.AT_END, c.AT_END_STRING))
+    if op is c.SUBPATTERN:
+        return _anchored(list(av[-1]), c, start)
+    if op is c.BRANCH:
+        return all(_anchored(list(alt), c, start) for alt in av[1])
+    return False

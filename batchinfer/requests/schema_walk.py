@@ -43,3 +43,14 @@ def subschemas(schema: dict[str, Any], at: str) -> list[tuple[str, Any]]:
         elif key in SCHEMA_VALUES or isinstance(value, dict):
             subs.append((f"{at}{key}", value))
     return subs
+
+
+def schema_nodes(schema: Any) -> list[tuple[str, dict[str, Any]]]:
+    """(path, schema) of the schema and every schema below it, in order (its keywords checked already)."""
+    out, stack = [], [("", schema)]
+    while stack:
+        at, s = stack.pop()
+        if isinstance(s, dict):
+            out.append((at, s))
+            stack += reversed(subschemas(s, f"{at}." if at else ""))
+    return out

@@ -7,16 +7,25 @@ both: nesting past 64 levels, a keyword of the wrong kind (`required` not a list
 `enum`), a `$ref` to nothing in the schema, bounds no value meets (minLength > maxLength, minimum >
 maximum, ...), a string `format` neither knows, `uniqueItems`, an invalid `pattern`. Refused under
 xgrammar alone: the features vLLM's has_xgrammar_unsupported_json_features names (multipleOf, a
-pattern or format with a length, allOf of two or more, ...). tests/contract/test_request_verdict.py
-holds these rules against vLLM."""
+pattern or format with a length, allOf of two or more, ...). Where guidance compiles the schema
+(auto's fallback for those, or named as the backend): what requests/guidance.py says it refuses.
+tests/contract/test_request_verdict.py holds these rules against vLLM."""
 
 from __future__ import annotations
 
 import math
 from typing import Any, Optional
 
+from batchinfer.requests.guidance import GUIDANCE, guidance_problem
 from batchinfer.requests.regexes import XGRAMMAR, regex_problem
-from batchinfer.requests.schema_walk import SCHEMA_LISTS, SCHEMA_MAPS, SCHEMA_VALUES, schema_types, subschemas
+from batchinfer.requests.schema_walk import (
+    SCHEMA_LISTS,
+    SCHEMA_MAPS,
+    SCHEMA_VALUES,
+    schema_nodes,
+    schema_types,
+    subschemas,
+)
 
 JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
 MAX_NESTING = 64  # vLLM's MAX_STRUCTURED_OUTPUT_JSON_NESTING: objects and arrays in the schema
@@ -53,7 +62,23 @@ def schema_problem(schema: Any, backend: str = "auto") -> Optional[str]:
     auto, refuses least: what is refused under it is refused under every backend."""
     if _too_deep(schema):
         return f"it nests objects and arrays more than {MAX_NESTING} levels deep (vLLM's limit); flatten it"
-    return _problem(schema, "", schema, backend)
+    problem = _problem(schema, "", schema, backend)
+    if problem is None:  # a schema of valid keywords: what guidance refuses where it compiles it
+        why = _guidance_judges(schema, backend)
+        problem = guidance_problem(schema, why) if why else None
+    return problem
+
+
+def _guidance_judges(schema: Any, backend: str) -> Optional[str]:
+    """Why guidance compiles the schema (named as the backend, or auto's fallback where xgrammar
+    refuses a feature anywhere in it, as vLLM's has_xgrammar_unsupported_json_features walks it), or None."""
+    if backend == GUIDANCE:
+        return "model.engine_kwargs.structured_outputs_config names it"
+    if backend != "auto":
+        return None
+    found = (_xgrammar_unsupported(s, schema_types(s)) for _, s in schema_nodes(schema))
+    why = next((w for w in found if w), None)
+    return f"vLLM's auto backend falls back to it: xgrammar does not support {why}" if why else None
 
 
 def _too_deep(spec: Any) -> bool:
@@ -200,7 +225,18 @@ def _bounds_problem(s: dict[str, Any], kinds: list[Any], backend: str) -> Option
 
 
 def _xgrammar_problem(s: dict[str, Any], kinds: list[Any]) -> Optional[str]:
-    """vLLM's has_xgrammar_unsupported_json_features, for one schema (its sub-schemas are walked)."""
+    """Why vLLM's xgrammar backend refuses one schema (its sub-schemas are walked), or None."""
+    why = _xgrammar_unsupported(s, kinds)
+    if why is None:
+        return None
+    return (
+        f"uses {why}, which vLLM's xgrammar backend does not support (model.compact_json=true); set "
+        "model.compact_json=false (vLLM then falls back to guidance) or simplify the schema"
+    )
+
+
+def _xgrammar_unsupported(s: dict[str, Any], kinds: list[Any]) -> Optional[str]:
+    """vLLM's has_xgrammar_unsupported_json_features, for one schema: the feature, or None."""
     pattern_props = s.get("patternProperties")
     rules = [
         ({"integer", "number"} & set(kinds) and "multipleOf" in s, "multipleOf"),
@@ -220,13 +256,7 @@ def _xgrammar_problem(s: dict[str, Any], kinds: list[Any]) -> Optional[str]:
         ),
         (isinstance(s.get("allOf"), list) and len(s["allOf"]) >= 2, "allOf with two or more schemas"),
     ]
-    why = next((what for hit, what in rules if hit), None)
-    if why is None:
-        return None
-    return (
-        f"uses {why}, which vLLM's xgrammar backend does not support (model.compact_json=true); set "
-        "model.compact_json=false (vLLM then falls back to guidance) or simplify the schema"
-    )
+    return next((what for hit, what in rules if hit), None)
 
 
 def _property_names_unsupported(s: dict[str, Any]) -> bool:

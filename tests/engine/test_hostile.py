@@ -106,6 +106,67 @@ ROW_CASES = [
     Case("a fine schema with a $ref", {"structured_outputs": {"json": SCHEMA_REF}, "max_tokens": 3}, None),
 ]
 
+# Under model.compact_json=false vLLM's backend is auto: xgrammar, and guidance for a schema xgrammar
+# does not support (a format or pattern together with a length); what guidance refuses there.
+SCHEMA_DATE_TOO_SHORT = {"type": "string", "format": "date", "maxLength": 3}
+SCHEMA_URI_TEMPLATE = {"type": "string", "format": "uri-template", "maxLength": 200}
+SCHEMA_REQUIRED_EMPTY = {"type": "object", "properties": {"d": SCHEMA_DATE_TOO_SHORT}, "required": ["d"]}
+AUTO_CASES = [
+    Case("fine", {"max_tokens": 3}, None),
+    Case("a date of at most 3 characters", {"structured_outputs": {"json": SCHEMA_DATE_TOO_SHORT}}, "sampling"),
+    Case(
+        "a uuid of at most 35",
+        {"structured_outputs": {"json": {"type": "string", "format": "uuid", "maxLength": 35}}},
+        "sampling",
+    ),
+    Case(
+        "an ipv4 of 16 or more",
+        {"structured_outputs": {"json": {"type": "string", "format": "ipv4", "minLength": 16}}},
+        "sampling",
+    ),
+    Case("a format guidance does not know", {"structured_outputs": {"json": SCHEMA_URI_TEMPLATE}}, "sampling"),
+    Case("a required property no value meets", {"structured_outputs": {"json": SCHEMA_REQUIRED_EMPTY}}, "sampling"),
+    Case(
+        "an anchored pattern longer than maxLength",
+        {"structured_outputs": {"json": {"type": "string", "pattern": "^[a-z]{10}$", "maxLength": 5}}},
+        "sampling",
+    ),
+    Case(
+        "a 3-digit pattern of 4 or more",
+        {"structured_outputs": {"json": {"type": "string", "pattern": "^\\d{3}$", "minLength": 4}}},
+        "sampling",
+    ),
+    Case(
+        "an unanchored pattern of 46 or more",
+        {"structured_outputs": {"json": {"type": "string", "pattern": "[a-z]", "minLength": 46}}},
+        "sampling",
+    ),
+    # what guidance takes: a date of 10, an optional property no value meets, a format xgrammar judges alone
+    Case(
+        "a date of at most 10",
+        {"structured_outputs": {"json": {"type": "string", "format": "date", "maxLength": 10}}, "max_tokens": 3},
+        None,
+    ),
+    Case(
+        "an optional property no value meets",
+        {
+            "structured_outputs": {"json": {"type": "object", "properties": {"d": SCHEMA_DATE_TOO_SHORT}}},
+            "max_tokens": 3,
+        },
+        None,
+    ),
+    Case(
+        "uri-template without a length (xgrammar)",
+        {"structured_outputs": {"json": {"type": "string", "format": "uri-template"}}, "max_tokens": 3},
+        None,
+    ),
+    Case(
+        "an anchored pattern and a long minLength",
+        {"structured_outputs": {"json": {"type": "string", "pattern": "^[a-z]+$", "minLength": 200}}, "max_tokens": 3},
+        None,
+    ),
+]
+
 OPENAI_CASES = [
     Case("fine", {"max_tokens": 3}, None),
     Case("min_tokens above max_tokens", {"min_tokens": 9, "max_tokens": 4}, "sampling"),
@@ -174,6 +235,19 @@ def test_rows_validate_and_the_standin_worker_agree(tmp_path: Path, tiny_model_p
     ov = run_overrides(tiny_model_path, corpus, tmp_path / "run", "input.sampling_column=params")
     predicted, made = verdicts(ov, StandinEngine(compose(ov)))
     assert predicted == made == _expected(ROW_CASES), [c.name for c in ROW_CASES]
+
+
+def test_rows_under_the_auto_backend_validate_and_the_standin_worker_agree(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """model.compact_json=false (vLLM's auto backend): a format or pattern with a length vLLM's guidance
+    fallback refuses is the same error row in validate and in the run (validate called them fine)."""
+    corpus = _row_corpus(tmp_path / "rows.jsonl", AUTO_CASES, tmp_path / "none.json")
+    ov = run_overrides(
+        tiny_model_path, corpus, tmp_path / "run", "input.sampling_column=params", "model.compact_json=false"
+    )
+    predicted, made = verdicts(ov, StandinEngine(compose(ov)))
+    assert predicted == made == _expected(AUTO_CASES), [c.name for c in AUTO_CASES]
 
 
 def test_openai_lines_validate_and_the_standin_worker_agree(tmp_path: Path, tiny_model_path: Path) -> None:

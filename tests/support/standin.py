@@ -39,6 +39,7 @@ from batchinfer.config.vllm_names import MAX_LOGPROBS
 from batchinfer.engine.vllm_engine import Completion, Engine, model_key
 from batchinfer.faults import POISON_ENV
 from batchinfer.models.tokens import hf_max_token_chars
+from batchinfer.requests.build import row_limits
 from batchinfer.versions import cpu_build
 from support import TESTS
 
@@ -78,13 +79,15 @@ def vllm_refusal(message: str, parameter: Optional[str] = None, value: Any = Non
     return VLLMValidationError(message, parameter=parameter, value=value)
 
 
-def checked_params(sampling: dict[str, Any]) -> dict[str, Any]:
+def checked_params(sampling: dict[str, Any], backend: Optional[str] = None) -> dict[str, Any]:
     """The sampling values as they are, or VLLMValidationError where vLLM's SamplingParams and
-    structured-output checks refuse them (the rules the contract test holds against vLLM's own)."""
+    structured-output checks (under backend; None: xgrammar, model.compact_json's) refuse them (the
+    rules the contract test holds against vLLM's own)."""
     from batchinfer.requests.verdict import Limits, refusal
 
     # the cap is add_request's check; a json schema file is the run's own (build_request refused a row's)
-    found = refusal(sampling, Limits(max_logprobs=-1), in_row=False)
+    limits = Limits(max_logprobs=-1) if backend is None else Limits(max_logprobs=-1, backend=backend)
+    found = refusal(sampling, limits, in_row=False)
     if found:
         raise vllm_refusal(found.message(), found.key, found.value)
     return dict(sampling)
@@ -192,6 +195,7 @@ class StandinEngine:
         self.max_token_chars = hf_max_token_chars(self.tokenizer)  # as vllm_engine.Engine has it
         self.refuse_every = refuse_every
         self.max_logprobs = (cfg.model.engine_kwargs or {}).get("max_logprobs", MAX_LOGPROBS)
+        self.backend = row_limits(cfg).backend  # the structured-output backend vLLM would get
         # a step takes time, so rates, holds and kills at a random moment behave as on an engine
         self.step_seconds = float(os.environ.get(STEP_ENV, 0.002)) if step_seconds is None else step_seconds
         # request id -> (token ids, max_tokens, digest): the digest taken once, at add (a step looks at
@@ -216,7 +220,7 @@ class StandinEngine:
         values that passed are kept, as vllm_engine.Engine keeps its SamplingParams."""
         key = repr(sorted(sampling.items()))
         if key not in self._params:
-            self._params[key] = checked_params(sampling)
+            self._params[key] = checked_params(sampling, self.backend)
         return dict(self._params[key])
 
     # Token ids exactly as the real engine makes them (its method: it uses only self.tokenizer).
