@@ -96,6 +96,9 @@ def submit_shards(run: RunDir, indices: list[int], dry_run: bool = False, heal: 
     folder = run.logs_dir / f"submission-{number:03d}"
     slurm.check_log_folder(folder)
     name = job_name(run, number)
+    # the secrets the jobs get from this shell (cluster.env's struck ones, cluster.env_inherit): a dry
+    # run refuses a missing one as the submission would (attack42b K13: it planned as if all was well)
+    security.secret_env(cluster.env, cluster.env_inherit)
     if dry_run:
         print(f"job name: {name}")
         if cluster.nodes_per_task > 1:

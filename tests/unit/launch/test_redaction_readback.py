@@ -9,15 +9,18 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.corpus import write_corpus
+from support.fake_engine import fake_overrides
 from support.runs import run_overrides
 from support.standin import StandinEngine
 
 from batchinfer import cli
 from batchinfer.config.compose import apply_overrides, compose
 from batchinfer.errors import ConfigError, RunDirError
+from batchinfer.launch import slurm
 from batchinfer.launch.local import run_local, run_task
 from batchinfer.launch.redo import redo
-from batchinfer.launch.submit import apply_resource_overrides
+from batchinfer.launch.submit import apply_resource_overrides, submit_shards
 from batchinfer.redaction import REDACTED, record_yaml, redact_printed, redact_text
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.store import RunDir
@@ -231,3 +234,32 @@ def test_an_override_hydra_cannot_parse_echoes_no_piece_of_a_secret(override: st
 def test_a_parse_error_in_an_override_holding_no_secret_is_hydras() -> None:
     with pytest.raises(ConfigError, match=r"Error parsing override 'model.max_num_seqs=a\{'"):
         compose(["model.max_num_seqs=a{"])
+
+
+def test_a_dry_run_refuses_a_secret_this_shell_lacks_as_the_submission_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """K13: `submit --dry-run` / `resume --dry-run` planned and printed as if all was well when a
+    secret the jobs take from this shell was missing (cluster.env_inherit's, a struck cluster.env
+    entry at resume); the real submission refused. The dry run refuses it the same way."""
+    monkeypatch.setattr(slurm, "max_array_size", lambda: 1001)  # no cluster needed for a dry run
+    monkeypatch.delenv("NOT_SET_TOKEN", raising=False)
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-key-0123")
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 4)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    inherit = prepare(
+        compose(fake_overrides(tmp_path / "a", corpus, "cluster=slurm", "cluster.env_inherit=[NOT_SET_TOKEN]"))
+    )
+    with pytest.raises(ConfigError, match="cluster.env_inherit names NOT_SET_TOKEN, which is not set in this shell"):
+        submit_shards(RunDir(inherit.path), [0], dry_run=True)
+    assert "job name" not in capsys.readouterr().out
+    stored = prepare(
+        compose(fake_overrides(tmp_path / "b", corpus, "cluster=slurm", "+cluster.env.WANDB_API_KEY=wandb-key-0123"))
+    )
+    submit_shards(RunDir(stored.path), [0], dry_run=True)  # this shell has it: planned
+    assert "job name" in capsys.readouterr().out
+    monkeypatch.delenv("WANDB_API_KEY")  # a resume from a shell without it: run.yaml holds it struck
+    with pytest.raises(ConfigError, match=r"cluster.env.WANDB_API_KEY is a secret.*`export WANDB_API_KEY=\.\.\.`"):
+        submit_shards(RunDir(stored.path), [0], dry_run=True)
