@@ -6,7 +6,8 @@ hold exactly what runs (exact_json, exact_yaml): only the values of secret-named
 never a free-text value (a prompt's `key={key}`, a stop string), which text patterns would damage.
 
 Secrets are found as secret scanners find them: by name (secret_names.py: a secret word token,
-secret, password, pass, pwd, key, jwt, cookie, ... as the name's last word), by a URL's `user:password@`, and by
+secret, password, pass, pwd, key, jwt, cookie, ... as the name's last word), by a URL's `user:password@`, by shape and
+in free-text forms (secret_shapes.py: ghp_..., hf_..., `Authorization: Bearer X`), and by
 value (the value of a secret-named variable of this environment, or of a secret given in the
 config). A value found by value is written as `${oc.env:NAME}`, a reference the task resolves
 from its own environment; one found by name becomes `<redacted>`."""
@@ -21,6 +22,7 @@ from typing import Any, Optional
 import yaml
 
 from batchinfer.secret_names import is_secret_name
+from batchinfer.secret_shapes import shape_of, strike_forms, strike_shapes
 
 REDACTED = "<redacted>"
 
@@ -60,10 +62,12 @@ _COMMAND_SECRETS = (
         r"(?:(?<![\w-])-H|--header|extraheader)(?:\s+|=)['\"]?(?P<name>[A-Za-z][\w-]*)[ \t]*:[ \t]*"
         r"(?:(?i:bearer|basic|token|bot|digest|apikey)[ \t]+)?" + _VALUE
     ),
-    # mysql -pX: the password glued to -p
-    re.compile(r"\b(?:mysql\w*|mariadb[\w-]*)\b[^;&|\n]*?[ \t]-p" + _VALUE),
-    # curl -u alice:X (--user, --proxy-user, -U): the part after the user name
-    re.compile(r"\bcurl\b[^;&|\n]*?[ \t](?:-u|--user|--proxy-user|-U)(?:[ \t]+|=)['\"]?[^\s:'\"]*:" + _VALUE),
+    # mysql -pX, -p'X': the password glued to -p
+    re.compile(r"\b(?:mysql\w*|mariadb[\w-]*)\b[^;&|\n]*?[ \t]-p['\"]?" + _VALUE),
+    # curl -u alice:X, -ualice:X (--user, --proxy-user, -U): the part after the user name
+    re.compile(
+        r"\bcurl\b[^;&|\n]*?[ \t](?:-[uU][ \t=]*|(?:--user|--proxy-user)(?:[ \t]+|=))['\"]?[^\s:'\"]*:" + _VALUE
+    ),
     # sshpass -p X
     re.compile(r"\bsshpass\b[^;&|\n]*?[ \t]-p[ \t]*" + _VALUE),
     # aws configure set aws_secret_access_key X, git config user.password X, npm config set //r/:_authToken X
@@ -92,11 +96,17 @@ def has_url_password(value: Any) -> bool:
     return isinstance(value, str) and _URL_PASSWORD.search(value) is not None
 
 
+def is_secret_value(value: Any) -> bool:
+    """Whether a value is a secret whatever its name: a URL with a password, or a value of a known
+    secret's shape (secret_shapes.VALUE_SHAPES: ghp_..., hf_..., sk-..., a Slack webhook, a JWT)."""
+    return isinstance(value, str) and (has_url_password(value) or shape_of(value) is not None)
+
+
 def is_secret_entry(name: str, value: Any) -> bool:
     """An environment entry (cluster.env) to keep out of files: a secret name, a URL's password, or
     one a record already holds struck (a URL entry read back from run.yaml at resume is no URL any
     more, and exported as written it would override the real value the task gets)."""
-    return value is not None and (is_secret_name(name) or has_url_password(str(value)) or REDACTED in str(value))
+    return value is not None and (is_secret_name(name) or is_secret_value(str(value)) or REDACTED in str(value))
 
 
 def env_ref(name: str) -> str:
@@ -189,7 +199,7 @@ def redact_text(text: str, values: Optional[list[tuple[str, str]]] = None) -> st
     to their variable), and the values of secret-named assignments and options."""
     if not text:
         return text
-    text = _URL_PASSWORD.sub(lambda m: f"{m.group(1)}:{REDACTED}@", text)
+    text = strike_shapes(_URL_PASSWORD.sub(lambda m: f"{m.group(1)}:{REDACTED}@", text), REDACTED)
     for value, name in secret_values() if values is None else values:
         if value in text:
             text = text.replace(value, env_ref(name) if name else REDACTED)
@@ -205,7 +215,8 @@ def redact_text(text: str, values: Optional[list[tuple[str, str]]] = None) -> st
             return m.group(0)
         return f"{m.group(1)}{m.group(2)}{REDACTED}"
 
-    return _command_secrets(_FLAG.sub(flag, _ASSIGNMENT.sub(assignment, text)))
+    text = _command_secrets(_FLAG.sub(flag, _ASSIGNMENT.sub(assignment, text)))
+    return strike_forms(text, REDACTED, _named_value)
 
 
 def shown_change(old: str, new: str) -> str:
@@ -253,7 +264,7 @@ def _redact(obj: Any, path: str, values: list[tuple[str, str]]) -> Any:
         for k, v in obj.items():
             key = f"{path}.{k}" if path else str(k)
             in_env = path == "env" or path.endswith(".env")
-            secret = not row_data and (is_secret_name(str(k)) or (in_env and has_url_password(v)))
+            secret = not row_data and (is_secret_name(str(k)) or (in_env and is_secret_value(v)))
             out[k] = _strike(v) if secret else _redact(v, key, values)
         return out
     if isinstance(obj, (list, tuple)):
@@ -283,7 +294,7 @@ def strike_override(override: str) -> str:
     name = path.rsplit(".", 1)[-1]
     env = path.startswith(("cluster.env.", "env."))
     label = any(path.startswith(m + ".") for m in LABEL_MAPS)
-    secret = not label and (is_secret_name(name) or (env and has_url_password(_unquoted(value))))
+    secret = not label and (is_secret_name(name) or (env and is_secret_value(_unquoted(value))))
     if sep and secret and _named_value(value, name):
         return f"{key}={REDACTED}"
     return override
@@ -307,10 +318,10 @@ def strike_try(text: str) -> str:
 
 def _struck_by_exact(path: str, k: Any, v: Any) -> bool:
     """Whether exact() strikes the value of key k of the map at path: a secret-named key (not a row's
-    column nor a map's label), or an environment entry holding a URL's password."""
+    column nor a map's label), or an environment entry holding a URL's password or a shaped secret."""
     if path.endswith(ROW_DATA) or path.endswith(LABEL_MAPS):
         return False
-    return is_secret_name(str(k)) or ((path == "env" or path.endswith(".env")) and has_url_password(v))
+    return is_secret_name(str(k)) or ((path == "env" or path.endswith(".env")) and is_secret_value(v))
 
 
 def exact(obj: Any, path: str = "") -> Any:

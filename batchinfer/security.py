@@ -27,12 +27,13 @@ from batchinfer.redaction import (
     resolve_refs,
     secret_values,
 )
+from batchinfer.secret_shapes import shape_of
 
 PRIVATE = {"user": (0o077, 0o700), "group": (0o027, 0o750)}  # umask, DIR mode
 
 
-# NAME=value in a shell line, the value given (not $NAME or ${NAME}): what cluster.setup stores.
-_ASSIGNMENT = re.compile(r"(?<![\w$])([A-Za-z_][A-Za-z0-9_]*)=(?![\s$\"']*\$)([^\s;&|]+)")
+# NAME=value (NAME+=value) in a shell line, the value given (not $NAME or ${NAME}): what cluster.setup stores.
+_ASSIGNMENT = re.compile(r"(?<![\w$])([A-Za-z_][A-Za-z0-9_]*)\+?=(?![\s$\"']*\$)([^\s;&|]+)")
 
 
 # Values that become `#SBATCH --key=value` lines: sbatch reads no variable there, so a secret's
@@ -56,11 +57,14 @@ def check_config_secrets(c: dict[str, Any]) -> None:
                     f"running batchinfer and name it in cluster.env_inherit=[{name}] (Slurm passes your "
                     f"environment to the jobs), or pass it as cluster.env.{name}=..., which is never stored"
                 )
-        if REDACTED in redact_text(str(line)):  # a secret of this environment becomes a reference to it
+        struck = redact_text(str(line))
+        if REDACTED in struck:  # a secret of this environment becomes a reference to it
+            shown = struck if len(struck) <= 200 else struck[:200] + "..."
             raise ConfigError(
-                f"{where} gives a secret (a password or a token as an argument), and the sbatch script is stored "
-                f"in DIR/logs where others may read it: write $NAME there instead (the task's shell expands it), "
-                f"with NAME set in this shell and named in cluster.env_inherit=[NAME]"
+                f"{where} gives a secret ({shown!r}: a password, a token or a key as an argument, in a "
+                f"file it writes or a login), and the sbatch script is stored in DIR/logs where others may "
+                f"read it: write $NAME there instead (the task's shell expands it), with NAME set in this "
+                f"shell and named in cluster.env_inherit=[NAME]"
             )
     directives = [(f"cluster.{k}", cluster.get(k)) for k in DIRECTIVE_KEYS]
     directives += [(f"cluster.sbatch_extra.{k}", v) for k, v in (cluster.get("sbatch_extra") or {}).items()]
@@ -99,7 +103,17 @@ def refuse_secret_in(
     record: str = "the config is stored in DIR/run.yaml",
 ) -> None:
     """ConfigError when a value a record holds exactly (a config value, redo's --where) holds a URL's
-    password or a secret's value (secret_values), naming the key and the variable, never the value."""
+    password, a value of a known secret shape, or a secret's value (secret_values), naming the key and
+    the variable or the kind of secret, never the value."""
+    shape = shape_of(text)
+    if shape:
+        raise ConfigError(
+            f"{key} holds what looks like {shape}, and {record} where others may read it (tasks, resume and "
+            f"redo run what it holds, so it is not struck there either): take it out of {key} and pass it in "
+            f"the environment (`export NAME=...` in this shell and cluster.env_inherit=[NAME]); if it is no "
+            f"secret (an example in a prompt), put it in the input rows instead (data, which DIR/input keeps "
+            f"as private as your input file)"
+        )
     if has_url_password(text):
         raise ConfigError(
             f"{key} holds a URL with a password, and {record} where others may "

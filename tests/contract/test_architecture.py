@@ -33,6 +33,7 @@ LAYERS = {
     "security": 0,
     "redaction": 0,
     "secret_names": 0,
+    "secret_shapes": 0,
     "faults": 0,
     "logs": 0,
     "versions": 0,
