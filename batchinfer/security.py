@@ -136,6 +136,15 @@ def refuse_secret_in(
             )
 
 
+def check_file_secrets(files: Mapping[str, str], contents: Mapping[str, bytes]) -> None:
+    """Refuse a file the config names (prompt.template_file, a JSON schema) holding a secret, line by
+    line as inline text is refused (refuse_secret_in): it is copied into DIR/files, stored as run.yaml is."""
+    values = secret_values()
+    for key, path in files.items():
+        for n, line in enumerate(contents[key].decode("utf-8", errors="replace").splitlines(), 1):
+            refuse_secret_in(f"{key} {path}:{n}", line, values, "the file is copied into DIR/files")
+
+
 def _string_values(node: Any, key: str) -> Iterator[tuple[str, str]]:
     """(key, text) of every string in a config, cluster.env's secret entries (the secrets
     themselves, never stored) left out."""

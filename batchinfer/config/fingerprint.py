@@ -11,6 +11,7 @@ from batchinfer.config.json_schema import KEY as JSON_KEY
 from batchinfer.config.json_schema import json_schema_path, parse_json_schema, read_json_schema
 from batchinfer.errors import ConfigError
 from batchinfer.redaction import shown_change
+from batchinfer.security import check_file_secrets
 
 # engine_kwargs that change speed or memory, not what greedy decoding generates: a run may be
 # reopened or resumed with other values. speculative_config is one (the speculative=ngram preset
@@ -76,7 +77,8 @@ def config_files(cfg: dict[str, Any]) -> dict[str, str]:
 
 
 def read_config_files(cfg: dict[str, Any]) -> dict[str, bytes]:
-    """The bytes of every file the config names (read once: hashed and frozen from the same bytes)."""
+    """The bytes of every file the config names (read once: hashed and frozen from the same bytes),
+    refused when one holds a secret (security.check_file_secrets): prepare copies them into DIR/files."""
     out = {}
     for key, path in config_files(cfg).items():
         if key == JSON_KEY:
@@ -88,6 +90,7 @@ def read_config_files(cfg: dict[str, Any]) -> dict[str, bytes]:
             out[key] = p.read_bytes()
         except OSError as e:
             raise ConfigError(f"{key} {path}: cannot read it ({e.strerror or e}; resolved to {p.absolute()})") from None
+    check_file_secrets(config_files(cfg), out)
     return out
 
 

@@ -1,15 +1,21 @@
 """Secrets found by their text (batchinfer/secret_shapes.py): values of a known issuer's shape under
 neutral names (G1), plain-text forms in free text (B18) and in cluster.setup (B3), struck from
-printed lines and records and refused where they would be stored; look-alikes kept."""
+printed lines and records and refused where they would be stored (a template file too: K2);
+look-alikes kept."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from support.corpus import write_corpus
+from support.fake_engine import fake_overrides
 
 from batchinfer import redaction, security
 from batchinfer.config.compose import compose
 from batchinfer.errors import ConfigError
 from batchinfer.redaction import REDACTED, record_json, redact_text
+from batchinfer.rundir.prepare import prepare
 
 # Made-up values of each issuer's shape (length and alphabet as issued), each under a neutral name.
 SHAPED = {
@@ -151,3 +157,31 @@ def test_a_setup_line_giving_a_secret_is_refused_naming_it(line: str) -> None:
 def test_a_setup_line_referring_to_a_variable_is_accepted(line: str) -> None:
     security.check_config_secrets({"cluster": {"setup": [line]}})
     assert redact_text(line) == line
+
+
+def test_a_template_file_holding_a_secret_is_refused_before_it_is_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """K2: a prompt.template_file is copied into DIR/files (0644 under umask 022): holding a secret
+    variable's value or a shaped secret, it is refused as the same text inline is, naming file:line."""
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 4)
+    template = tmp_path / "t.txt"
+    secret = "s3cr3t-PLANTEDfile-0123"
+    monkeypatch.setenv("PROJECT_TOKEN", secret)
+    cfg = compose(fake_overrides(tmp_path, corpus, f"prompt.template_file={template}"))
+    out = Path(cfg.output.dir)
+    for body, line, what in (
+        (f"Answer briefly.\nCall with key {secret}.\nQ: {{text}}\n", 2, "the value of PROJECT_TOKEN, a secret"),
+        (f"Q: {{text}}\nAuth {SHAPED['github']}\n", 2, "what looks like a GitHub token"),
+        (f"Fetch https://bob:{P}@host/x\nQ: {{text}}\n", 1, "a URL with a password"),
+    ):
+        template.write_text(body)
+        with pytest.raises(ConfigError) as e:
+            prepare(cfg)
+        assert str(e.value).startswith(f"prompt.template_file {template}:{line} holds {what}")
+        assert secret not in str(e.value) and SHAPED["github"] not in str(e.value) and P not in str(e.value)
+        assert not (out / "files").exists()
+    template.write_text("Answer briefly.\nQ: {text}\n")
+    run = prepare(cfg)
+    assert [p.read_text() for p in (run.path / "files").rglob("t.txt")] == ["Answer briefly.\nQ: {text}\n"]
