@@ -65,9 +65,10 @@ class RowRequest:
                     f"prompt has {self.tokens} tokens ({self.image_tokens + 1} of them its "
                     f"{self.image.width}x{self.image.height} image's); model.max_model_len is {max_model_len}"
                 )
+                fix = f"raise model.max_model_len to {self.tokens + 1} or more (the processor sizes the image)"
                 if policy == "fail":
-                    raise InputError(f"{msg} (prompt.overlong=fail); raise model.max_model_len or use smaller images")
-                raise RowError("overlong", f"{msg}; raise model.max_model_len or use smaller images")
+                    raise InputError(f"{msg} (prompt.overlong=fail); {fix}")
+                raise RowError("overlong", f"{msg}; {fix}")
         if self.at_least and policy not in TRUNCATE:
             return overlong_tokens(self.ids, policy, max_model_len, self.sampling["max_tokens"], self.at_least)
         return fit_prompt(self.prompt, self.ids, self.encode, policy, max_model_len, self.sampling["max_tokens"])

@@ -118,5 +118,6 @@ def test_validate_counts_an_image_by_its_tiles_and_refuses_the_row_it_makes_over
     (example,) = found.errors.kinds["overlong"]["examples"]
     assert example["message"] == (
         f"row 0: prompt has {text_tokens - 1 + image} tokens ({image} of them its 48x48 image's); "
-        f"model.max_model_len is {text_tokens + 10}; raise model.max_model_len or use smaller images"
+        f"model.max_model_len is {text_tokens + 10}; raise model.max_model_len to {text_tokens + image} or more "
+        "(the processor sizes the image)"
     )
