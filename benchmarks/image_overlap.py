@@ -11,7 +11,7 @@
 Measured per variant: the main thread's seconds in the processor (and per image), its seconds
 between two engine steps (the engine's `step()` not called: with vLLM's engine core in its own
 process the core goes on with the batch it has, so this is an upper bound of its idle time), the
-wall time of the run, and whether the outputs are the same row for row.
+wall time of the run, and that no row failed.
 
 usage: python benchmarks/image_overlap.py [--rows 150] [--size 512] [--dir /tmp/image-overlap]
 """
@@ -31,16 +31,17 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 
-def write_corpus(d: Path, rows: int, size: int) -> Path:
-    """rows rows, each its own size x size picture (JPEG), three texts."""
+def write_corpus(d: Path, rows: int, size: int, seed: int) -> Path:
+    """rows rows, each its own size x size picture (JPEG, different for every seed: vLLM's processor
+    cache, keyed by the image's digest, must not serve a later run), three texts."""
     from PIL import Image, ImageDraw
 
     texts = ["describe this picture", "what colour is the square", "label this image as red green or blue"]
     (d / "img").mkdir(parents=True, exist_ok=True)
     lines = []
     for i in range(rows):
-        img = Image.new("RGB", (size, size), ((i * 37) % 256, (i * 91) % 256, (i * 53) % 256))
-        at = (i * 13) % (size // 2)
+        img = Image.new("RGB", (size, size), ((i * 37 + seed) % 256, (i * 91) % 256, (i * 53 + 7 * seed) % 256))
+        at = (i * 13 + seed) % (size // 2)
         ImageDraw.Draw(img).ellipse((at, at, at + size // 3, at + size // 4), fill=((i * 7) % 256, 200, 40))
         img.save(d / "img" / f"{i}.jpg", quality=90)
         lines.append(json.dumps({"id": f"r{i}", "text": texts[i % 3], "image": f"img/{i}.jpg"}))
@@ -109,9 +110,7 @@ def main() -> None:
     from batchinfer.launch.local import run_local
 
     model = tiny_vlm.build(a.dir / "tiny-vlm")
-    corpus = write_corpus(a.dir / "data", a.rows, a.size)
     base = [
-        f"input.path={corpus}",
         "input.id_column=id",
         "prompt.image_column=image",
         f"sampling.max_tokens={a.max_tokens}",
@@ -121,13 +120,17 @@ def main() -> None:
     eng = Engine(compose(model_overrides(model)))
     print(f"engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
     results = {}
-    for variant in ("in add", "ahead", "in add", "ahead"):  # twice each, alternating: the load moves
+    # A warm-up run first (the engine's first batches compile); then each variant twice, alternating
+    # (the machine's load moves), each on pictures of its own.
+    for variant in ("warm-up", "in add", "ahead", "in add", "ahead"):
+        corpus = write_corpus(a.dir / f"data-{len(results)}", a.rows, a.size, seed=len(results))
         clocks = instrument(eng)
         undo = in_add() if variant == "in add" else (lambda: None)
         out_dir = a.dir / f"run-{variant.replace(' ', '-')}-{len(results)}"
         t = time.perf_counter()
         try:
-            rows = read_output(run_local(compose([*base, f"output.dir={out_dir}"]), engine=eng).path)
+            cfg = compose([*base, f"input.path={corpus}", f"output.dir={out_dir}"])
+            rows = read_output(run_local(cfg, engine=eng).path)
         finally:
             undo()
             del eng.step  # the class's own again
@@ -146,14 +149,13 @@ def main() -> None:
             "steps": len(gaps) + 1,
             "between_steps_s": round(sum(gaps), 3),
             "between_steps_ms_mean": round(1000 * sum(gaps) / max(len(gaps), 1), 2),
-            "texts": [x["text"] for x in rows],
         }
-        print(variant, {k: v for k, v in r.items() if k != "texts"}, flush=True)
-    texts = {k: v.pop("texts") for k, v in results.items()}
-    same = len({json.dumps(t) for t in texts.values()}) == 1
-    print(f"outputs the same row for row in every run: {same}")
+        print(variant, r, flush=True)
+    # each run has pictures of its own (tests/engine/test_images.py compares the answers with LLM.chat)
+    same = all(r["errors"] == 0 for r in results.values())
+    print(f"no error rows in any run: {same}")
     print(f"load average {os.getloadavg()}; cpu {cpu_name()}")
-    (a.dir / "results.json").write_text(json.dumps({"results": results, "same_outputs": same}, indent=1))
+    (a.dir / "results.json").write_text(json.dumps({"results": results, "no_error_rows": same}, indent=1))
     eng.close()
 
 
