@@ -61,8 +61,14 @@ def test_tune_reports_a_refused_setting_runs_the_other_and_forecasts(tmp_path: P
     assert model["pilot"]["steps"] > 0 and model["step_cost"]["per_step"] >= 0
     assert model["pilot"]["requests"] == len({r["text"] for r in pilot})  # identical rows share one
     assert model["full_run"]["requests"] == len({r["text"] for r in rows}) and model["full_run"]["steps"] > 0
+    # two rungs of 8 and 16 rows, 6 tokens each: a dozen steps, too few to fit three costs on; the
+    # pilot's seconds per computed token forecast instead, and the tune says so
+    assert model["model"] == "pilot-rate" and any("steps timed" in why for why in model["refused"])
+    assert model["candidates"]["pilot-rate"] > 0 and len(model["pilot_rungs"]) == 2
+    assert sum(r["requests"] for r in model["pilot_rungs"]) == model["pilot"]["requests"]
     assert result["choice"]["reason"] == "the fastest measured"  # the only setting that ran: nothing to repeat
     table = (out / "tune.md").read_text()
+    assert "generate hours by pilot-rate: " in table
     assert f"| {REFUSED} |" in table and "is below model.max_num_seqs" in table and "| defaults * |" in table
     assert (out / "tune.png").read_bytes()[:4] == b"\x89PNG"
     assert OmegaConf.load(out / "conf" / "tuned" / "best.yaml") == {}
