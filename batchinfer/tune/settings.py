@@ -123,9 +123,20 @@ def engine_counts(c: Any, gpus: int, cpus: list[int]) -> list[int]:
     return [1] if now > 1 else [2]
 
 
+def lora_slots(c: Any) -> list[int]:
+    """model.lora.max_loras values to try besides the config's own (unset: every adapter at once) for a
+    run of two or more LoRA adapters: one slot (least memory, the worker then takes the adapters one
+    after another) and every adapter (no adapter waits for a slot). Outputs do not change."""
+    adapters = len(c.model.lora.adapters or {})
+    if adapters < 2:
+        return []
+    now = c.model.lora.max_loras or adapters
+    return [v for v in (1, adapters) if v != now]
+
+
 def default_grid(c: Any, gpus: int, cpus: list[int], include: list[str]) -> list[Setting]:
     """The config as composed first, then one knob at a time around it: max_num_seqs,
-    max_num_batched_tokens, gpu_memory_utilization (GPUs), the OpenMP binding of every allowed core
+    max_num_batched_tokens, gpu_memory_utilization (GPUs), LoRA adapter slots (lora_slots), the OpenMP binding of every allowed core
     (CPU), cluster.engines_per_task where the task holds several GPUs or cores (engine_counts);
     then the output-changing settings asked for. A trial of several engines runs each rung as a
     task does (tune/trial.py), so its rate is the task's, all engines together: settings compare
@@ -144,6 +155,7 @@ def default_grid(c: Any, gpus: int, cpus: list[int], include: list[str]) -> list
             for v in GPU_MEMORY_UTILIZATION
             if v != m.gpu_memory_utilization
         ]
+    grid += [Setting((f"model.lora.max_loras={v}",)) for v in lora_slots(c)]
     counts = engine_counts(c, gpus, cpus)
     if not gpus and len(cpus) > 1:
         # vLLM's default binding (`auto`) keeps a core for its scheduler; every core was measured

@@ -139,3 +139,25 @@ def test_engines_started_per_rung_give_the_setting_their_mean_start_up() -> None
     assert out.output_tokens_per_s == pytest.approx(100.0) and out.engines == 2
     assert out.per_engine("output_tokens") == pytest.approx(50.0)
     assert setting_record(out)["engines"] == 2 and setting_record(out)["startup_seconds"] == 6.0
+
+
+def test_a_run_of_several_lora_adapters_tries_one_slot_and_every_adapter(tmp_path: Path) -> None:
+    import json
+
+    adapters = []
+    for name in ("a1", "a2", "a3"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+        adapters.append(f"+model.lora.adapters.{name}={tmp_path / name}")
+
+    def tried(c: Any) -> list[str]:
+        return [s.name for s in default_grid(c, 0, [0], []) if any("max_loras" in o for o in s.overrides)]
+
+    assert tried(cfg(tmp_path, *adapters)) == ["model.lora.max_loras=1"]  # unset: all three at once already
+    assert tried(cfg(tmp_path, *adapters, "model.lora.max_loras=1")) == ["model.lora.max_loras=3"]
+    assert tried(cfg(tmp_path, *adapters, "model.lora.max_loras=2")) == [
+        "model.lora.max_loras=1",
+        "model.lora.max_loras=3",
+    ]
+    assert tried(cfg(tmp_path, adapters[0])) == [] and tried(cfg(tmp_path)) == []
+    assert not any(s.changes_outputs for s in default_grid(cfg(tmp_path, *adapters), 0, [0], []))
