@@ -49,6 +49,12 @@ VALUE_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     )
 )
 
+# Where a shape may start (one pass over the text; most lines hold none, and skip the shapes).
+_SHAPE_HINT = re.compile(
+    r"gh[pousr]_|github_pat_|gl(?:pat|dt|ptt|rt|cbt|oas)-|hf_|api_org_|sk-|[rs]k_(?:live|test)_|xox|xapp-|"
+    r"hooks\.slack\.com|discord|AKIA|ASIA|ABIA|ACCA|AIza|eyJ|npm_|pypi-|PRIVATE KEY"
+)
+
 # A value in free text: up to a space, a quote or a shell separator.
 _VALUE = r"(?P<secret>[^\s'\";&|`<>]+)"
 # An unquoted value after `NAME:` or `password` in prose is a secret only when it looks like one (a
@@ -60,7 +66,7 @@ _ECHO = r"\b(?:echo|printf)[ \t]+(?:-\w+[ \t]+|'[^'\n]*%[^'\n]*'[ \t]+|\"[^\"\n]
 # `file` a file that holds secrets (_secret_file); the group `secret` is struck.
 FORMS: tuple[re.Pattern[str], ...] = (
     # "api_key": "X", 'token': 'X', api_key: "X" (JSON, a Python dict, YAML)
-    re.compile(r"(?P<q>[\"']?)(?P<name>[A-Za-z_][\w.-]*)(?P=q)[ \t]*:[ \t]*([\"'])(?P<secret>[^\"'\s]+)\3"),
+    re.compile(r"(?<![\w.-])(?P<q>[\"']?)(?P<name>[A-Za-z_][\w.-]*)(?P=q)[ \t]*:[ \t]*([\"'])(?P<secret>[^\"'\s]+)\3"),
     # HF_TOKEN: X, Authorization: Bearer X, X-Api-Key: X (a log line, a YAML key in a heredoc, a header)
     re.compile(
         r"(?<![\w.-])(?P<name>[A-Za-z_][\w.-]*)[ \t]*:[ \t]+(?:(?i:bearer|basic|token|bot|digest|apikey)[ \t]+)?"
@@ -88,6 +94,18 @@ FORMS: tuple[re.Pattern[str], ...] = (
         r"(?:\blogin\b|--password-stdin|\bchpasswd\b|\bpasswd\b)"
     ),
 )
+# What each form's text must hold (lower-cased) for the form to be tried: most lines hold none.
+FORM_HINTS: tuple[tuple[str, ...], ...] = (
+    (":",),
+    (":",),
+    ("+=",),
+    ("sig", "signature"),
+    ("password",),
+    ("login",),
+    ("wandb",),
+    ("echo", "printf"),
+    ("echo", "printf"),
+)
 # Files that hold secrets whatever their name says: netrc, the PostgreSQL and PyPI password files.
 SECRET_FILES = frozenset({".netrc", "_netrc", ".pgpass", ".pypirc", ".git-credentials"})
 
@@ -100,6 +118,8 @@ def _secret_file(path: str) -> bool:
 
 def shape_of(text: str) -> Optional[str]:
     """What secret of a known shape text holds ("a GitHub token (ghp_...)"), or None."""
+    if not _SHAPE_HINT.search(text):
+        return None
     for what, shape in VALUE_SHAPES:
         if shape.search(text):
             return what
@@ -108,6 +128,8 @@ def shape_of(text: str) -> Optional[str]:
 
 def strike_shapes(text: str, struck: str) -> str:
     """text with every value of a known shape replaced by struck (a URL's or a key block's frame kept)."""
+    if not _SHAPE_HINT.search(text):
+        return text
     for _, shape in VALUE_SHAPES:
         text = shape.sub(lambda m: _replace(m, struck), text)
     return text
@@ -125,8 +147,10 @@ def strike_forms(text: str, struck: str, is_value: Callable[[str], bool]) -> str
             return m.group(0)
         return _replace(m, struck) if is_value(m.group("secret")) else m.group(0)
 
-    for form in FORMS:
-        text = form.sub(strike, text)
+    lower = text.lower()
+    for form, hints in zip(FORMS, FORM_HINTS, strict=True):
+        if any(h in lower for h in hints):
+            text = form.sub(strike, text)
     return text
 
 
