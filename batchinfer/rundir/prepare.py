@@ -57,7 +57,14 @@ from batchinfer.rundir.model_record import identity_of, refuse_changed_model
 from batchinfer.rundir.reuse import checked_reuse
 from batchinfer.rundir.schema import output_schema, pooling_schema, schema_summary, schema_to_text
 from batchinfer.rundir.store import EXACT_RECORD, FILES_DIR, PREPARE_LAYOUT, PREPARING, InputRecord, RunDir
-from batchinfer.security import exposure_warning, keep_restriction, make_private, private_umask, remove_path
+from batchinfer.security import (
+    check_secret_values,
+    exposure_warning,
+    keep_restriction,
+    make_private,
+    private_umask,
+    remove_path,
+)
 from batchinfer.versions import installed_versions
 
 log = logging.getLogger("batchinfer")
@@ -141,6 +148,9 @@ def prepare(cfg: DictConfig) -> RunDir:
 
 def _prepare(cfg: DictConfig) -> RunDir:
     c, files = resolve_input(cfg)
+    # as run.yaml will hold it, paths resolved: a relative input.path under a folder named with a
+    # secret's value was checked as typed only (attack42b K9); refused before a folder is made
+    check_secret_values(c)
     contents = read_config_files(c)  # read once: the fingerprint and the frozen copies share these bytes
     # The input is hashed in a thread: where output.dir names a folder to make, beside the conversion
     # (which does not need the hash); where the hash names the folder or is compared, before.

@@ -20,6 +20,7 @@ from batchinfer.ownership import Layout
 from batchinfer.redaction import ENV_REF, REDACTED, exact_yaml, is_secret_name, struck_by_older
 from batchinfer.rundir.schema import schema_from_text
 from batchinfer.rundir.shard_folder import ShardFolder
+from batchinfer.security import check_secret_values
 
 OUTPUT_EXT = {"jsonl": "jsonl", "openai": "jsonl", "parquet": "parquet", "hf": "parquet"}
 FILES_DIR = "files"  # frozen copies of the files the config names
@@ -225,7 +226,9 @@ class RunDir:
 
     def write_run(self, record: RunRecord) -> None:
         """Write run.yaml atomically, exactly what runs but a secret-named key's value
-        (redaction.exact_yaml); the record as given is kept in memory."""
+        (redaction.exact_yaml); the record as given is kept in memory. Refused (ConfigError) when the
+        config holds a secret's value (security.check_secret_values), paths as resolved included."""
+        check_secret_values(record["config"])
         write_record(self.run_yaml, exact_yaml(record))
         self._run = record
         self._config = None

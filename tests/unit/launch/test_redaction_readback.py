@@ -263,3 +263,19 @@ def test_a_dry_run_refuses_a_secret_this_shell_lacks_as_the_submission_does(
     monkeypatch.delenv("WANDB_API_KEY")  # a resume from a shell without it: run.yaml holds it struck
     with pytest.raises(ConfigError, match=r"cluster.env.WANDB_API_KEY is a secret.*`export WANDB_API_KEY=\.\.\.`"):
         submit_shards(RunDir(stored.path), [0], dry_run=True)
+
+
+def test_a_relative_path_is_checked_for_a_secrets_value_as_run_yaml_holds_it(
+    tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """K9: the by-value refusal checked input.path as typed (`k.jsonl`), and run.yaml holds it
+    resolved (`/.../wsekr3tvalue9w/k.jsonl`): a folder named with a secret's value was stored."""
+    monkeypatch.setenv("MY_SVC_TOKEN", "sekr3tvalue9")
+    here = tmp_path / "wsekr3tvalue9w"
+    here.mkdir()
+    key_corpus(here / "k.jsonl")
+    monkeypatch.chdir(here)
+    cfg = compose(run_overrides(tiny_model_path, Path("k.jsonl"), tmp_path / "out"))
+    with pytest.raises(ConfigError, match=r"input.path holds the value of MY_SVC_TOKEN, a secret \(12 characters\)"):
+        prepare(cfg)
+    assert not (tmp_path / "out").exists()
