@@ -168,9 +168,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     """`batchinfer status DIR`."""
 
+    from batchinfer.errors import RunDirError
     from batchinfer.insight.status import format_status, shard_status, summarize
     from batchinfer.launch.jobs import slurm_states
-    from batchinfer.rundir.store import RunDir
+    from batchinfer.rundir.store import RunDir, refuse_struck
     from batchinfer.security import exposure_warning
     from batchinfer.tune.job import is_tune_folder, show_status
 
@@ -180,6 +181,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     warning = exposure_warning(run.path, run.run["input"]["path"])  # also refuses a folder without run.yaml
     if warning:
         print(warning, file=sys.stderr)
+    try:  # an older version's struck run.yaml: status reads it, its tasks, resume and redo refuse it
+        refuse_struck(run.path, run.run)
+    except RunDirError as e:
+        print(f"warning: {e}", file=sys.stderr)
     nodes: dict[str, str] = {}  # task -> its nodes, from sacct
     states, unrecorded, note = slurm_states(run, nodes)
     records = shard_status(run, states, nodes)

@@ -86,8 +86,9 @@ def test_an_older_run_yaml_with_struck_free_text_is_refused_where_it_would_run(
     assert not list(run.shards_dir.glob("*/*.parquet")) and not list(run.shards_dir.glob("*/*.jsonl"))
     with pytest.raises(RunDirError, match="prompt.template"):
         redo(str(run.path), "row < 2", [])
-    assert cli.main(["status", str(run.path)]) == 0  # status reads it: it runs nothing
-    assert "pending" in capsys.readouterr().out
+    assert cli.main(["status", str(run.path)]) == 0  # status reads it, and says what its tasks would refuse
+    shown = capsys.readouterr()
+    assert "pending" in shown.out and f"warning: {run.path}/run.yaml was written by an older batchinfer" in shown.err
 
 
 def test_an_older_run_yaml_struck_in_a_setting_says_resume_gives_it_again(
