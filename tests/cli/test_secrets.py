@@ -30,20 +30,25 @@ BY_NAME = {
 DB_PASSWORD = "pgPLANTEDurlpw"  # in DATABASE_URL, whose name is no secret's
 HF = "hf_PLANTEDenv0123456789"  # only in the environment, used through ${oc.env:HF_TOKEN}
 BY_VALUE = "PLANTEDvalue-0123456789"  # MY_SERVICE_TOKEN's value: refused in keys that are no secret's
-PLANTED = [*BY_NAME.values(), DB_PASSWORD, HF, BY_VALUE]
+# A GitHub token's shape under a name that is no secret's (CI_HELPER): a secret by its value.
+BY_SHAPE = "ghp_PLANTEDshape0123456789abcdefghijklmn"
+PLANTED = [*BY_NAME.values(), DB_PASSWORD, HF, BY_VALUE, BY_SHAPE]
 
 
 def planted_env() -> dict[str, str]:
     """The submitting shell: the secrets set (the stand-in engine named)."""
-    return standin_env(dict(os.environ, **BY_NAME, HF_TOKEN=HF, MY_SERVICE_TOKEN=BY_VALUE))
+    return standin_env(dict(os.environ, **BY_NAME, HF_TOKEN=HF, MY_SERVICE_TOKEN=BY_VALUE, CI_HELPER=BY_SHAPE))
 
 
 def secret_overrides() -> list[str]:
     """Secrets by name in cluster.env, a URL's password, ${oc.env:HF_TOKEN} in a few-shot
-    example, a reference in cluster.setup (a secret's value in other keys: refused, by_value)."""
+    example, a reference in cluster.setup (a secret's value in other keys: refused, by_value), a
+    secret by its shape under a neutral name, a setting whose name holds a secret word."""
     return [
         *(f"+cluster.env.{k}={v}" for k, v in BY_NAME.items()),
         f"+cluster.env.DATABASE_URL=postgres://app:{DB_PASSWORD}@db.example/app",
+        f"+cluster.env.CI_HELPER={BY_SHAPE}",
+        "+cluster.env.TOKEN_LIMIT=4096",
         "cluster.setup=['echo ok >/dev/null', 'login --token \"$HF_TOKEN\"']",
         "prompt.examples=[{text: '${oc.env:HF_TOKEN}', answer: ok}]",
         "cluster.env_inherit=[HF_TOKEN]",
@@ -79,6 +84,8 @@ def test_no_command_writes_or_prints_a_secret(tmp_path: Path, tiny_model_path: P
     for by_value in (f"+cluster.env.PLAIN_SETTING={BY_VALUE}", f"cluster.setup=['echo \"{BY_VALUE}\"']"):
         said = cli("validate", *ov, by_value, code=2)
         assert "holds the value of MY_SERVICE_TOKEN, a secret" in said, said
+    said = cli("validate", *ov, f"prompt.system=Call it with {BY_SHAPE}", code=2)
+    assert "prompt.system holds what looks like a GitHub token" in said, said
     cli("submit", "--cfg", "job", *ov)
     said = cli("run", *ov)
     assert "user-private as its input is" in said, said
@@ -92,6 +99,8 @@ def test_no_command_writes_or_prints_a_secret(tmp_path: Path, tiny_model_path: P
     # secrets by name are struck; a secret's value is a reference to its variable, which a task resolves
     assert {k: stored["cluster"]["env"][k] for k in BY_NAME} == dict.fromkeys(BY_NAME, "<redacted>")
     assert stored["cluster"]["env"]["DATABASE_URL"] == "<redacted>"
+    # a shaped value under a neutral name is a secret; a setting named with a secret word is kept
+    assert stored["cluster"]["env"]["CI_HELPER"] == "<redacted>" and stored["cluster"]["env"]["TOKEN_LIMIT"] == "4096"
     assert stored["cluster"]["setup"][1] == 'login --token "$HF_TOKEN"'
     assert stored["prompt"]["examples"] == [{"text": "${oc.env:HF_TOKEN}", "answer": "ok"}]
     # the input's own restriction is kept on DIR/input (umask 022 would make it 0644)
