@@ -14,6 +14,7 @@ Images held in the input (bytes, data: URLs) are covered by the input's fingerpr
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,9 +25,12 @@ from typing import Any, Optional
 from batchinfer.durable import read_json, write_json
 from batchinfer.errors import RunDirError
 from batchinfer.inputs.openai_batch import IMAGE_URL
+from batchinfer.logs import plural
 from batchinfer.requests.images import ImageLimits, image_digest, image_ref
 from batchinfer.requests.prompts import RowError
 from batchinfer.rundir.store import IMAGES_FILE as RECORD
+
+log = logging.getLogger("batchinfer")
 
 SHOWN = 5  # changed files a refusal names; the rest are counted
 THREADS = 8  # files hashed at once (network filesystems answer faster to several readers)
@@ -168,3 +172,16 @@ def refuse_changed_images(run_path: Path) -> None:
         f"it was prepared ({run_path / RECORD}): {shown}. Rows answered from the old images and rows answered "
         f"from the new ones would mix; restore the files, or start a new run in another output.dir"
     )
+
+
+def record_images(run_path: Path, config: Any, ds: Any) -> None:
+    """DIR/images.json: the image files the rows name, digested (a reopen or resume checks them)."""
+    column = image_column_of(config.prompt.image_column, ds.column_names)
+    if column is None or column not in ds.column_names:
+        return
+    limits = ImageLimits.of(config.prompt, config.input.path)
+    paths = image_paths(column_values(ds, column), column, limits)
+    if paths:
+        files = scan(paths)
+        write_record(run_path, files)
+        log.info("%s digested (%s)", plural(len(files), "image file"), run_path / RECORD)

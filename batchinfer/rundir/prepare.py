@@ -48,7 +48,6 @@ from batchinfer.models.lora import pinned_adapters
 from batchinfer.models.pooling import embedding_dim
 from batchinfer.models.tokens import model_dir
 from batchinfer.redaction import exact
-from batchinfer.requests.images import ImageLimits
 from batchinfer.requests.prompts import apply_labels, messages_note
 from batchinfer.requests.row_templates import check_row_templates
 from batchinfer.rundir import image_files
@@ -309,7 +308,7 @@ def _create(
     if note:
         log.warning("%s", note)
     schema = _run_schema(config, ds.data.schema)
-    _record_images(run, config, ds)
+    image_files.record_images(run.path, config, ds)
     ident = identify()
     input_record, keys, fp = ident.input_record, ident.keys, ident.fp
     sh = config.sharding
@@ -341,19 +340,6 @@ def _create(
     )
     (run.path / PREPARING).unlink(missing_ok=True)  # an older prepare's, or an older redo's
     log.info("prepared %s: %s in %s", run.path, plural(rows, "row"), plural(len(shards), "shard"))
-
-
-def _record_images(run: RunDir, config: Config, ds: Any) -> None:
-    """DIR/images.json: the image files the rows name, digested (a reopen or resume checks them)."""
-    column = image_files.image_column_of(config.prompt.image_column, ds.column_names)
-    if column is None or column not in ds.column_names:
-        return
-    limits = ImageLimits.of(config.prompt, config.input.path)
-    paths = image_files.image_paths(image_files.column_values(ds, column), column, limits)
-    if paths:
-        files = image_files.scan(paths)
-        image_files.write_record(run.path, files)
-        log.info("%s digested (%s)", plural(len(files), "image file"), run.path / image_files.RECORD)
 
 
 def _keep_restriction(run: RunDir, inp: InputConfig) -> None:
