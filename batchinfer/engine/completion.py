@@ -3,6 +3,7 @@ plain records, nothing of vllm imported."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -60,4 +61,21 @@ def pooled_completion(out: Any) -> Completion:
         output_tokens=0,
         cached_tokens=getattr(out, "num_cached_tokens", None),
         pooled=data.float().cpu().numpy().reshape(-1),
+    )
+
+
+def generated_completion(out: Any, split: Optional[Callable[[str], tuple[Optional[str], str]]] = None) -> Completion:
+    """A finished generation request; split: the reasoning parser's (reasoning, answer) of a sample."""
+    samples = out.outputs
+    parts = [split(s.text) if split else (None, s.text) for s in samples]
+    return Completion(
+        request_id=out.request_id,
+        texts=[answer for _, answer in parts],
+        finish_reason=samples[0].finish_reason if samples else None,
+        prompt_tokens=len(out.prompt_token_ids or []),
+        output_tokens=sum(len(s.token_ids) for s in samples),
+        reasoning=[r for r, _ in parts] if split else None,
+        logprob=samples[0].cumulative_logprob if samples else None,
+        # Set by the scheduler for every request, also with stat logging off (LLM's default).
+        cached_tokens=getattr(out, "num_cached_tokens", None),
     )

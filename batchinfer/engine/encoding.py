@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from batchinfer.engine.phases import CLOCK
-from batchinfer.requests.prompts import Prompt
+from batchinfer.requests.prompts import Prompt, RowError
 
 Encoded = Union[list[int], Exception]  # a prompt's token ids, or what rendering or tokenizing it raised
 
@@ -154,3 +154,15 @@ def _plain_backend(tokenizer: Any) -> Optional[Any]:
     if backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False)):
         return None
     return backend
+
+
+def encode_pair(tokenizer: Any, query: str, document: str, limit: Optional[int] = None) -> tuple[list[int], int]:
+    """A (query, document) pair as one cross-encoder input and where the document starts;
+    with limit, the document is cut to fit (the query is kept whole)."""
+    kw: dict[str, Any] = {"truncation": "only_second", "max_length": limit} if limit else {}
+    try:
+        enc = tokenizer(query, document, **kw)
+    except Exception as e:  # the query alone is longer than the limit
+        raise RowError("overlong", f"the pair cannot be cut to {limit} tokens: {e}") from None
+    types = enc.get("token_type_ids") or []
+    return list(enc["input_ids"]), types.index(1) if 1 in types else len(enc["input_ids"])

@@ -15,7 +15,14 @@ from batchinfer import faults
 from batchinfer.config.nodes import NodeGroup, node_kwargs
 from batchinfer.config.schema import POOLING_TASKS, to_config
 from batchinfer.engine import encoding, lora_ops
-from batchinfer.engine.completion import PAIR_SEP, Completion, PairParams, cosine, pooled_completion
+from batchinfer.engine.completion import (
+    PAIR_SEP,
+    Completion,
+    PairParams,
+    cosine,
+    generated_completion,
+    pooled_completion,
+)
 from batchinfer.engine.dtype import device_name, engine_dtype
 from batchinfer.engine.engine_args import llm_kwargs, model_key
 from batchinfer.engine.environment import engine_environment
@@ -24,7 +31,7 @@ from batchinfer.engine.sampling_args import sampling_kwargs, structured_kwargs
 from batchinfer.engine.watchdog import Watchdog
 from batchinfer.models.lora import adapter_folder, adapter_ids
 from batchinfer.models.tokens import hf_max_token_chars
-from batchinfer.requests.prompts import Prompt, RowError
+from batchinfer.requests.prompts import Prompt
 
 log = logging.getLogger("batchinfer")
 
@@ -292,15 +299,8 @@ class Engine:
         return params
 
     def encode_pair(self, query: str, document: str, limit: Optional[int] = None) -> tuple[list[int], int]:
-        """A (query, document) pair as one cross-encoder input and where the document starts;
-        with limit, the document is cut to fit (the query is kept whole)."""
-        kw: dict[str, Any] = {"truncation": "only_second", "max_length": limit} if limit else {}
-        try:
-            enc = self.tokenizer(query, document, **kw)
-        except Exception as e:  # the query alone is longer than the limit
-            raise RowError("overlong", f"the pair cannot be cut to {limit} tokens: {e}") from None
-        types = enc.get("token_type_ids") or []
-        return list(enc["input_ids"]), types.index(1) if 1 in types else len(enc["input_ids"])
+        """A (query, document) pair as one cross-encoder input and where the document starts (encoding.py)."""
+        return encoding.encode_pair(self.tokenizer, query, document, limit)
 
     def encode(self, prompt: Prompt, chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
         """Token ids exactly as vLLM would make them: chat template rendered, then tokenized."""
@@ -369,21 +369,7 @@ class Engine:
                     del self._pairs[rid]
                     done.append(cosine(rid, pair["0"], pair["1"]))
                 continue
-            samples = out.outputs
-            split = [self.split_reasoning(s.text) for s in samples]
-            done.append(
-                Completion(
-                    request_id=out.request_id,
-                    texts=[answer for _, answer in split],
-                    finish_reason=samples[0].finish_reason if samples else None,
-                    prompt_tokens=len(out.prompt_token_ids or []),
-                    output_tokens=sum(len(s.token_ids) for s in samples),
-                    reasoning=[r for r, _ in split] if self._reasoner is not None else None,
-                    logprob=samples[0].cumulative_logprob if samples else None,
-                    # Set by the scheduler for every request, also with stat logging off (LLM's default).
-                    cached_tokens=getattr(out, "num_cached_tokens", None),
-                )
-            )
+            done.append(generated_completion(out, self.split_reasoning if self._reasoner is not None else None))
         return done
 
     def has_unfinished(self) -> bool:
