@@ -494,22 +494,29 @@ def table(results: list[dict[str, Any]], plains: dict[tuple[str, float, int], di
         "The output digest is the merged output's: the same in every run of the same rows."
     )
     md.append("")
-    phased = [r for r in results if r["run"] == "cpu1" and r["phases"]]
+    phased = [r for run in ("cpu1", "gpu2") for r in results if r["run"] == run and r["phases"]]
     if phased:
         cols = [*PHASE_ORDER, "commit", "compaction", "other", "merge"]
-        md.append("### CPU µs per row by phase (`cpu1`, the code that times its phases)")
+        md.append(
+            "### CPU µs per row by phase: no engine time, one core (`cpu1`), and the simulated GPU rate, "
+            "two cores (`gpu2`)"
+        )
         md.append("")
-        md.append("| prompts | dup | code | " + " | ".join(cols) + " | worker total |")
-        md.append("|---|---|---|" + "---|" * (len(cols) + 1))
+        md.append("| run | prompts | dup | code | " + " | ".join(cols) + " | worker total | load |")
+        md.append("|---|---|---|---|" + "---|" * (len(cols) + 2))
         for r in phased:
             ph = phase_rows(r)
             cells = " | ".join(f"{ph.get(c, 0.0):.1f}" for c in cols)
-            md.append(f"| {r['prompts']} | {r['dup']:.0%} | {r['code_label']} | {cells} | {r['worker_us_row']:.0f} |")
+            md.append(
+                f"| {r['run']} | {r['prompts']} | {r['dup']:.0%} | {r['code_label']} | {cells} | "
+                f"{r['worker_us_row']:.0f} | {_load(r)} |"
+            )
         md.append("")
         md.append(
             "`submit` without the stand-in's own `add`; `other`: the worker's CPU in no timed phase (the main "
-            "loop, progress records, reading committed parts at a shard's start); `merge` is the run's merge "
-            "afterwards, not in the total."
+            "loop, progress records, reading committed parts at a shard's start; with two cores also the "
+            "tokenizer's own pool threads, which no phase's thread clock sees, so `tokenize` looks smaller there); "
+            "`merge` is the run's merge afterwards, not in the total."
         )
         md.append("")
     md.append("### Two cores: task rows/s against one core (`cpu2` / `cpu1`)")
@@ -675,6 +682,7 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path(os.environ.get("BENCH_DIR", "/tmp/ceiling-bench")))
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--append", action="store_true", help="keep --out's measurements of other configurations")
+    ap.add_argument("--report-only", action="store_true", help="rewrite ceiling.md and .png from --out's ceiling.json")
     ap.add_argument("--child")
     a = ap.parse_args()
     if a.child:
@@ -686,17 +694,25 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     plain_list: list[dict[str, Any]] = []
     lost = None
-    if a.append and (a.out / "ceiling.json").is_file():  # a run split in parts (the heavy lock's slots)
+    if (a.append or a.report_only) and (
+        a.out / "ceiling.json"
+    ).is_file():  # a run split in parts (the heavy lock's slots)
         kept = json.loads((a.out / "ceiling.json").read_text())
         results, plain_list, lost = kept["results"], kept["plain"], kept.get("lost")
         a.commands = kept.get("commands", [])
-    a.commands = [*getattr(a, "commands", []), " ".join(["python", "benchmarks/ceiling.py", *sys.argv[1:]])]
+        a.machine = kept.get("machine")
+    if not a.report_only:
+        a.commands = [*getattr(a, "commands", []), " ".join(["python", "benchmarks/ceiling.py", *sys.argv[1:]])]
 
     def keep(item: dict[str, Any], into: list[dict[str, Any]]) -> None:
         """Add a measurement (replacing one of the same name) and write the results so far."""
         into[:] = [x for x in into if x["name"] != item["name"]] + [item]
         write(a, results, plain_list, lost)
 
+    if a.report_only:
+        write(a, results, plain_list, lost)
+        chart(results, {(p["prompts"], p["dup"], p["cores"]): p for p in plain_list}, a.out / "ceiling.png")
+        return
     for prompts in a.prompts:
         for dup in a.dups:
             path = corpus(a.dir / f"{prompts}-{dup:g}-{a.rows}.jsonl", a.rows, prompts, dup)
@@ -730,7 +746,7 @@ def write(
 
     plains = {(p["prompts"], p["dup"], p["cores"]): p for p in plain_list}
     report = {
-        "machine": machine(),
+        "machine": a.machine if a.report_only else machine(),
         "commands": a.commands,
         "gpu_rate": a.gpu_rate,
         "max_num_seqs": MAX_NUM_SEQS,
