@@ -142,6 +142,10 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
         for ov in OverridesParser.create().parse_overrides(quoted):
             OmegaConf.update(cfg, ov.key_or_group, ov.value(), merge=True, force_add=ov.is_add())
     except (HydraException, OmegaConfBaseException) as e:
+        from omegaconf.errors import ValidationError
+
+        if isinstance(e, ValidationError) and getattr(e, "full_key", None):  # resume's type errors name the key
+            raise ConfigError(_validation_message(e)) from None
         raise ConfigError(_secret_parse_error(overrides, quoted) or str(e).splitlines()[0]) from None
 
 
@@ -196,9 +200,14 @@ def _override_error(e: Exception) -> str:
         key = inner if isinstance(inner, str) and inner.startswith(f"{key}.") else key
         return new_key_message(key) or unknown_key_message(key)
     cause = e.__cause__
-    key = getattr(cause, "full_key", None)
-    if not isinstance(cause, ValidationError) or not key:
+    if not isinstance(cause, ValidationError) or not getattr(cause, "full_key", None):
         return _first_lines(str(e))
+    return _validation_message(cause)
+
+
+def _validation_message(cause: Exception) -> str:
+    """OmegaConf's type error named with its key and what the key takes; a secret's value struck."""
+    key = str(getattr(cause, "full_key", ""))
     reason = str(cause).splitlines()[0]
     value = getattr(cause, "value", None)
     if value is not None and (is_secret_name(key.rsplit(".", 1)[-1]) or has_url_password(str(value))):

@@ -280,3 +280,14 @@ def test_a_relative_path_is_checked_for_a_secrets_value_as_run_yaml_holds_it(
     with pytest.raises(ConfigError, match=r"input.path holds the value of MY_SVC_TOKEN, a secret \(12 characters\)"):
         prepare(cfg)
     assert not (tmp_path / "out").exists()
+
+
+def test_resumes_type_errors_name_the_key_and_echo_no_secret(tmp_path: Path) -> None:
+    """resume's (and redo's) overrides on the frozen config: a type error named no key, and one for a
+    secret-named key echoed its value (`Cannot convert 'list' to string: '[hf_ab6, 2]'`)."""
+    cfg = compose([f"input.path={tmp_path / 'in.jsonl'}", "model.path=/x"])
+    with pytest.raises(ConfigError) as refused:
+        apply_overrides(cfg, ["+cluster.env.HF_TOKEN=[hf_ab6,2]"])
+    assert str(refused.value) == f"cluster.env.HF_TOKEN: Cannot convert 'list' to string: '{REDACTED}'"
+    with pytest.raises(ConfigError, match=r"^cluster.time: Value 'abc' .* Integer; cluster.time takes an integer"):
+        apply_overrides(cfg, ["cluster.time=abc"])
