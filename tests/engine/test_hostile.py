@@ -98,6 +98,9 @@ ROW_CASES = [
     Case("max_tokens true", {"max_tokens": True}, "sampling"),
     Case("ignore_eos 1", {"ignore_eos": 1}, "sampling"),
     Case("logprobs false", {"logprobs": False}, "sampling"),
+    # JSON text in the column: an escaped half of a UTF-16 pair passes the file's text check, vLLM fails on it
+    Case("a lone surrogate in a JSON-text choice", '{"structured_outputs": {"choice": ["\\udc00x"]}}', "sampling"),
+    Case("a lone surrogate in a JSON-text stop", '{"stop": ["\\ud800"]}', "sampling"),
     # what vLLM takes, and so does batchinfer
     Case("stop one string", {"stop": "###", "max_tokens": 3}, None),
     Case("logprobs true", {"logprobs": True, "max_tokens": 3}, None),
