@@ -480,6 +480,17 @@ FILE_CASES = {
         "every row such an id, or set input.id_column to another column (unset, rows are numbered)",
         commands=("validate", "run"),
     ),
+    "input.id_column naming no column (plan: KeyError)": FileCase(
+        {"c.jsonl": ROW},
+        "{d}/c.jsonl: input.id_column='nope' is not a column (columns: id, text)",
+        overrides=("input.id_column=nope",),
+        commands=("validate", "plan", "run"),
+    ),
+    "a row without its id (plan: KeyError)": FileCase(
+        {"c.jsonl": ROW + b'{"text": "b"}\n'},
+        "{d}/c.jsonl: input.id_column 'id' is null or missing in some rows; every row needs an id",
+        commands=("plan",),  # validate lists it among its report's stops; run names the row
+    ),
     "an empty CSV id cell (was the id '')": FileCase(
         {"c.csv": b"id,text\n1,a\n,b\n"},
         "{d}/c.csv: row 1: input.id_column 'id' is null or missing; every row needs an id",
