@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -188,17 +189,49 @@ def resolve_model(path: str, revision: Optional[str]) -> tuple[str, Optional[str
     return path, hub_snapshot(path, revision, "model.path").name
 
 
+# A snapshot folder's name is a commit hash: huggingface_hub's own rule (REGEX_COMMIT_HASH in its
+# file_download.py), which its offline lookup does not apply to the text of a cached ref.
+COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
+
+
 def hub_snapshot(name: str, revision: Optional[str], key: str) -> Path:
     """The snapshot folder of hub name `name` (org/model) at revision (None: the cached main) in the
-    local Hugging Face cache, never fetched; ConfigError naming key and the download command."""
-    from huggingface_hub import snapshot_download
+    local Hugging Face cache, never fetched; ConfigError naming key and the download command, or
+    naming the cache folder when it points outside itself (checked_snapshot)."""
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(name, revision=revision, local_files_only=True))
+        found = snapshot_download(name, revision=revision, local_files_only=True)
     except (LocalEntryNotFoundError, OSError, ValueError):
         raise ConfigError(
             f"{key} {name}: not in the local Hugging Face cache. Compute nodes run offline "
             f"(HF_HUB_OFFLINE=1): download it once on the login node with "
             f"`huggingface-cli download {name}` (HF_TOKEN for gated models), then submit again"
         ) from None
+    return checked_snapshot(Path(constants.HF_HUB_CACHE), name, revision, Path(found), key)
+
+
+def checked_snapshot(cache: Path, name: str, revision: Optional[str], found: Path, key: str) -> Path:
+    """found, the snapshot folder the hub library named for name, when it is one: a commit-hash folder
+    under <cache>/models--org--name/snapshots/ once resolved; else ConfigError naming the folder and
+    what is wrong (a crafted refs/ file or a symlinked snapshot would pin a folder outside the cache)."""
+    repo = Path(cache).expanduser().resolve() / f"models--{name.replace('/', '--')}"
+    snapshots = repo / "snapshots"
+    # the hub library joins snapshots/ and the ref's text as it is: that text is what is shown
+    prefix = f"{snapshots}{os.sep}"
+    ref = str(found)[len(prefix) :] if str(found).startswith(prefix) else os.path.relpath(found, snapshots)
+    fix = f"remove {repo} and download it again with `huggingface-cli download {name}`"
+    if not COMMIT_HASH.fullmatch(ref):
+        pointer = revision if revision and COMMIT_HASH.fullmatch(revision) else f"refs/{revision or 'main'}"
+        raise ConfigError(
+            f"{key} {name}: the Hugging Face cache folder {repo} is not sound: {pointer} names the snapshot "
+            f"{ref!r}, not a commit hash (40 hex digits); {fix}"
+        )
+    real = found.resolve()
+    if not real.is_relative_to(snapshots):
+        raise ConfigError(
+            f"{key} {name}: the Hugging Face cache folder {repo} is not sound: its snapshot {ref} leads to "
+            f"{real}, outside {snapshots}; {fix}"
+        )
+    return found
