@@ -54,7 +54,8 @@ def image_counts(run: RunDir) -> Optional[ImageCounts]:
         return None
     t = _committed(run)
     image_errors = pc.fill_null(pc.equal(pc.struct_field(t["error"], "kind"), KIND), False)
-    values = ds.data.column(column).take(pa.array(t["row"].to_pylist(), pa.int64())).to_pylist()
+    stored = ds.data.column(column).take(pa.array(t["row"].to_pylist(), pa.int64())).to_pylist()
+    values = image_files.image_cells(stored, image_files.is_json_text(ds, column))
     files = image_files.read_record(run.path)
     by_path = {f.path: f.digest for f in files or []}
     limits = ImageLimits.of(run.config.prompt, run.config.input.path)

@@ -80,10 +80,32 @@ def image_paths(values: Iterable[Any], column: str, limits: ImageLimits) -> list
     return sorted(paths)
 
 
+def is_json_text(ds: Any, column: str) -> bool:
+    """Whether `datasets` keeps the column as JSON text (its Json feature: a JSON lines column whose
+    values are of mixed types, "0.png" beside 7); the worker's rows hold the decoded values."""
+    from datasets import Json
+
+    features = getattr(ds, "features", None)  # a referenced corpus has no JSON text columns
+    return features is not None and isinstance(features.get(column), Json)
+
+
+def image_cells(values: list[Any], json_text: bool) -> list[Any]:
+    """An image column's stored values as the worker's rows hold them: JSON text decoded (`datasets`'
+    own decode, as its rows are read), other values as they are."""
+    if not json_text:
+        return values
+    from datasets import Json
+
+    decode = Json().decode_example
+    return [decode(v) if v is not None else None for v in values]
+
+
 def column_values(ds: Any, column: str) -> Iterator[Any]:
-    """The column's values of a converted input (DIR/input), one Arrow chunk in memory at a time."""
+    """The column's values of a converted input (DIR/input) as the worker sees them (image_cells),
+    one Arrow chunk in memory at a time."""
+    json_text = is_json_text(ds, column)
     for chunk in ds.data.column(column).chunks:
-        yield from chunk.to_pylist()
+        yield from image_cells(chunk.to_pylist(), json_text)
 
 
 def _stat(path: str) -> tuple[int, int]:

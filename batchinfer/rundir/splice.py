@@ -4,6 +4,7 @@ answered it, a `pass` column saying which), streamed in input order: what merge 
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from collections.abc import Iterator
@@ -190,7 +191,7 @@ def write_selection(root: RunDir, rows: np.ndarray, folder: Path, batch: int = 5
         try:
             for start in range(0, len(rows), batch):
                 chunk = rows[start : start + batch]
-                table = _with_absolute_images(root, _input_rows(ds, chunk))
+                table = _with_absolute_images(root, ds, _input_rows(ds, chunk))
                 if SOURCE_ROW in table.column_names:
                     raise RunDirError(
                         f"{root.path}: the input has a column {SOURCE_ROW!r}, which redo needs for itself"
@@ -207,18 +208,23 @@ def write_selection(root: RunDir, rows: np.ndarray, folder: Path, batch: int = 5
     publish_stream(target, fill, replace=target)  # a temporary, fsynced, renamed, the folder fsynced
 
 
-def _with_absolute_images(root: RunDir, table: pa.Table) -> pa.Table:
+def _with_absolute_images(root: RunDir, ds: Any, table: pa.Table) -> pa.Table:
     """The rows with their image paths absolute: relative ones start at DIR's input file's folder,
-    and the pass's input (its selection) is in another folder."""
+    and the pass's input (its selection) is in another folder. A column kept as JSON text is
+    decoded first (the worker's values: image_cells) and written back as JSON text."""
     from batchinfer.requests.images import absolute_image_paths
-    from batchinfer.rundir.image_files import image_column_of
+    from batchinfer.rundir.image_files import image_cells, image_column_of, is_json_text
 
     c = root.config
     column = image_column_of(c.prompt.image_column, table.column_names)
     if column is None or column not in table.column_names or not c.input.path:
         return table
     at = table.column_names.index(column)
-    values = absolute_image_paths(table.column(at).to_pylist(), Path(c.input.path).expanduser().parent)
+    json_text = is_json_text(ds, column)
+    cells = image_cells(table.column(at).to_pylist(), json_text)
+    values = absolute_image_paths(cells, Path(c.input.path).expanduser().parent)
+    if json_text:  # the column stays JSON text: the pass's worker decodes it as the run's did
+        values = [json.dumps(v) if v is not None else None for v in values]
     return table.set_column(at, table.field(at), pa.array(values, table.field(at).type))
 
 

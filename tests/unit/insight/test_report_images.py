@@ -55,3 +55,28 @@ def test_a_run_without_images_reports_none(tmp_path: Path) -> None:
     eng.key = model_key(to_config(cfg))  # type: ignore[attr-defined]
     rep = build_report(run_local(cfg, engine=eng))
     assert rep["images"] is None and "## Images" not in format_report(rep, [])
+
+
+def test_an_image_column_of_mixed_types_is_recorded_and_counted_by_its_paths(tmp_path: Path) -> None:
+    # an int among the paths: `datasets` keeps the column as JSON text; images.json and report read
+    # the paths the worker reads ("img/0.png", not the JSON text '"img/0.png"')
+    from batchinfer.rundir.image_files import read_record
+
+    img = tmp_path / "img"
+    for i in range(2):
+        tiny_vlm.write_image(img / f"{i}.png", i, size=32)
+    images = ["img/0.png", 7, {"path": "img/1.png"}, "img/1.png"]
+    write_rows(tmp_path / "c.jsonl", [{"id": i, "text": "what colour", "image": v} for i, v in enumerate(images)])
+    cfg = compose(fake_overrides(tmp_path, tmp_path / "c.jsonl", "input.id_column=id", "prompt.image_column=image"))
+    eng = FakeEngine()
+    eng.key = model_key(to_config(cfg))  # type: ignore[attr-defined]
+    run = run_local(cfg, engine=eng)
+    files = read_record(run.path)
+    assert [(f.path, f.digest is not None) for f in files or []] == [
+        (str(img / "0.png"), True),
+        (str(img / "1.png"), True),
+    ]
+    rep = build_report(run)
+    assert rep["images"] is not None
+    assert (rep["images"]["image_error_rows"], rep["images"]["distinct_images"], rep["images"]["files"]) == (1, 2, 2)
+    assert rep["images"]["undigested"] == 0

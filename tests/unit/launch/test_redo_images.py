@@ -39,3 +39,22 @@ def _prepared(cfg: object) -> object:
     from batchinfer.rundir.prepare import prepare
 
     return prepare(cfg)  # type: ignore[arg-type]
+
+
+def test_a_redo_of_an_image_column_of_mixed_types_answers_its_rows_again(tmp_path: Path) -> None:
+    # an int among the paths: `datasets` keeps the column as JSON text ("img/0.png" with its quotes),
+    # the worker's rows hold it decoded; the redo's selection held the JSON text (no such file)
+    for i in range(2):
+        tiny_vlm.write_image(tmp_path / "img" / f"{i}.png", i, size=32)
+    images = ["img/0.png", 7, ["img/0.png", "img/1.png"], {"path": "img/1.png"}]
+    write_rows(tmp_path / "c.jsonl", [{"id": i, "text": "what colour", "image": v} for i, v in enumerate(images)])
+    cfg = compose(fake_overrides(tmp_path, tmp_path / "c.jsonl", "input.id_column=id", "prompt.image_column=image"))
+    run = run_local(cfg, engine=keyed(FakeEngine(), _prepared(cfg)))
+    before = {r["id"]: r for r in read_output(run.path)}
+    assert [before[i]["error"] is None for i in range(4)] == [True, False, False, True], before
+    redo(str(run.path), "id < 4", [], engine=keyed(FakeEngine(), run))
+    after = {r["id"]: r for r in read_output(run.path)}
+    assert [after[i]["pass"] for i in range(4)] == [1, 1, 1, 1]
+    assert after[0]["error"] is None and after[3]["error"] is None, (after[0]["error"], after[3]["error"])
+    assert [after[i]["text"] for i in (0, 3)] == [before[i]["text"] for i in (0, 3)]
+    assert after[1]["error"]["kind"] == after[2]["error"]["kind"] == "image"
