@@ -45,6 +45,10 @@ _logged: set[str] = set()
 # descriptor would drop the first one's lock).
 _held: set[tuple[int, str]] = set()
 _held_guard = threading.Lock()
+# The flock holder's record is written just after flock is granted: a refused taker re-reads an
+# empty one after these pauses (seconds, 0.75 in all) before it names no holder.
+RECORD_PAUSES: tuple[float, ...] = (0.05, 0.1, 0.2, 0.4)
+STARTING = "another batchinfer starting now (its holder record is not written yet)"
 
 
 def _log_once(log: Callable[[str], None], message: str) -> None:
@@ -114,8 +118,7 @@ class FileLock:
         try:
             fd = flocked(self.path)
         except BlockingIOError:
-            holder = read_holder(self.path)[0] or Holder()
-            raise self._refuse(holder.describe()) from None
+            raise self._refuse(self._flock_holder()) from None
         except OSError as e:
             if e.errno not in FLOCK_UNSUPPORTED:
                 raise
@@ -138,6 +141,22 @@ class FileLock:
             if isinstance(e, OSError) and refused_write(e) is not None:
                 raise storage_error(self.path, e) from None
             raise
+
+    def _flock_holder(self) -> str:
+        """Who holds the flock we were refused, from its record: a holder publishes its record just
+        after flock grants it, so an empty (or the previous holder's released) record is re-read a
+        few times before the holder is called one starting now."""
+        holder = read_holder(self.path)[0]
+        for pause in RECORD_PAUSES:
+            if holder is not None and not holder.released:
+                break
+            time.sleep(pause)
+            holder = read_holder(self.path)[0]
+        if holder is None:
+            return STARTING
+        if holder.released:
+            return f"another batchinfer taking it or letting it go now (the record names {holder.describe()}, released)"
+        return holder.describe()
 
     def _check_previous(self) -> None:
         """flock granted: still refuse a live holder recorded on another node (flock may be
@@ -227,7 +246,8 @@ class FileLock:
                 raise refusal(self._refuse, holder, judged, self.path, " (flock mode)")
         if not excl.holds():  # then make sure we were not taken over meanwhile
             holder, _ = read_holder(excl.path)
-            raise self._refuse(f"{(holder or Holder()).describe()} (it took the lock file over from us)")
+            who = holder.describe() if holder else "an unknown holder"
+            raise self._refuse(f"{who} (it took the lock file over from us)")
         self.excl = excl
 
     def unlink_held(self) -> None:

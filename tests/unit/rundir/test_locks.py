@@ -793,3 +793,48 @@ def test_input_converts_where_flock_fails(tmp_path: Path, monkeypatch: pytest.Mo
     run = prepared(tmp_path, 7)
     assert run.shards()[0].rows == 7 and not (run.path / ".hf-cache").exists()
     assert [p.name for p in run.path.iterdir() if p.name.startswith(".flock-probe")] == []
+
+
+def test_a_flock_holder_that_has_not_written_its_record_is_one_starting_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs racing for one folder: the loser reads the lock file before the winner wrote its
+    record; it re-reads it a few times, then says who is there instead of 'host None pid None'."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    fd = os.open(lock, os.O_RDWR)  # the winner: flock granted, record not written yet
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    pauses: list[float] = []
+    monkeypatch.setattr(lock_mod.time, "sleep", pauses.append)
+    try:
+        with pytest.raises(RunDirError) as got:
+            with lock_mod.FileLock(lock, lambda who: f"output.dir X is in use by {who}", mode="flock"):
+                pass
+    finally:
+        os.close(fd)
+    assert str(got.value) == (
+        "output.dir X is in use by another batchinfer starting now (its holder record is not written yet)"
+    )
+    assert pauses == list(lock_mod.RECORD_PAUSES)  # re-read after each pause, then given up
+
+
+def test_a_flock_holder_whose_record_appears_while_we_wait_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lock = tmp_path / "lock"
+    lock.touch()
+    fd = os.open(lock, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    winner = Holder(host="node7", pid=4242)
+
+    def winner_publishes(_: float) -> None:  # the winner writes its record during our first pause
+        lock.write_text(json.dumps(winner.record()))
+
+    monkeypatch.setattr(lock_mod.time, "sleep", winner_publishes)
+    try:
+        with pytest.raises(RunDirError) as got:
+            with lock_mod.FileLock(lock, lambda who: f"in use by {who}", mode="flock"):
+                pass
+    finally:
+        os.close(fd)
+    assert str(got.value) == "in use by host node7 pid 4242"
