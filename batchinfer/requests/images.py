@@ -16,6 +16,7 @@ import enum
 import hashlib
 import io
 import os
+import stat
 import urllib.parse
 import warnings
 from dataclasses import dataclass, field
@@ -142,9 +143,39 @@ def read_image_bytes(ref: ImageRef, limits: ImageLimits) -> bytes:
     return data
 
 
+def open_regular(path: Path) -> int:
+    """A descriptor of the file opened for reading without blocking (a FIFO would wait for a writer for
+    ever); NotRegular when it is not a regular file (a FIFO, a device such as /dev/zero, a socket)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotRegular(_kind_of(mode))
+    os.set_blocking(fd, True)
+    return fd
+
+
+class NotRegular(OSError):
+    """The path names no regular file: what it is instead (a FIFO, a character device, ...)."""
+
+
+def _kind_of(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
 def _read_file(path: Path, max_bytes: int) -> bytes:
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size > max_bytes:  # not read at all: the message says how big it is
                 raise RowError(
@@ -156,6 +187,8 @@ def _read_file(path: Path, max_bytes: int) -> bytes:
         raise RowError(KIND, f"image {path}: no such file (relative paths start at the input file's folder)") from None
     except IsADirectoryError:
         raise RowError(KIND, f"image {path} is a folder, not an image file") from None
+    except NotRegular as e:
+        raise RowError(KIND, f"image {path} is {e}, not an image file; name a regular file") from None
     except OSError as e:
         raise RowError(KIND, f"image {path} cannot be read: {e.strerror or e}") from None
 
@@ -172,7 +205,12 @@ def _fetch(url: str, max_bytes: int) -> bytes:
 
 def image_digest(data: bytes) -> str:
     """The content digest of an image's bytes: the same picture under two paths is one request."""
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    return image_hasher(data).hexdigest()
+
+
+def image_hasher(data: bytes = b"") -> Any:
+    """image_digest's hash, to be fed a file's bytes a chunk at a time (.update, .hexdigest)."""
+    return hashlib.blake2b(data, digest_size=16)
 
 
 def open_image(

@@ -22,17 +22,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from batchinfer.config.schema import PromptConfig
 from batchinfer.durable import read_json, write_json
 from batchinfer.errors import RunDirError
 from batchinfer.inputs.openai_batch import IMAGE_URL
 from batchinfer.logs import plural
-from batchinfer.requests.images import ImageLimits, image_digest, image_ref
+from batchinfer.requests.images import ImageLimits, image_hasher, image_ref, open_regular
 from batchinfer.requests.prompts import RowError
 from batchinfer.rundir.store import IMAGES_FILE as RECORD
+from batchinfer.rundir.store import RunDir
 
 log = logging.getLogger("batchinfer")
 
 SHOWN = 5  # changed files a refusal names; the rest are counted
+CHUNK = 1 << 20  # bytes read and hashed at a time: 8 threads hold 8 MiB, whatever the files' sizes
 THREADS = 8  # files hashed at once (network filesystems answer faster to several readers)
 
 
@@ -116,17 +119,29 @@ def _stat(path: str) -> tuple[int, int]:
     return st.st_size, st.st_mtime_ns
 
 
-def _digest(path: str) -> Optional[str]:
+def _digest(path: str, max_bytes: int) -> Optional[str]:
+    """The file's digest, read CHUNK bytes at a time; None where it is no regular file (a FIFO, a
+    device: never opened blocking, never read), cannot be read, or has more than max_bytes (its rows
+    are error rows at run time, as the worker finds)."""
     try:
-        with open(path, "rb") as f:
-            return image_digest(f.read())  # an image is at most prompt.image_max_bytes
-    except OSError:
+        fd = open_regular(Path(path))
+    except OSError:  # NotRegular too
         return None
+    with os.fdopen(fd, "rb") as f:
+        if os.fstat(fd).st_size > max_bytes:
+            return None
+        h, seen = image_hasher(), 0
+        while chunk := f.read(CHUNK):
+            seen += len(chunk)
+            if seen > max_bytes:  # grew since the fstat
+                return None
+            h.update(chunk)
+        return h.hexdigest()
 
 
-def scan(paths: list[str], previous: Optional[dict[str, ImageFile]] = None) -> list[ImageFile]:
+def scan(paths: list[str], max_bytes: int, previous: Optional[dict[str, ImageFile]] = None) -> list[ImageFile]:
     """Each file's stat and digest (a file whose size and mtime are previous's keeps its digest
-    unread); hashed THREADS at a time."""
+    unread; one over max_bytes, or no regular file, has none); hashed THREADS at a time."""
     previous = previous or {}
     stats = {p: _stat(p) for p in paths}
 
@@ -138,7 +153,7 @@ def scan(paths: list[str], previous: Optional[dict[str, ImageFile]] = None) -> l
     digests: dict[str, Optional[str]] = {}
     if todo:
         with ThreadPoolExecutor(min(THREADS, len(todo)), thread_name_prefix="batchinfer-image-digest") as pool:
-            digests = dict(zip(todo, pool.map(_digest, todo), strict=True))
+            digests = dict(zip(todo, pool.map(lambda p: _digest(p, max_bytes), todo), strict=True))
     out = []
     for p in paths:
         old = known(p)
@@ -170,13 +185,21 @@ def _change(old: ImageFile, new: ImageFile) -> Optional[str]:
     return f"{old.path} (contents changed: {old.size:,} -> {new.size:,} bytes)"
 
 
+def _max_bytes(run_path: Path) -> int:
+    """The run's prompt.image_max_bytes (the default where its run.yaml cannot say)."""
+    try:
+        return int(RunDir(run_path).config.prompt.image_max_bytes)
+    except Exception:  # an older run.yaml: the refusal it deserves comes from the caller's own checks
+        return PromptConfig().image_max_bytes
+
+
 def image_changes(run_path: Path) -> list[str]:
     """The image files of DIR/images.json whose bytes differ now (or that are gone or appeared), each
     with what changed; files only touched are recorded with their new stat."""
     old = read_record(run_path)
     if not old:
         return []
-    now = scan([f.path for f in old], {f.path: f for f in old})
+    now = scan([f.path for f in old], _max_bytes(run_path), {f.path: f for f in old})
     changes = [c for a, b in zip(old, now, strict=True) if (c := _change(a, b)) is not None]
     if not changes and now != old:
         write_record(run_path, now)  # touched, same bytes: the next check need not read them again
@@ -204,6 +227,6 @@ def record_images(run_path: Path, config: Any, ds: Any) -> None:
     limits = ImageLimits.of(config.prompt, config.input.path)
     paths = image_paths(column_values(ds, column), column, limits)
     if paths:
-        files = scan(paths)
+        files = scan(paths, limits.max_bytes)
         write_record(run_path, files)
         log.info("%s digested (%s)", plural(len(files), "image file"), run_path / RECORD)

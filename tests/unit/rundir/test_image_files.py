@@ -119,3 +119,42 @@ def test_reuse_does_not_reuse_an_answer_for_a_changed_image(tmp_path: Path) -> N
     assert [r for r in out if out[r][REUSED_COLUMN]] == [f"r{i}" for i in range(8) if i != 2]
     assert len(eng.added) == 1 and out["r2"]["text"] != before["r2"]
     assert out["r4"]["text"] == before["r4"]
+
+
+def test_prepare_digests_only_regular_files_within_the_byte_limit(tmp_path: Path) -> None:
+    # a FIFO is never opened (it waited for a writer for ever), a device never read (/dev/zero
+    # filled memory), a file over prompt.image_max_bytes not read: each has no digest, its row an
+    # error row of kind image naming the file and what it is
+    import threading
+
+    image_rows(tmp_path, 2)
+    (tmp_path / "img" / "big.png").write_bytes(b"\x89PNG" + bytes(5000))
+    os.mkfifo(tmp_path / "img" / "pipe.png")
+    # a writer that opens the FIFO (waiting for a reader) and closes it: code that opens it reads
+    # nothing and digests the empty bytes, where it should have left it unopened
+    writer = threading.Thread(target=lambda: open(tmp_path / "img" / "pipe.png", "wb").close(), daemon=True)
+    writer.start()
+    extra = [
+        {"id": "pipe", "text": "what colour", "image": "img/pipe.png"},
+        {"id": "null", "text": "what colour", "image": "/dev/null"},
+        {"id": "big", "text": "what colour", "image": "img/big.png"},
+    ]
+    rows = [*image_rows(tmp_path, 2), *extra]
+    write_rows(tmp_path / "c.jsonl", rows)
+    try:
+        run = prepare(compose(overrides(tmp_path, "run", "prompt.image_max_bytes=4096")))
+        recorded = {f.path: f.digest for f in image_files.read_record(run.path) or []}
+        assert recorded[str(tmp_path / "img" / "0.png")] is not None
+        for path in (tmp_path / "img" / "pipe.png", Path("/dev/null"), tmp_path / "img" / "big.png"):
+            assert recorded[str(path)] is None, path
+        run_shards(run, [s.index for s in run.shards()], engine=keyed(FakeEngine(), run))
+        merge(run)
+        out = {r["id"]: r["error"] for r in read_output(run.path)}
+        assert out["r0"] is None
+        assert out["pipe"]["kind"] == "image" and f"{tmp_path / 'img' / 'pipe.png'} is a FIFO" in out["pipe"]["message"]
+        assert out["null"]["kind"] == "image" and "/dev/null is a character device" in out["null"]["message"]
+        assert out["big"]["kind"] == "image" and "over prompt.image_max_bytes=4,096" in out["big"]["message"]
+    finally:
+        if writer.is_alive():  # the fixed code never opened the FIFO: let its writer go
+            os.close(os.open(tmp_path / "img" / "pipe.png", os.O_RDONLY | os.O_NONBLOCK))
+        writer.join()
