@@ -6,7 +6,8 @@ hold exactly what runs (exact_json, exact_yaml): only the values of secret-named
 never a free-text value (a prompt's `key={key}`, a stop string), which text patterns would damage.
 
 Secrets are found as secret scanners find them: by name (secret_names.py: a secret word token,
-secret, password, pass, pwd, key, jwt, cookie, ... as the name's last word), by a URL's `user:password@`, by shape and
+secret, password, pass, pwd, key, jwt, cookie, ... as the name's last word after qualifier, role and
+version words), by a URL's `user:password@`, by shape and
 in free-text forms (secret_shapes.py: ghp_..., hf_..., `Authorization: Bearer X`), and by
 value (the value of a secret-named variable of this environment, or of a secret given in the
 config). A value found by value is written as `${oc.env:NAME}`, a reference the task resolves

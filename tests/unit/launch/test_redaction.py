@@ -262,6 +262,19 @@ SETTINGS_NOT_SECRETS = [
     "PASSWORD_MIN_LENGTH",
     "GOOGLE_APPLICATION_CREDENTIALS",
     "CREDENTIALS_DIRECTORY",
+    # a setting word directly before the secret words (USE_AUTH_TOKEN, as HF_HUB_DISABLE_IMPLICIT_TOKEN)
+    "USE_AUTH_TOKEN",
+    "MY_KEY_FILE",
+    "HF_TOKEN_PATH",
+    "SSH_KEY_DIR",
+    # a key made public, a header's name
+    "PUBLIC_KEY",
+    "SSH_PUBLIC_KEY",
+    "PUBLISHABLE_KEY",
+    "STRIPE_PUBLISHABLE_KEY",
+    "PUBLIC_API_KEY",
+    "PUBLIC_KEY_PEM",
+    "API_KEY_HEADER",
 ]
 SECRETS_STILL = [
     "HF_TOKEN",
@@ -282,7 +295,59 @@ SECRETS_STILL = [
     "HF_TOKEN_2",
     "DB_PASSWORD_PROD",
     "BOT_TOKEN",
+    # role and version words after the secret word (the attack on the last-word rule: all were
+    # secrets before it, and were written in plain text in run.yaml under it)
+    "HF_TOKEN_READ",
+    "HF_TOKEN_WRITE",
+    "HF_TOKEN_OLD",
+    "HF_TOKEN_NEW",
+    "HF_TOKEN_ALT",
+    "HF_TOKEN_RO",
+    "HF_TOKEN_RW",
+    "HF_TOKEN_B64",
+    "API_KEY_BACKUP",
+    "API_KEY_V2",
+    "API_KEY_NEW",
+    "API_TOKEN_OLD",
+    "TOKEN_V2",
+    "TOKEN_CI",
+    "GITHUB_TOKEN_CI",
+    "GH_TOKEN_BOT",
+    "OPENAI_API_KEY_ORG1",
+    "HFTokenRead",
+    "PRIVATE_KEY_PEM",
+    "PRIVATE_KEY_DATA",
+    "RSA_PRIVATE_KEY_CONTENT",
+    "SSH_KEY_ED25519",
+    "PGP_KEY_V2",
+    "ENCRYPTION_KEY_B64",
+    "MY_PASSWORD_HASH",
+    "PASSWORD1",
+    # a setting word not directly before the secret word
+    "RATE_LIMIT_BYPASS_TOKEN",
+    "NO_REPLY_EMAIL_PASSWORD",
+    "NO_REPLY_SMTP_PASS",
+    "MAX_API_KEY",
+    "USE_CASE_API_KEY",
+    "ALLOW_LIST_TOKEN",
+    "SIZE_SERVICE_TOKEN",
+    # a connection string holds a key; a path's content is the secret
+    "AZURE_STORAGE_CONNECTION_STRING",
+    "DB_CONN_STR",
+    "KEY_FILE_B64",
+    "GOOGLE_APPLICATION_CREDENTIALS_JSON",
 ]
+
+
+@pytest.mark.parametrize("name", SECRETS_STILL)
+def test_a_secret_word_last_after_qualifier_role_and_version_words_names_a_secret(name: str) -> None:
+    assert is_secret_name(name)
+    assert redact({"cluster": {"env": {name: "v-0123456789"}}}) == {"cluster": {"env": {name: REDACTED}}}
+
+
+@pytest.mark.parametrize("name", SETTINGS_NOT_SECRETS)
+def test_a_setting_public_key_or_location_is_no_secret(name: str) -> None:
+    assert not is_secret_name(name)
 
 
 def test_a_secret_word_names_a_secret_only_as_the_last_word() -> None:
