@@ -22,9 +22,21 @@ VALUE_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("a GitHub token (ghp_...)", r"\b(?:gh[pousr]_[A-Za-z0-9]{36,251}|github_pat_[A-Za-z0-9_]{50,250})\b"),
         ("a GitLab token (glpat-...)", r"\bgl(?:pat|dt|ptt|rt|cbt|oas)-[A-Za-z0-9_-]{20,}"),
         ("a Hugging Face token (hf_...)", r"(?<![\w-])(?:hf|api_org)_[A-Za-z0-9]{30,40}(?![\w-])"),
+        # sk-ant-api03-... shorter than the generic sk- shape's 32 (a short or truncated Anthropic key)
+        ("an Anthropic key (sk-ant-...)", r"(?<![\w-])sk-ant-(?:[a-z]+\d*-)?(?=[\w-]*\d)[A-Za-z0-9_-]{16,}"),
         (
             "an API key (sk-...)",
             r"(?<![\w-])sk-(?:proj-|svcacct-|admin-|ant-[a-z]+\d*-)?(?=[\w-]*\d)(?=[\w-]*[A-Za-z])[A-Za-z0-9_-]{32,}",
+        ),
+        ("a Google OAuth token (ya29....)", r"\bya29\.[A-Za-z0-9_-]{20,}"),
+        ("a Replicate token (r8_...)", r"\br8_[A-Za-z0-9]{37}\b"),
+        ("a Groq key (gsk_...)", r"\bgsk_[A-Za-z0-9]{52}\b"),
+        ("a DigitalOcean token (dop_v1_...)", r"\bdo[opr]_v1_[a-f0-9]{64}\b"),
+        ("a SendGrid key (SG....)", r"\bSG\.[\w-]{22}\.[\w-]{43}(?![\w-])"),
+        # an Azure connection string's key (DefaultEndpointsProtocol=...;AccountKey=X;...): X is struck
+        (
+            "an Azure storage key (AccountKey=...)",
+            r"\b(?:AccountKey|SharedAccessKey)=(?P<secret>[A-Za-z0-9+/]{20,}={0,2})",
         ),
         ("a Stripe key (sk_live_...)", r"\b[rs]k_(?:live|test)_[A-Za-z0-9]{16,}\b"),
         ("a Slack token (xoxb-...)", r"\b(?:xox[abposre]|xapp)-\d+-[A-Za-z0-9-]{8,}"),
@@ -52,7 +64,8 @@ VALUE_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
 # Where a shape may start (one pass over the text; most lines hold none, and skip the shapes).
 _SHAPE_HINT = re.compile(
     r"gh[pousr]_|github_pat_|gl(?:pat|dt|ptt|rt|cbt|oas)-|hf_|api_org_|sk-|[rs]k_(?:live|test)_|xox|xapp-|"
-    r"hooks\.slack\.com|discord|AKIA|ASIA|ABIA|ACCA|AIza|eyJ|npm_|pypi-|PRIVATE KEY"
+    r"hooks\.slack\.com|discord|AKIA|ASIA|ABIA|ACCA|AIza|eyJ|npm_|pypi-|PRIVATE KEY|ya29\.|r8_|gsk_|do[opr]_v1_|SG\.|"
+    r"AccountKey=|SharedAccessKey="
 )
 
 # A value in free text: up to a space, a quote or a shell separator.

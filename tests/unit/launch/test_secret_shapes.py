@@ -30,6 +30,16 @@ SHAPED = {
     "slack_webhook": "https://hooks.slack.com/services/T0000AAAA/B0000BBBB/" + "aB3dE6gH9jK2mN5pQ8sT1vW4",
     "aws": "AKIA" + "Z7Q2M4N6P8R1T3V5",
     "jwt": "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
+    "google_oauth": "ya29.a0AfH6SMB" + "x1Y2z3-_" * 8,
+    "replicate": "r8_" + "aB3dE6gH9jK2mN5pQ8sT1vW4yZ7bC0eF3hJ6k",
+    "groq": "gsk_" + "aB3dE6gH9jK2mN5pQ8sT1vW4yZ7bC0eF3hJ6kM9nP2qR5sU8wX1z",
+    "digitalocean": "dop_v1_" + "0123456789abcdef" * 4,
+    "sendgrid": "SG." + "aB3dE6gH9jK2mN5pQ8sT1v" + "." + "aB3dE6gH9jK2mN5pQ8sT1vW4yZ7bC0eF3hJ6kM9nP2q",
+    "anthropic_short": "sk-ant-api03-" + "aB3dE6gH9jK2mN5pQ8sT",
+    "anthropic_plain": "sk-ant-" + "aB3dE6gH9jK2mN5pQ8",
+    "azure_connection_string": "DefaultEndpointsProtocol=https;AccountName=acct;AccountKey="
+    + "aB3dE6gH9jK2mN5pQ8sT1vW4+/" * 3
+    + "xY==;EndpointSuffix=core.windows.net",
 }
 # Text that mentions a prefix or looks alike, which must pass (prompts, paths, digests, docs' examples).
 LOOK_ALIKES = [
@@ -43,6 +53,14 @@ LOOK_ALIKES = [
     "sha256:" + "0123456789abcdef" * 4,
     "github_pat_ tokens are fine-grained",
     "/scratch/runs/ghp_notes/out.parquet",
+    "Google OAuth tokens start with ya29. and expire in an hour.",
+    "Replicate tokens look like r8_... and Groq keys like gsk_...",
+    "cd /data/gsk_runs/r8_test && ls dop_v1_notes",
+    "DigitalOcean tokens start with dop_v1_ (doo_v1_ for OAuth).",
+    "SG. is a SendGrid key's prefix; SG.Results.csv is a file.",
+    "Anthropic keys look like sk-ant-api03-... and sk-ant-admin01-...",
+    "Azure connection strings hold AccountKey=...;EndpointSuffix=core.windows.net",
+    "AccountKey=...; SharedAccessKey=",
 ]
 
 
