@@ -15,6 +15,7 @@ from batchinfer.config.schema import escape_interpolation
 from batchinfer.config.store import conf_dir, register_configs
 from batchinfer.errors import ConfigError
 from batchinfer.redaction import REDACTED, has_url_password, is_secret_name, strike_override, strike_overrides
+from batchinfer.secret_shapes import shape_of
 
 # Values typed in a shell that Hydra's grammar would reject or interpolate ({, [, #, ${): taken as typed.
 LITERAL_KEYS = ("prompt.template", "prompt.system", "task.query", "task.document")
@@ -149,11 +150,43 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
         raise ConfigError(_secret_parse_error(overrides, quoted) or str(e).splitlines()[0]) from None
 
 
+# A key inside a dict's text (`{HF_TOKEN: x`, `, 'API_KEY'=x`) or a brace: what a parse error's echo of
+# the value would show a secret beside (H3).
+_DICT_TOKEN = re.compile(r"[{}]|(?<=[{,])\s*[\'\"]?([A-Za-z_][\w.\-]*)[\'\"]?\s*[:=]")
+
+
+def secret_keys_inside(value: str) -> list[str]:
+    """The secret-named keys (redaction.is_secret_name) a dict's text in an override's value names,
+    each as its path inside the value (`env.HF_TOKEN` in `{env:{HF_TOKEN:x}}`)."""
+    found: list[str] = []
+    parents: list[str] = []  # the key each open brace is the value of ("" for the outermost)
+    last = ""
+    for m in _DICT_TOKEN.finditer(value):
+        if m.group(0) == "{":
+            parents.append(last)
+            last = ""
+        elif m.group(0) == "}":
+            last = parents.pop() if parents else ""
+        else:
+            last = m.group(1)
+            if is_secret_name(last.rsplit(".", 1)[-1]):
+                found.append(".".join([p for p in parents[1:] if p] + [last]))
+    return found
+
+
+def secret_parse_error(typed: str) -> Optional[str]:
+    """Why an override holding a secret that Hydra's grammar cannot read is refused, naming the key
+    and how to write it (None: it parses, or it holds no secret). One home for compose, resume's and
+    redo's overrides (apply_overrides) and tune's --try words (tune/settings.py)."""
+    return _secret_parse_error([typed], quote_literals([typed]))
+
+
 def _secret_parse_error(given: list[str], quoted: list[str]) -> Optional[str]:
-    """An override holding a secret (a secret-named key's value, a URL's password) that Hydra's
-    grammar cannot read: said naming the key and how to write it. Hydra's own message echoes the
-    override, or the part of the value where it stopped (`no viable alternative at input '[ab'`),
-    which no text pattern can tell for a secret (K14)."""
+    """An override holding a secret (a secret-named key's value, a secret-named key inside a dict's
+    text, a URL's password, a value of a secret's shape) that Hydra's grammar cannot read: said naming
+    the key and how to write it. Hydra's own message echoes the override, or the part of the value
+    where it stopped (`no viable alternative at input '[ab'`), which no text pattern can tell for a
+    secret (K14, H3)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -162,19 +195,27 @@ def _secret_parse_error(given: list[str], quoted: list[str]) -> Optional[str]:
         key, sep, value = typed.partition("=")
         # the key's name decides, whatever the value's form (a ${oc.decode:...} is no reference to keep)
         secret_key = strike_override(f"{key}=value") != f"{key}=value"
-        if not sep or not (secret_key or has_url_password(value)):
+        inside = secret_keys_inside(value)
+        if not sep or not (secret_key or inside or has_url_password(value) or shape_of(value)):
             continue
         try:
             parser.parse_override(ov)
         except HydraException:
             name = key.lstrip("+~")
+            if inside and not secret_key:
+                entry = f"+{name}.{inside[0]}"  # a dict key of an open map (cluster.env) is new: `+`
+                return (
+                    f"{name}: Hydra's override grammar cannot read the value given (not shown: it holds "
+                    f"{', '.join(dict.fromkeys(inside))}, a secret); give each entry as its own override in "
+                    f"the dot form, such as \"{entry}='...'\" (a ' inside as \\')"
+                )
             by_name = (
                 f", or pass it by name: `export {name.rsplit('.', 1)[-1]}` in this shell and "
                 f"cluster.env_inherit=[{name.rsplit('.', 1)[-1]}]"
                 if name.startswith("cluster.env.")
                 else ""
             )
-            what = "it is a secret" if secret_key else "it holds a URL's password"
+            what = "it is a secret" if secret_key else "it holds a URL's password or a secret's value"
             return (
                 f"{name}: Hydra's override grammar cannot read the value given (not shown: {what}); "
                 f"write it in Hydra's quotes, \"{key}='...'\" (a ' inside as \\'){by_name}"

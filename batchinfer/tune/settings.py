@@ -61,6 +61,8 @@ def parse_tries(tries: list[str]) -> list[Setting]:
         bad = [w for w in words if "=" not in w]
         if bad:
             raise ConfigError(f"--try {text!r}: {bad[0]!r} is not a key=value override")
+        for word in words:
+            _refuse_secret_keys_inside(word)
         env = {w.split("=", 1)[0].removeprefix("env."): w.split("=", 1)[1] for w in words if w.startswith("env.")}
         # a secret struck in TUNE/job.json: the tune job's environment carries it (security.submission_env)
         env = {k: secret_value(k, v, f"env.{k}", f"the tune folder (--try {text!r})") for k, v in env.items()}
@@ -71,6 +73,27 @@ def parse_tries(tries: list[str]) -> list[Setting]:
 
 # Where a --try's words are kept as typed, but a secret-named key's value (redaction.exact).
 TRY_RECORDS = "the tune folder keeps it as typed (job.json, each trial's spec.json, conf/tuned/best.yaml)"
+
+
+def _refuse_secret_keys_inside(word: str) -> None:
+    """A --try word whose value is a dict naming a secret-named key (`+cluster.env={HF_TOKEN:x}`) is
+    refused, as one Hydra cannot parse is (compose.secret_parse_error): the tune folder keeps a word's
+    value as typed, and only the dot form (`+cluster.env.HF_TOKEN=x`) has its value struck there and
+    carried in the job's environment (H2)."""
+    from batchinfer.config.compose import secret_keys_inside, secret_parse_error
+
+    unreadable = secret_parse_error(word)
+    if unreadable:
+        raise ConfigError(f"--try {unreadable}")
+    key, _, value = word.partition("=")
+    inside = secret_keys_inside(value)
+    if inside and strike_override(word) == word:
+        name = key.lstrip("+~")
+        raise ConfigError(
+            f"--try {name}: its value is a dict holding {', '.join(dict.fromkeys(inside))}, a secret, which "
+            f"the tune folder would keep as typed; give each entry as its own word in the dot form, such "
+            f"as --try '+{name}.{inside[0]}=...' (its value is struck there and travels in the job's environment)"
+        )
 
 
 def _refuse_secret_values(words: list[str], env: dict[str, str]) -> None:

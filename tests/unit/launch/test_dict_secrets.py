@@ -1,0 +1,72 @@
+"""attack (H2, H3, M4): a secret-named key inside a dict's text in an override or a --try (Hydra's
+echo of an unreadable value, the tune folder keeping a parsed dict as typed), and the way out of the
+refusal of an older run.yaml whose `<redacted>` is the user's own text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from batchinfer.config.compose import apply_overrides, compose, secret_keys_inside
+from batchinfer.errors import ConfigError
+from batchinfer.redaction import redact_printed
+from batchinfer.tune.settings import parse_tries
+
+SECRET = "SEKRITx9q7"
+
+
+@pytest.mark.parametrize(
+    ("override", "path"),
+    [
+        ("cluster.env={HF_TOKEN:SEKRITx9q7{}", "HF_TOKEN"),  # `no viable alternative at input '{HF_TOKEN:SEKRITx9q7{'`
+        ("+cluster.env={HF_TOKEN:SEKRITx9q7[}", "HF_TOKEN"),
+        ("+cluster={env:{HF_TOKEN:SEKRITx9q7{}}", "env.HF_TOKEN"),
+        ("model.lora.adapters={x:/a/b,HF_TOKEN:SEKRITx9q7{}", "HF_TOKEN"),
+        ("model.lora.adapters={x:/a/b,'API_KEY':SEKRITx9q7{}", "API_KEY"),
+    ],
+)
+def test_a_dict_naming_a_secret_key_that_hydra_cannot_parse_echoes_no_piece_of_it(
+    override: str, path: str, tmp_path: Path
+) -> None:
+    """H3: Hydra's parse error echoed the dict's text, the secret beside its key. Refused naming the
+    override's key, the secret-named key inside and the dot form; compose (run, validate, tune's
+    trials) and apply_overrides (resume's and redo's overrides) alike."""
+    key = override.partition("=")[0].lstrip("+")
+    base = [f"input.path={tmp_path / 'in.jsonl'}", "model.path=/nonexistent"]
+    with pytest.raises(ConfigError) as refused:
+        compose([*base, override])
+    said = str(refused.value)
+    assert said.startswith(f"{key}: Hydra's override grammar cannot read the value given (not shown: it holds {path}")
+    assert f"\"+{key}.{path}='...'\"" in said and "SEKRIT" not in said and "SEKRIT" not in redact_printed(said)
+    with pytest.raises(ConfigError) as refused:
+        apply_overrides(compose(base[:1] + ["model.path=/x"]), [override])
+    assert str(refused.value) == said
+
+
+def test_a_dict_without_a_secret_keeps_hydras_message() -> None:
+    assert secret_keys_inside("{x:/a/b,y:2}") == []
+    with pytest.raises(ConfigError, match=r"no viable alternative at input '\{x:/a/b,y\{'"):
+        compose(["model.lora.adapters={x:/a/b,y{}"])
+
+
+@pytest.mark.parametrize(
+    "word",
+    [
+        "+cluster.env={HF_TOKEN:SEKRITplus8}",  # the tune folder kept it as typed: tune.md, spec.json, best.yaml
+        "cluster.env={HF_TOKEN:SEKRITplus8}",
+        "+cluster={env:{HF_TOKEN:SEKRITplus8}}",
+        "cluster.env={HF_TOKEN:SEKRITplus8{}",  # one Hydra cannot parse: refused as compose refuses it
+    ],
+)
+def test_a_try_giving_a_secret_in_a_dict_is_refused_naming_the_dot_form(word: str) -> None:
+    """H2: `--try '+cluster.env={HF_TOKEN:X}'` wrote X to the console, tune.md, tune.json, best.yaml
+    and each trial's spec.json (the dot form's value is struck there and travels by environment)."""
+    with pytest.raises(ConfigError) as refused:
+        parse_tries([f"model.max_num_seqs=8 {word}"])
+    said = str(refused.value)
+    key = word.partition("=")[0].lstrip("+")
+    assert said.startswith(f"--try {key}: ") and "HF_TOKEN" in said and "SEKRIT" not in said
+    assert "+cluster.env.HF_TOKEN=" in said
+    (dot,) = parse_tries(["model.max_num_seqs=8 +cluster.env.HF_TOKEN=SEKRITplus8"])  # the way it says
+    assert dot.overrides == ("model.max_num_seqs=8", "+cluster.env.HF_TOKEN=SEKRITplus8")
