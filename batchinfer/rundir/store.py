@@ -191,7 +191,9 @@ def refuse_struck(path: Path, record: RunRecord) -> None:
         how = f"give the original values again: `batchinfer resume {path} {given}`"
     raise RunDirError(
         f"{path}/run.yaml was written by an older batchinfer, which struck text out of {', '.join(keys)} "
-        f"({REDACTED} or ${{oc.env:...}} in place of what was typed), so a task would run that text; {how}"
+        f"({REDACTED} or ${{oc.env:...}} in place of what was typed), so a task would run that text; {how}; "
+        f"or, if that text is what you typed (a prompt that asks for {REDACTED}), add the line "
+        f"`redaction: {EXACT_RECORD}` to {path}/run.yaml and the run takes it as it is"
     )
 
 

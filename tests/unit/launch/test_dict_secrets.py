@@ -7,10 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
+from support.runs import run_overrides
+from support.standin import StandinEngine
 
 from batchinfer.config.compose import apply_overrides, compose, secret_keys_inside
-from batchinfer.errors import ConfigError
-from batchinfer.redaction import redact_printed
+from batchinfer.errors import ConfigError, RunDirError
+from batchinfer.launch.local import run_task
+from batchinfer.redaction import REDACTED, redact_printed
+from batchinfer.rundir.prepare import prepare
+from batchinfer.rundir.store import RunDir
 from batchinfer.tune.settings import parse_tries
 
 SECRET = "SEKRITx9q7"
@@ -70,3 +76,27 @@ def test_a_try_giving_a_secret_in_a_dict_is_refused_naming_the_dot_form(word: st
     assert "+cluster.env.HF_TOKEN=" in said
     (dot,) = parse_tries(["model.max_num_seqs=8 +cluster.env.HF_TOKEN=SEKRITplus8"])  # the way it says
     assert dot.overrides == ("model.max_num_seqs=8", "+cluster.env.HF_TOKEN=SEKRITplus8")
+
+
+def test_an_older_run_yaml_whose_redacted_is_the_users_own_text_runs_once_marked_exact(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """M4: an older run.yaml whose prompt holds `<redacted>` the user typed was refused with no way
+    out. The refusal says to add `redaction: exact` to run.yaml; with it the array tasks (what resume
+    submits) run the text as typed."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(f'{{"id": "r{i}", "text": "hello {i}"}}\n' for i in range(4)))
+    template = f"Mask names as {REDACTED}: {{text}}"
+    cfg = compose(run_overrides(tiny_model_path, corpus, tmp_path / "old", f"prompt.template={template}"))
+    run = prepare(cfg)
+    record = yaml.safe_load(run.run_yaml.read_text())
+    record.pop("redaction")  # as a version before the exact records wrote it
+    run.run_yaml.write_text(yaml.safe_dump(record, sort_keys=False))
+    with pytest.raises(RunDirError) as refused:
+        run_task(str(run.path), 0, engine=StandinEngine(cfg))
+    assert f"add the line `redaction: exact` to {run.path}/run.yaml" in str(refused.value)
+    with run.run_yaml.open("a") as f:  # what the message says to do
+        f.write("redaction: exact\n")
+    assert RunDir(run.path).config.prompt.template == template
+    run_task(str(run.path), 0, engine=StandinEngine(cfg))
+    assert all(RunDir(run.path).shard_folder(s.index).is_done() for s in RunDir(run.path).shards())
