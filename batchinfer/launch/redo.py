@@ -18,7 +18,7 @@ from batchinfer.config.store import conf_dir
 from batchinfer.errors import ConfigError, RunDirError
 from batchinfer.ownership import Kind
 from batchinfer.redaction import strike_overrides
-from batchinfer.rundir import passes
+from batchinfer.rundir import image_files, passes
 from batchinfer.rundir.merge import format_indices, incomplete_shards, merge
 from batchinfer.rundir.prepare import prepare
 from batchinfer.rundir.splice import select_rows, view_schema, write_selection
@@ -106,6 +106,8 @@ def new_pass(
     if not len(rows):
         print(f"no row of {root.path} matches {where!r}: nothing to redo")
         return None
+    # a changed image file that rows this redo keeps name would mix old answers with new ones
+    image_files.refuse_changed_images(root.path, redone=rows.tolist())
     number = number or max(passes.pass_numbers(root), default=0) + 1
     path = passes.pass_path(root, number)
     private = root.config.output.private

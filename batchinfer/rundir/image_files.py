@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,29 +193,65 @@ def _max_bytes(run_path: Path) -> int:
         return PromptConfig().image_max_bytes
 
 
-def image_changes(run_path: Path) -> list[str]:
+def image_changes(run_path: Path, redone: Optional[Collection[int]] = None) -> list[str]:
     """The image files of DIR/images.json whose bytes differ now (or that are gone or appeared), each
-    with what changed; files only touched are recorded with their new stat."""
+    with what changed; files only touched are recorded with their new stat. With `redone` (a redo's
+    row numbers), a file only those rows name is no change: the redo reads its new bytes for each of
+    them, and it is recorded so."""
     old = read_record(run_path)
     if not old:
         return []
     now = scan([f.path for f in old], _max_bytes(run_path), {f.path: f for f in old})
-    changes = [c for a, b in zip(old, now, strict=True) if (c := _change(a, b)) is not None]
-    if not changes and now != old:
-        write_record(run_path, now)  # touched, same bytes: the next check need not read them again
-    return changes
+    changed = {a.path: c for a, b in zip(old, now, strict=True) if (c := _change(a, b)) is not None}
+    if changed and redone is not None:
+        kept = _named_by_other_rows(run_path, redone, set(changed))
+        changed = {p: c for p, c in changed.items() if p in kept}
+    if not changed and now != old:
+        write_record(run_path, now)  # touched (same bytes), or read again by every row naming it
+    return list(changed.values())
 
 
-def refuse_changed_images(run_path: Path) -> None:
-    """RunDirError naming the image files that changed since the run was prepared (the first few and the count)."""
-    changes = image_changes(run_path)
+def _named_by_other_rows(run_path: Path, redone: Collection[int], paths: set[str]) -> set[str]:
+    """Those of paths that a row outside `redone` names (its answer, kept, came from the old bytes)."""
+    from batchinfer.inputs.convert import open_input
+
+    run = RunDir(run_path)
+    ds = open_input(run.input_dir)
+    column = image_column_of(run.config.prompt.image_column, ds.column_names)
+    if column is None or column not in ds.column_names:
+        return set()
+    limits = ImageLimits.of(run.config.prompt, run.config.input.path)
+    rows = set(int(r) for r in redone)
+    named: set[str] = set()
+    for i, value in enumerate(column_values(ds, column)):
+        if i in rows or value is None:
+            continue
+        try:
+            ref = image_ref(value, column, limits)
+        except RowError:
+            continue
+        if ref.path is not None and str(ref.path) in paths:
+            named.add(str(ref.path))
+    return named
+
+
+def refuse_changed_images(run_path: Path, redone: Optional[Collection[int]] = None) -> None:
+    """RunDirError naming the image files that changed since the run was prepared (the first few and
+    the count); with `redone`, those only the redone rows name are let through (image_changes)."""
+    changes = image_changes(run_path, redone)
     if not changes:
         return
     shown = "; ".join(changes[:SHOWN]) + (f"; and {len(changes) - SHOWN} more" if len(changes) > SHOWN else "")
+    rows = "rows this redo keeps" if redone is not None else "the run's rows"
+    advice = (
+        "restore the files, redo every row naming them too, or start a new run in another output.dir"
+        if redone is not None
+        else "restore the files, or start a new run in another output.dir"
+    )
     raise RunDirError(
-        f"{run_path}: {len(changes)} image file{'s' if len(changes) != 1 else ''} the run's rows name changed since "
+        f"{run_path}: {len(changes)} image file{'s' if len(changes) != 1 else ''} {rows} name changed since "
         f"it was prepared ({run_path / RECORD}): {shown}. Rows answered from the old images and rows answered "
-        f"from the new ones would mix; restore the files, or start a new run in another output.dir"
+        f"from the new ones would mix; {advice}"
     )
 
 

@@ -58,3 +58,36 @@ def test_a_redo_of_an_image_column_of_mixed_types_answers_its_rows_again(tmp_pat
     assert after[0]["error"] is None and after[3]["error"] is None, (after[0]["error"], after[3]["error"])
     assert [after[i]["text"] for i in (0, 3)] == [before[i]["text"] for i in (0, 3)]
     assert after[1]["error"]["kind"] == after[2]["error"]["kind"] == "image"
+
+
+def test_redo_refuses_an_image_file_changed_since_prepare_that_rows_it_keeps_name(tmp_path: Path) -> None:
+    import os
+    import shutil
+
+    import pytest
+
+    from batchinfer.errors import RunDirError
+    from batchinfer.rundir.image_files import read_record
+
+    img = tmp_path / "img"
+    for i in range(2):
+        tiny_vlm.write_image(img / f"{i}.png", i, size=32)
+    rows = [{"id": i, "text": "what colour", "image": v} for i, v in enumerate(["img/0.png", "img/0.png", "img/1.png"])]
+    write_rows(tmp_path / "c.jsonl", rows)
+    cfg = compose(fake_overrides(tmp_path, tmp_path / "c.jsonl", "input.id_column=id", "prompt.image_column=image"))
+    run = run_local(cfg, engine=keyed(FakeEngine(), _prepared(cfg)))
+    before = {r["id"]: r for r in read_output(run.path)}
+    mtime = (img / "0.png").stat().st_mtime_ns
+    shutil.copy(img / "1.png", img / "0.png")  # another picture under 0.png
+    os.utime(img / "0.png", ns=(mtime + 10**9, mtime + 10**9))
+    for where in ("id == 0", "id == 2"):  # row 1 (kept) was answered from the old 0.png
+        with pytest.raises(RunDirError, match=r"1 image file rows this redo keeps name changed") as e:
+            redo(str(run.path), where, [], engine=keyed(FakeEngine(), run))
+        assert f"{img / '0.png'} (contents changed" in str(e.value)
+    assert not (run.path / "passes").exists() or not any((run.path / "passes").iterdir())
+    # every row naming it redone: they are answered from the new bytes, and the record follows
+    redo(str(run.path), "id < 2", [], engine=keyed(FakeEngine(), run))
+    after = {r["id"]: r for r in read_output(run.path)}
+    assert after[0]["text"] == after[1]["text"] == before[2]["text"] != before[0]["text"]
+    digest = image_digest((img / "0.png").read_bytes())
+    assert {f.path: f.digest for f in read_record(run.path) or []}[str(img / "0.png")] == digest
