@@ -311,12 +311,16 @@ def finish(
     fc = est = None
     run_config = with_overrides(c, winner.setting.overrides) if winner else c
     shape = layout(run_config, len(prompts.keys))
+    # every corpus row ran once in the pilot's disjoint rungs: its output tokens are measured, not forecast
+    whole = len(set(pilot)) == len(prompts.keys) == len(lengths) > 0
     if winner is not None and winner.startup_seconds is not None:
         generates = c.task.name not in POOLING_TASKS
         # the forecast counts engines (forecast.point): it takes one engine's rate, not the task's
         rate = winner.per_engine("output_tokens" if generates else "rows")
         est = estimate(winner, prompts, run_config, shape.engines_per_task, lengths, tune_noise, opts.seed)
-        measured = Measured(lengths or [0], rate or 0.0, winner.startup_seconds, generates, est.model, est.speed_sd)
+        measured = Measured(
+            lengths or [0], rate or 0.0, winner.startup_seconds, generates, est.model, est.speed_sd, whole
+        )
         fc = {
             "prompt_tokens": prompt_tokens(prompts, winner),
             **as_json(forecast(shape, measured, price[0], opts.seed)),
@@ -333,6 +337,7 @@ def finish(
             "input": c.input.path,
             "rows": len(prompts.keys),
             "pilot_rows": len(pilot),
+            "pilot_is_corpus": whole,
             "seed": opts.seed,
             "length_unit": prompts.unit,
             "corpus_length_p10_p50_p90": quantiles(prompts.lengths),

@@ -56,6 +56,7 @@ class Measured:
     generates: bool = True
     model: Optional[GenerateModel] = None  # generate seconds from the corpus; None: from the rate
     speed_sd: float = 0.0  # relative standard deviation of the measured speed (the tune's noise)
+    whole_corpus: bool = False  # the pilot ran every row of the corpus: its output lengths are the run's
 
 
 def point(
@@ -87,17 +88,22 @@ def point(
 
 
 def bootstrap(
-    values: Sequence[int], stat: Callable[[float, float], dict[str, float]], seed: int, speed_sd: float = 0.0
+    values: Sequence[int],
+    stat: Callable[[float, float], dict[str, float]],
+    seed: int,
+    speed_sd: float = 0.0,
+    resample: bool = True,
 ) -> dict[str, Figure]:
     """Each figure of stat(mean of values, speed 1) with the percentile interval of BOOTSTRAP draws,
-    each a resample of values and a speed drawn around 1 with standard deviation speed_sd."""
+    each a resample of values (resample=False: values are the population, their mean every draw's)
+    and a speed drawn around 1 with standard deviation speed_sd."""
     rng = random.Random(seed)
     n = len(values)
     mean = sum(values) / n if n else 0.0
     central = stat(mean, 1.0)
     draws = []
     for _ in range(BOOTSTRAP):
-        resampled = sum(rng.choices(values, k=n)) / n if n else mean
+        resampled = sum(rng.choices(values, k=n)) / n if n and resample else mean
         speed = max(0.2, rng.gauss(1.0, speed_sd)) if speed_sd > 0 else 1.0
         draws.append(stat(resampled, speed))
     lo_i, hi_i = int((1 - LEVEL) / 2 * BOOTSTRAP), int((1 + LEVEL) / 2 * BOOTSTRAP) - 1
@@ -109,8 +115,15 @@ def bootstrap(
 
 
 def forecast(layout: Layout, m: Measured, price: Optional[float], seed: int) -> dict[str, Figure]:
-    """The forecast of the whole corpus (see the module docstring)."""
-    return bootstrap(list(m.output_lengths), lambda mean, speed: point(layout, m, mean, price, speed), seed, m.speed_sd)
+    """The forecast of the whole corpus (see the module docstring). A pilot that ran the whole corpus
+    measured its output tokens: only the speed's noise is left to widen an interval."""
+    return bootstrap(
+        list(m.output_lengths),
+        lambda mean, speed: point(layout, m, mean, price, speed),
+        seed,
+        m.speed_sd,
+        resample=not m.whole_corpus,
+    )
 
 
 def output_distribution(lengths: Sequence[int], at_max: int) -> dict[str, float]:

@@ -152,10 +152,13 @@ def format_result(r: dict[str, Any]) -> str:
     model = r.get("forecast_model") or {}
     if f:
         sd = model.get("speed_sd")
-        noise = f" and the speed's noise (sd {sd:.0%})" if sd else ""
-        lines.append(f"forecast for {s['rows']:,} rows (95% interval over the pilot's output lengths{noise}):")
+        whole = s.get("pilot_is_corpus", False)
+        sd_note = f" (sd {sd:.0%})" if sd else ""
+        over = f"the speed's noise{sd_note}" if whole else f"the pilot's output lengths and the speed's noise{sd_note}"
+        lines.append(f"forecast for {s['rows']:,} rows (95% interval over {over}):")
         lines.append(_fig("prompt tokens", f["prompt_tokens"]))
-        lines.append(_fig("output tokens", f["output_tokens"]))
+        measured = "  measured: the pilot ran the whole corpus" if whole else ""
+        lines.append(_fig("output tokens", f["output_tokens"]) + measured)
         lines.append(_fig("generate hours", f["generate_seconds"], " h", 1 / 3600))
         lines.append(_fig("engine starts", f["engine_starts"]))
         lines.append(_fig("GPU-hours", f["gpu_hours"], " h"))

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
+from typing import Any
 
 import pytest
+from support.runs import model_overrides
 
 from batchinfer.tune.forecast import Layout, Measured, as_json, forecast, output_distribution
 
@@ -59,3 +63,55 @@ def test_prompt_tokens_counted_or_scaled_from_the_pilot() -> None:
     assert prompt_tokens(counted, winner) == {"value": 21, "low": 21, "high": 21}  # every row, as plan counts
     proxy = Prompts(["a"] * 1000, [40] * 1000, "characters")
     assert prompt_tokens(proxy, winner)["value"] == 30 * 1000  # 900 tokens over 30 pilot rows, x 1000 rows
+
+
+def test_a_pilot_of_the_whole_corpus_measured_its_output_tokens() -> None:
+    """Every row ran: the output tokens are the pilot's sum, no interval; the speed's noise still
+    widens the time figures."""
+    whole = Layout(rows=5, array_tasks=1, engines_per_task=1, devices_per_engine=1, array_parallelism=1)
+    lengths = [2, 30, 7, 19, 12]
+    f = forecast(whole, Measured(lengths, 100.0, 5.0, speed_sd=0.2, whole_corpus=True), None, seed=0)
+    assert (f["output_tokens"].low, f["output_tokens"].value, f["output_tokens"].high) == pytest.approx((70, 70, 70))
+    assert f["generate_seconds"].low < f["generate_seconds"].value < f["generate_seconds"].high
+    sampled = forecast(whole, Measured(lengths, 100.0, 5.0, speed_sd=0.2), None, seed=0)
+    assert sampled["output_tokens"].low < 70 < sampled["output_tokens"].high  # a sample of a larger corpus
+
+
+def test_tune_of_a_corpus_smaller_than_the_pilot_says_its_output_tokens_are_measured(
+    tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """attack M5: `tune --rows 24` of a 5-row corpus forecast output_tokens 14 (9..19)."""
+    from batchinfer.config.compose import compose
+    from batchinfer.tune import command
+    from batchinfer.tune.halving import Outcome, Rung
+
+    lengths = [1, 2, 3, 4, 6]
+
+    def every_row_once(settings: list[Any], rungs: int, launch: Any, budget: float, say: Any = print) -> list[Outcome]:
+        launch(settings[0])
+        return [Outcome(settings[0], 3.5, [Rung(0, 5, 61, sum(lengths), 1.0, output_lengths=lengths)])]
+
+    monkeypatch.setattr(command, "halve", every_row_once)
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"id": f"r{i}", "text": f"hello {i} " * (1 + i)}) + "\n" for i in range(5)))
+    cfg = compose([f"input.path={data}", "input.id_column=id", *model_overrides(tiny_model_path)])
+    result = command.tune(cfg, command.Options([], rows=24, tries=["defaults"], out=str(tmp_path / "T")))
+    assert result["forecast"]["output_tokens"] == {"value": 16, "low": 16, "high": 16}
+    assert result["sample"]["pilot_rows"] == 5 and result["sample"]["pilot_is_corpus"] is True
+    md = (tmp_path / "T" / "tune.md").read_text()
+    (line,) = [x for x in md.splitlines() if x.startswith("  output tokens ")]
+    assert line.split() == [
+        "output",
+        "tokens",
+        "16",
+        "(16",
+        "..",
+        "16)",
+        "measured:",
+        "the",
+        "pilot",
+        "ran",
+        "the",
+        "whole",
+        "corpus",
+    ]
