@@ -56,7 +56,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "cluster.signal_lead_s": (lambda v: 0 <= v <= 65535, "an integer number of seconds from 0 to 65535"),
     "cluster.max_attempts": (lambda v: v >= 1, "an integer >= 1"),
     "cluster.cache_wait_s": (lambda v: v >= 0, "an integer number of seconds >= 0"),
-    "cluster.image_window_mb": (lambda v: v >= 1, "an integer number of MiB >= 1"),
+    # a window past 1 TiB of decoded pixels is a typo (no node holds it), not a setting
+    "cluster.image_window_mb": (lambda v: 1 <= v <= 1 << 20, "an integer number of MiB from 1 to 1048576 (1 TiB)"),
     "cluster.merge_time": (lambda v: 1 <= v <= MAX_MINUTES, f"an integer number of minutes from 1 to {MAX_MINUTES}"),
     "cluster.merge_cpus": (lambda v: v >= 1, "an integer >= 1"),
     "task.dimensions": (lambda v: v >= 1, "an integer >= 1"),

@@ -318,3 +318,9 @@ def test_an_unset_environment_reference_is_named_with_its_key(monkeypatch: pytes
         "cluster.account refers to ${oc.env:BI_UNSET_ACCOUNT}, which is not set in this shell: "
         "`export BI_UNSET_ACCOUNT=...` first, or give cluster.account a plain value"
     )
+
+
+def test_an_image_window_past_a_tebibyte_is_refused_in_one_line() -> None:
+    compose(["cluster.image_window_mb=1048576"])
+    with pytest.raises(ConfigError, match=r"cluster.image_window_mb.*from 1 to 1048576 \(1 TiB\)"):
+        compose(["cluster.image_window_mb=99999999999999999999"])
