@@ -295,10 +295,13 @@ def check_id_type(path: Any, id_type: pa.DataType, ids: Union[pa.ChunkedArray, I
     """Ids must be single values (strings, numbers, dates, ...): an id column of true/false values,
     objects or lists (or JSON text holding one) raises InputError naming the first such row. The ids
     are read only where their type (id_type) may hold such values."""
+    chunks: IdChunks = (lambda: ids.chunks) if isinstance(ids, pa.ChunkedArray) else ids  # type: ignore[union-attr]
+    if pa.types.is_floating(id_type):
+        _refuse_non_finite(path, chunks(), column)
+        return
     kind = _compound_kind(id_type)
     if kind is None and not isinstance(id_type, pa.BaseExtensionType):
         return
-    chunks: IdChunks = (lambda: ids.chunks) if isinstance(ids, pa.ChunkedArray) else ids  # type: ignore[union-attr]
     row = 0
     for chunk in _grouped(chunks()):
         bad = chunk.is_valid() if kind else _json_compound(chunk)
@@ -313,7 +316,53 @@ def check_id_type(path: Any, id_type: pa.DataType, ids: Union[pa.ChunkedArray, I
                 "column (unset, rows are numbered)"
             )
         row += len(chunk)
+    if kind is None:
+        _refuse_mixed_json(path, chunks(), column)
 
+
+def _refuse_non_finite(path: Any, chunks: Iterable[pa.Array], column: str) -> None:
+    """InputError naming the first row whose float id is NaN or infinite: NaN equals no id, not even
+    another NaN, so its duplicates would go unseen (and a JSON output cannot hold it)."""
+    row = 0
+    for chunk in _grouped(chunks):
+        bad = pc.invert(pc.is_finite(chunk)).fill_null(False)
+        if pc.any(bad).as_py():
+            at = pc.index(bad, True).as_py()
+            raise InputError(
+                f"{path}: row {row + at}: input.id_column {column!r} is {chunk[at].as_py()}, not a finite number "
+                "(NaN equals no id, not even itself, so duplicates would go unseen); give every row a finite "
+                "number or a string as its id"
+            )
+        row += len(chunk)
+
+
+def _refuse_mixed_json(path: Any, chunks: Iterable[pa.Array], column: str) -> None:
+    """InputError where ids kept as JSON text (`datasets` keeps ints beside strings so) hold both numbers
+    and strings: the output's id column holds one type, and writing a shard failed on every attempt."""
+    first: dict[bool, tuple[int, str]] = {}  # is a string -> (row, JSON text) of the first such id
+    row = 0
+    for chunk in _grouped(chunks):
+        storage = chunk.storage if isinstance(chunk, pa.ExtensionArray) else chunk
+        if not (pa.types.is_string(storage.type) or pa.types.is_large_string(storage.type)):
+            return
+        lead = pc.utf8_slice_codeunits(pc.utf8_ltrim_whitespace(storage), 0, 1)
+        for is_string, mask in ((True, pc.equal(lead, '"')), (False, pc.is_in(lead, value_set=_JSON_NUMBER_LEADS))):
+            mask = mask.fill_null(False)
+            if is_string not in first and pc.any(mask).as_py():
+                at = pc.index(mask, True).as_py()
+                first[is_string] = (row + at, storage[at].as_py())
+        if len(first) == 2:
+            (num_row, num), (str_row, text) = first[False], first[True]
+            num = num.strip()
+            raise InputError(
+                f"{path}: row {num_row}: input.id_column {column!r} is the number {num} but row {str_row}'s is the "
+                f"string {text}: an id column holds one type; write every id as a JSON string ("
+                f'"{num}"), or every id as a number'
+            )
+        row += len(chunk)
+
+
+_JSON_NUMBER_LEADS = pa.array(list("-0123456789NI"))
 
 _JSON_KINDS = {"{": "an object", "[": "an array", "t": "true/false", "f": "true/false"}
 

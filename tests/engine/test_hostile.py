@@ -480,6 +480,18 @@ FILE_CASES = {
         "every row such an id, or set input.id_column to another column (unset, rows are numbered)",
         commands=("validate", "run"),
     ),
+    "an integer id beside a string one (the shard failed on every attempt)": FileCase(
+        {"c.jsonl": ROW + b'{"id": "b", "text": "b"}\n'},
+        "{d}/c.jsonl: row 0: input.id_column 'id' is the number 1 but row 1's is the string \"b\": an id column "
+        'holds one type; write every id as a JSON string ("1"), or every id as a number',
+        commands=("validate", "run"),
+    ),
+    "a NaN id (two were not duplicates)": FileCase(
+        {"c.jsonl": b'{"id": 1.5, "text": "a"}\n{"id": NaN, "text": "b"}\n{"id": NaN, "text": "c"}\n'},
+        "{d}/c.jsonl: row 1: input.id_column 'id' is nan, not a finite number (NaN equals no id, not even itself, "
+        "so duplicates would go unseen); give every row a finite number or a string as its id",
+        commands=("validate", "run"),
+    ),
     "input.id_column naming no column (plan: KeyError)": FileCase(
         {"c.jsonl": ROW},
         "{d}/c.jsonl: input.id_column='nope' is not a column (columns: id, text)",

@@ -177,7 +177,8 @@ def test_same_rows_and_types_as_datasets_read_them(
     compressed file's decompressed bytes, CRLF and blank lines included)."""
     monkeypatch.setattr(datasets_reader, "DATASETS_CHUNK_BYTES", chunk)
     files, fast = varied_inputs(tmp_path / "in")[name]
-    ds, rows = converted(tmp_path, files)
+    # ints beside strings cannot be ids (one type per id column): that file is read without an id column
+    ds, rows = converted(tmp_path, files, None if name == "mixed int and str ids" else "id")
     ref = as_datasets_read(tmp_path, files)
     assert rows == len(ref) == len(ds)
     assert ds.features == ref.features
