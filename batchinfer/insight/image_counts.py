@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from batchinfer.requests.images import KIND, ImageLimits, image_digest, image_ref
 from batchinfer.requests.prompts import RowError
-from batchinfer.rundir import image_files
+from batchinfer.rundir import image_files, passes
 from batchinfer.rundir.schema import jsonl_columns
 from batchinfer.rundir.store import RunDir
 
@@ -31,10 +31,14 @@ class ImageCounts(TypedDict):
 
 
 def _committed(run: RunDir) -> pa.Table:
-    """`row` and `error` of every committed row."""
+    """`row` and `error` of every committed row (after a redo, as merged: the redone rows' own)."""
     columns = ["row", "error"]
     tables = []
-    for shard in run.shards():
+    if passes.pass_numbers(run):  # a redo's rows replace DIR's: its merged view holds them
+        from batchinfer.rundir.splice import merged_view
+
+        tables = [t.select(columns) for t in merged_view(run)]
+    for shard in run.shards() if not tables else []:
         for path in run.shard_folder(shard.index).committed_files():
             if path.suffix == ".parquet":
                 tables.append(pq.read_table(path, columns=columns))

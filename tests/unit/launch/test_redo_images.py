@@ -91,3 +91,20 @@ def test_redo_refuses_an_image_file_changed_since_prepare_that_rows_it_keeps_nam
     assert after[0]["text"] == after[1]["text"] == before[2]["text"] != before[0]["text"]
     digest = image_digest((img / "0.png").read_bytes())
     assert {f.path: f.digest for f in read_record(run.path) or []}[str(img / "0.png")] == digest
+
+
+def test_report_counts_a_redos_image_rows_as_merged(tmp_path: Path) -> None:
+    from batchinfer.insight.report import build_report
+
+    for i in range(2):
+        tiny_vlm.write_image(tmp_path / "img" / f"{i}.png", i, size=32)
+    rows = [{"id": f"r{i}", "text": "what colour", "image": f"img/{i}.png"} for i in range(3)]  # img/2.png missing
+    write_rows(tmp_path / "c.jsonl", rows)
+    cfg = compose(fake_overrides(tmp_path, tmp_path / "c.jsonl", "input.id_column=id", "prompt.image_column=image"))
+    run = run_local(cfg, engine=keyed(FakeEngine(), _prepared(cfg)))
+    assert build_report(run)["images"]["image_error_rows"] == 1  # type: ignore[index]
+    tiny_vlm.write_image(tmp_path / "img" / "2.png", 2, size=32)
+    redo(str(run.path), "error is not null", [], engine=keyed(FakeEngine(), run))
+    counts = build_report(run)["images"]
+    assert counts is not None
+    assert (counts["rows"], counts["image_error_rows"], counts["distinct_images"]) == (3, 0, 3), counts
