@@ -340,6 +340,16 @@ TABLE = [
         "StructuredOutputsParams (pydantic) reads 'yes', 'on', 1 as true; batchinfer takes true or false",
     ),
     Value(so(json_object=1), "StructuredOutputsParams reads 1 as true; batchinfer takes true"),
+    Value(
+        so(json='{"type": "string"}'),
+        "vLLM reads a json string as the schema's JSON text; batchinfer's config reads it as a file's path, and "
+        "a row may give only an inline object (issue 41: a path in row data was read on the compute node)",
+    ),
+    Value(
+        so(choice=["a"], whitespace_pattern="("),
+        "batchinfer passes only the keys it documents to StructuredOutputsParams and names any other",
+    ),
+    Value(so(structural_tag="x"), "structural_tag is not one of the constraints batchinfer passes on"),
 ]
 
 
