@@ -116,5 +116,9 @@ def peek(files: list[Path], fmt: str, k: int = 200) -> tuple[int, list[dict[str,
     except InputError:
         raise
     except (OSError, ValueError) as e:  # pyarrow's errors are ValueErrors
+        if fmt in ("csv", "tsv") and "invalid UTF8" in str(e):
+            for f in files:  # pyarrow names no line: name it as validate and the run do
+                for _ in text_lines(f):
+                    pass
         shown = files[0] if len(files) == 1 else f"{files[0].parent}/ ({len(files)} files)"
         raise InputError(f"{shown}: cannot be read as {fmt} ({str(e).splitlines()[0][:300]})") from None

@@ -492,6 +492,11 @@ FILE_CASES = {
         "so duplicates would go unseen); give every row a finite number or a string as its id",
         commands=("validate", "run"),
     ),
+    "a CSV that is not UTF-8 (plan named no line)": FileCase(
+        {"c.csv": b"id,text\n1,caf\xe9\n"},
+        "{d}/c.csv:2: invalid UTF-8 at byte 5 of the line, file offset 13; re-encode the file as UTF-8",
+        commands=("validate", "plan", "run"),
+    ),
     "input.id_column naming no column (plan: KeyError)": FileCase(
         {"c.jsonl": ROW},
         "{d}/c.jsonl: input.id_column='nope' is not a column (columns: id, text)",
