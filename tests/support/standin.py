@@ -227,9 +227,18 @@ class StandinEngine:
     encode = Engine.encode
     render_many = Engine.render_many
 
-    def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
-        """Queue a request; with refuse_every, one in that many (by digest) is refused."""
-        number = digest(token_ids)
+    def add(
+        self, request_id: str, token_ids: list[int], params: Any, adapter: Optional[str] = None, image: Any = None
+    ) -> None:
+        """Queue a request; with refuse_every, one in that many (by digest) is refused. adapter (a LoRA
+        adapter's name) and image ((content digest, decoded image), as the real engine takes it) are
+        part of the request: mixed into its digest, so a row given another image's answer differs."""
+        mixed = [
+            *token_ids,
+            *([-1, *adapter.encode()] if adapter else []),
+            *([-2, *image[0].encode()] if image else []),
+        ]
+        number = digest(mixed)
         if self.refuse_every and number % self.refuse_every == 0:
             raise vllm_refusal(f"the stand-in refuses this request ({len(token_ids)} tokens)")
         check_logprobs(params, self.max_logprobs)

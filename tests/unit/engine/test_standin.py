@@ -94,3 +94,23 @@ def test_a_max_tokens_past_the_context_stops_at_it_as_vllm_does(tmp_path: Path, 
     out = read_output(run_local(compose(ov), engine=StandinEngine(compose(ov))).path)
     assert [r["id"] for r in out] == [r["id"] for r in rows] and not any(r["error"] for r in out)
     assert all(r["prompt_tokens"] + r["output_tokens"] <= 64 for r in out)
+
+
+def test_an_image_or_an_adapter_is_part_of_the_request_it_answers(tmp_path: Path, tiny_model_path: Path) -> None:
+    # vLLM's add takes a row's image and LoRA adapter; the stand-in does too, and answers from them,
+    # so a row given another image's (or adapter's) answer differs from its own
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, 4, seed=6)
+    eng = StandinEngine(compose(run_overrides(tiny_model_path, corpus, tmp_path / "run")))
+    ids = eng.encode([{"role": "user", "content": "describe the picture"}])
+
+    def answer(**extra: object) -> tuple[int, str]:
+        eng.add("r", ids, {"max_tokens": 16}, **extra)
+        (done,) = [c for _ in range(50) for c in eng.step()][:1]
+        return done.output_tokens, done.texts[0]
+
+    by_image = {f"digest{i}": answer(image=(f"digest{i}", None)) for i in range(12)}
+    assert len(set(by_image.values())) > 3  # the image decides the answer
+    assert answer(image=("digest3", None)) == by_image["digest3"]  # the same image, the same answer
+    by_adapter = {name: answer(adapter=name) for name in ("a", "b", "c", "d", "e", "f")}
+    assert len(set(by_adapter.values())) > 1 and answer(adapter="c") == by_adapter["c"]
