@@ -7,9 +7,8 @@ from typing import Optional, TypedDict
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from batchinfer.rundir.schema import jsonl_columns
+from batchinfer.rundir.committed import committed_columns
 from batchinfer.rundir.store import RunDir
 
 BASE = "(base model)"  # the label of rows without an adapter
@@ -29,26 +28,12 @@ class AdapterRow(TypedDict):
     output_tokens: int
 
 
-def committed_columns(run: RunDir) -> pa.Table:
-    """COLUMNS of every committed row of the run (each row is committed once)."""
-    columns = [c for c in COLUMNS if c in run.schema.names]
-    tables = []
-    for shard in run.shards():
-        for path in run.shard_folder(shard.index).committed_files():
-            if path.suffix == ".parquet":
-                tables.append(pq.read_table(path, columns=columns))
-            else:
-                tables.append(jsonl_columns(path.read_bytes(), run.schema, columns))
-    schema = pa.schema([run.schema.field(c) for c in columns])
-    return pa.concat_tables([t.cast(schema) for t in tables]) if tables else schema.empty_table()
-
-
 def adapter_rows(run: RunDir) -> Optional[list[AdapterRow]]:
     """Committed rows, error rows and tokens per adapter, by name (the base model first); None for
     a run without adapters."""
     if "adapter" not in run.schema.names:
         return None
-    t = committed_columns(run)
+    t = committed_columns(run, [c for c in COLUMNS if c in run.schema.names])
     t = t.append_column("failed", pc.cast(pc.is_valid(t["error"]), pa.int64()))
     # a row naming no adapter of the run is an error row of kind adapter, carrying the name it asked for
     unknown = pc.fill_null(pc.equal(pc.struct_field(t["error"], "kind"), UNKNOWN_KIND), False)

@@ -9,12 +9,11 @@ from typing import Any, Optional, TypedDict
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from batchinfer.requests.images import KIND, ImageLimits, image_digest, image_ref
 from batchinfer.requests.prompts import RowError
 from batchinfer.rundir import image_files, passes
-from batchinfer.rundir.schema import jsonl_columns
+from batchinfer.rundir.committed import committed_columns
 from batchinfer.rundir.store import RunDir
 
 
@@ -33,19 +32,13 @@ class ImageCounts(TypedDict):
 def _committed(run: RunDir) -> pa.Table:
     """`row` and `error` of every committed row (after a redo, as merged: the redone rows' own)."""
     columns = ["row", "error"]
-    tables = []
-    if passes.pass_numbers(run):  # a redo's rows replace DIR's: its merged view holds them
-        from batchinfer.rundir.splice import merged_view
+    if not passes.pass_numbers(run):
+        return committed_columns(run, columns)
+    from batchinfer.rundir.splice import merged_view  # a redo's rows replace DIR's: its merged view holds them
 
-        tables = [t.select(columns) for t in merged_view(run)]
-    for shard in run.shards() if not tables else []:
-        for path in run.shard_folder(shard.index).committed_files():
-            if path.suffix == ".parquet":
-                tables.append(pq.read_table(path, columns=columns))
-            else:
-                tables.append(jsonl_columns(path.read_bytes(), run.schema, columns))
     schema = pa.schema([run.schema.field(c) for c in columns])
-    return pa.concat_tables([t.cast(schema) for t in tables]) if tables else schema.empty_table()
+    tables = [t.select(columns).cast(schema) for t in merged_view(run)]
+    return pa.concat_tables(tables) if tables else schema.empty_table()
 
 
 def image_counts(run: RunDir) -> Optional[ImageCounts]:

@@ -13,11 +13,11 @@ from typing import Any, Optional
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from batchinfer.errors import ConfigError, RunDirError
+from batchinfer.rundir.committed import read_committed
 from batchinfer.rundir.model_record import identity_digest
-from batchinfer.rundir.schema import DIGEST_COLUMN, REUSED_COLUMN, OutputRow, jsonl_columns
+from batchinfer.rundir.schema import DIGEST_COLUMN, REUSED_COLUMN, OutputRow
 from batchinfer.rundir.store import RunDir
 
 log = logging.getLogger("batchinfer")
@@ -89,13 +89,6 @@ def checked_reuse(value: Any, run: RunDir, identity: Optional[str] = None) -> Op
     return paths
 
 
-def _read(run: RunDir, path: Path, columns: list[str]) -> pa.Table:
-    """Some columns of one committed file of run."""
-    if path.suffix == ".jsonl":
-        return jsonl_columns(path.read_bytes(), run.schema, columns)
-    return pq.read_table(path, columns=columns)
-
-
 class ReuseIndex:
     """Answers of earlier runs by request digest; on equal digests the first directory listed wins.
     Each answer is found by its file and row number: a file an earlier run's seal removed meanwhile
@@ -148,9 +141,9 @@ class ReuseIndex:
             run, shard, file = self.files[n]
             columns = ["row", *(c for c in self.answer_columns if c in run.schema.names)]
             try:
-                table = _Rows(_read(run, file, columns))
+                table = _Rows(read_committed(run, file, columns))
             except FileNotFoundError:  # sealed meanwhile: the same rows, in its compacted file
-                read = run.shard_folder(shard).read_committed(partial(_read, run, columns=columns))
+                read = run.shard_folder(shard).read_committed(partial(read_committed, run, columns=columns))
                 table = _Rows(pa.concat_tables([t for _, t in read]))
         self._tables[n] = table
         while len(self._tables) > CACHED_FILES:
@@ -160,7 +153,7 @@ class ReuseIndex:
 
 def _file_digests(run: RunDir, file: Path) -> tuple[np.ndarray, np.ndarray]:
     """(digests, row numbers) of a file's rows the engine answered without error."""
-    table = _read(run, file, ["row", DIGEST_COLUMN, "error"])
+    table = read_committed(run, file, ["row", DIGEST_COLUMN, "error"])
     digest = table.column(DIGEST_COLUMN)
     usable = pa.array(pc.and_(pc.is_valid(digest), pc.is_null(table.column("error"))).to_numpy(zero_copy_only=False))
     values = digest.filter(usable).to_numpy(zero_copy_only=False)

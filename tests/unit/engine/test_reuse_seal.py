@@ -84,7 +84,7 @@ def test_index_built_while_a_shard_is_sealed_has_every_row_once(
     run = unsealed_run(tmp_path, monkeypatch)
     parts = run.shard_folder(1).part_files()
     before = committed_digests(run)
-    real_read = reuse._read
+    real_read = reuse.read_committed
     sealed: list[Path] = []
 
     def held(r: RunDir, path: Path, columns: list[str]) -> Any:
@@ -94,7 +94,7 @@ def test_index_built_while_a_shard_is_sealed_has_every_row_once(
             sealed.append(path)
         return real_read(r, path, columns)
 
-    monkeypatch.setattr(reuse, "_read", held)
+    monkeypatch.setattr(reuse, "read_committed", held)
     index = reuse.ReuseIndex([str(run.path)], run.schema.names, identity_digest(run.run))
     assert sealed and not any(p.exists() for p in parts)  # the seal removed the parts listed
     assert sorted(d.decode() for d in index.digests) == sorted(before)  # every committed row, once
