@@ -22,6 +22,11 @@ from typing import Any, Optional
 
 import yaml
 
+from batchinfer.env_refs import ENV_REF as ENV_REF
+from batchinfer.env_refs import env_ref as env_ref
+from batchinfer.env_refs import env_refs as env_refs
+from batchinfer.env_refs import resolve_refs as resolve_refs
+from batchinfer.env_refs import shell_refs as shell_refs
 from batchinfer.secret_names import is_secret_name
 from batchinfer.secret_shapes import shape_of, strike_forms, strike_shapes
 
@@ -83,7 +88,6 @@ _COMMAND_SECRETS = (
 # What a message writes where a value goes (`export HF_TOKEN=...`, --token <TOKEN>, a template's
 # key={key} or key={{key}} placeholder): no value.
 _PLACEHOLDER = re.compile(r"\.\.\.|\u2026|<[^<>\s]*>|\*{3,}|\{+[\w.\[\]-]*\}+")
-ENV_REF = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)(?:,[^}]*)?\}")
 
 # Secrets given in the config (cluster.env, cluster.env_inherit) of this process: name -> value.
 _carried: dict[str, str] = {}
@@ -108,28 +112,6 @@ def is_secret_entry(name: str, value: Any) -> bool:
     one a record already holds struck (a URL entry read back from run.yaml at resume is no URL any
     more, and exported as written it would override the real value the task gets)."""
     return value is not None and (is_secret_name(name) or is_secret_value(str(value)) or REDACTED in str(value))
-
-
-def env_ref(name: str) -> str:
-    """How a record refers to a secret variable: an interpolation the task resolves."""
-    return "${oc.env:" + name + "}"
-
-
-def env_refs(text: str) -> list[str]:
-    """The variables `${oc.env:NAME}` references in text name."""
-    return ENV_REF.findall(text)
-
-
-def resolve_refs(text: str) -> str:
-    """`${oc.env:NAME}` references (what records hold of a secret) resolved from this environment
-    where it has the variable: done only where the value is used (a task, an engine's environment)."""
-    return ENV_REF.sub(lambda m: os.environ.get(m.group(1), m.group(0)), text)
-
-
-def shell_refs(text: str) -> str:
-    """`${oc.env:NAME}` references as the shell's `${NAME}`: a line of an sbatch script gets the
-    value from the task's environment, never from the script."""
-    return ENV_REF.sub(lambda m: "${" + m.group(1) + "}", text)
 
 
 def carry(name: str, value: Any) -> None:

@@ -34,6 +34,7 @@ LAYERS = {
     "redaction": 0,
     "secret_names": 0,
     "secret_shapes": 0,
+    "env_refs": 0,
     "faults": 0,
     "logs": 0,
     "versions": 0,
