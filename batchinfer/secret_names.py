@@ -115,7 +115,7 @@ def is_secret_name(name: str) -> bool:
     content = False
     # CONNECTION_STRING: "string" is the secret word's own, not a qualifier
     while len(parts) > 1 and _qualifier(parts[-1]) and not _secret_word(parts[-2] + parts[-1], infixes=False):
-        content = content or parts.pop() in CONTENT_WORDS
+        content = parts.pop() in CONTENT_WORDS or content  # pop first: every qualifier goes
     if content:  # KEY_FILE_B64 holds the file's content, not its path
         while len(parts) > 1 and parts[-1] in LOCATION_PARTS:
             parts.pop()

@@ -336,6 +336,9 @@ SECRETS_STILL = [
     "DB_CONN_STR",
     "KEY_FILE_B64",
     "GOOGLE_APPLICATION_CREDENTIALS_JSON",
+    # two content words after it (the first version of this rule looped for ever on them)
+    "HF_TOKEN_B64_VALUE",
+    "PRIVATE_KEY_PEM_DATA",
 ]
 
 
