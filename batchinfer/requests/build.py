@@ -273,7 +273,6 @@ def row_sampling(cfg: Config, row: dict[str, Any], id_: Any) -> str:
                 raise RowError("sampling", f"field {column!r} is not a JSON object: {e}") from None
         if not isinstance(value, dict):
             raise RowError("sampling", f"field {column!r} must be an object of SamplingParams, got {value!r}")
-        _refuse_lone_surrogates(column, value)
         value = _set_keys(value)
         unknown = sorted(set(value) - ROW_KEYS)
         if unknown:
@@ -293,21 +292,6 @@ def row_sampling(cfg: Config, row: dict[str, Any], id_: Any) -> str:
     if s.seed_per_row and "seed" not in own:
         own["seed"] = row_seed(s.seed, id_)
     return json.dumps(own, sort_keys=True) if own else ""
-
-
-def _refuse_lone_surrogates(column: str, value: Any) -> None:
-    """RowError when the row's sampling holds half a UTF-16 pair (JSON text's "\\ud800", which the
-    file's text check cannot see): no text, and vLLM fails on it at add_request (encoding a stop
-    string, compiling a choice) after validate said fine."""
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as e:
-        bad = e.object[e.start : e.end].encode("unicode_escape").decode()
-        raise RowError(
-            "sampling",
-            f"field {column!r} holds a lone UTF-16 surrogate ({bad}), which is not text; "
-            "replace it (e.g. with \\ufffd) or remove it",
-        ) from None
 
 
 def _set_keys(value: dict[str, Any]) -> dict[str, Any]:

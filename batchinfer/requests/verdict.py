@@ -157,12 +157,29 @@ def refusal(params: Mapping[str, Any], limits: Limits = Limits(), in_row: bool =
     as a dict), or None when it takes them. Keys it does not know are not its to judge. in_row:
     the values hold a row's own (see structured_refusal); False for the config's alone."""
     for key, value in params.items():
+        if value is not None and _lone_surrogate(value):
+            return Refusal(
+                key,
+                value,
+                f"holds a lone UTF-16 surrogate ({_lone_surrogate(value)}), which is not text: vLLM fails on it at "
+                "add_request (encoding a stop string, compiling a choice); replace it (e.g. with \\ufffd) or remove it",
+            )
         if key in RULES and value is not None:
             found = _value_refusal(key, value)
             if found:
                 return found
     so = params.get("structured_outputs")
     return _cross_refusal(params, limits) or structured_refusal(so, in_row, limits.backend)
+
+
+def _lone_surrogate(value: Any) -> str:
+    """Half a UTF-16 pair anywhere in value (JSON text's "\\ud800", which a file's text check cannot
+    see), escaped; "" when there is none."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.object[e.start : e.end].encode("unicode_escape").decode()
+    return ""
 
 
 def _cross_refusal(p: Mapping[str, Any], limits: Limits) -> Optional[Refusal]:

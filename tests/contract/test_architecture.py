@@ -385,7 +385,7 @@ NOT_RECORDS = {
     ("batchinfer/inputs/idcheck.py", "check_id_type"): "an input row's id, in an error",
     ("batchinfer/inputs/jsonl_stream.py", "_write_dataset_state"): "the converted input's file list",
     ("batchinfer/inputs/openai_batch.py", "request_row"): "an input row's sampling column",
-    ("batchinfer/requests/build.py", "_refuse_lone_surrogates"): "a row's sampling encoded to test it, never kept",
+    ("batchinfer/requests/verdict.py", "_lone_surrogate"): "a sampling value encoded to test it, never kept",
     ("batchinfer/rundir/splice.py", "_with_absolute_images"): "a redo's selected input rows: image cells as JSON text",
     ("batchinfer/inputs/openai_batch.py", "chat_turn"): "an input row's content, in an error",
     ("batchinfer/inputs/reference.py", "reference_fingerprint"): "hashed, never written",

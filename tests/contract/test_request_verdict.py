@@ -54,6 +54,8 @@ TABLE = [
     Value({}),
     Value({"temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 7, "n": 3}),
     Value({"temperature": 2.0}),
+    Value({"stop": ["\ud800"]}),  # a lone surrogate (JSON text's "\ud800"): no text
+    Value(so(choice=["\udc00x", "b"])),
     Value({"temperature": 2.5}),
     Value({"temperature": float("inf")}),
     Value({"temperature": float("nan")}),
