@@ -31,8 +31,8 @@ from batchinfer.launch.local import run_local
 pytestmark = pytest.mark.engine
 
 TEXTS = ["describe this picture", "what colour is the square", "label this image as red green or blue"]
-GOOD = 30  # rows with a readable image
-DISTINCT = 10  # distinct pictures among them
+GOOD = 50  # rows with a readable image (as issue 47 asks)
+DISTINCT = 16  # distinct pictures among them
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_image_rows_equal_vllm_own_chat_and_bad_images_are_error_rows(
     assert [r["text"] for r in good] == [o.outputs[0].text for o in expected]
     assert [r["prompt_tokens"] for r in good] == [len(o.prompt_token_ids) for o in expected]
     assert good[0]["prompt_tokens"] > tiny_vlm.IMAGE_SEQ_LEN  # the image's tokens were expanded
-    # The same bytes under another path with the same text: one request (r29 took r3's answer).
+    # The same bytes under another path with the same text: one request (the last good row took r3's answer).
     assert len(added) == len({(r["image"].replace("copy-of-", ""), r["text"]) for r in rows[:GOOD]}) < GOOD
     assert all(isinstance(a, str) for a in added)  # every image reached add processed (image_ahead.py)
     assert good[GOOD - 1]["text"] == good[3]["text"]
