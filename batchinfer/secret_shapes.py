@@ -22,11 +22,17 @@ VALUE_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ("a GitHub token (ghp_...)", r"\b(?:gh[pousr]_[A-Za-z0-9]{36,251}|github_pat_[A-Za-z0-9_]{50,250})\b"),
         ("a GitLab token (glpat-...)", r"\bgl(?:pat|dt|ptt|rt|cbt|oas)-[A-Za-z0-9_-]{20,}"),
         ("a Hugging Face token (hf_...)", r"(?<![\w-])(?:hf|api_org)_[A-Za-z0-9]{30,40}(?![\w-])"),
-        # sk-ant-api03-... shorter than the generic sk- shape's 32 (a short or truncated Anthropic key)
-        ("an Anthropic key (sk-ant-...)", r"(?<![\w-])sk-ant-(?:[a-z]+\d*-)?(?=[\w-]*\d)[A-Za-z0-9_-]{16,}"),
+        # sk-ant-api03-... shorter than the generic sk- shape's 32 (a short or truncated Anthropic key).
+        # An sk- key is one random token: mixed case with digits, never a path's component nor a
+        # hyphenated run of lower-case words (sk-learn-experiments-2024, sk-ant-colony-optimization-2024)
+        (
+            "an Anthropic key (sk-ant-...)",
+            r"(?<![\w/-])sk-ant-(?:[a-z]+\d*-)?(?=[\w-]*\d)(?=[\w-]*[A-Z])[A-Za-z0-9_-]{16,}(?![\w/-])",
+        ),
         (
             "an API key (sk-...)",
-            r"(?<![\w-])sk-(?:proj-|svcacct-|admin-|ant-[a-z]+\d*-)?(?=[\w-]*\d)(?=[\w-]*[A-Za-z])[A-Za-z0-9_-]{32,}",
+            r"(?<![\w/-])sk-(?:proj-|svcacct-|admin-|ant-[a-z]+\d*-)?(?=[\w-]*\d)(?=[\w-]*[A-Z])"
+            r"[A-Za-z0-9_-]{32,}(?![\w/-])",
         ),
         ("a Google OAuth token (ya29....)", r"\bya29\.[A-Za-z0-9_-]{20,}"),
         ("a Replicate token (r8_...)", r"\br8_[A-Za-z0-9]{37}\b"),
@@ -48,8 +54,12 @@ VALUE_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
             "a Discord webhook URL",
             r"https://(?:ptb\.|canary\.)?discord(?:app)?\.com/api/webhooks/(?P<secret>\d+/[A-Za-z0-9_-]{20,})",
         ),
-        # AWS's documented example key (AKIAIOSFODNN7EXAMPLE) is no secret, as gitleaks allows it
-        ("an AWS access key id (AKIA...)", r"\b(?:AKIA|ASIA|ABIA|ACCA)(?![A-Z0-9]{9}EXAMPLE)[A-Z0-9]{16}\b"),
+        # AWS's documented example key (AKIAIOSFODNN7EXAMPLE) is no secret, as gitleaks allows it; nor is
+        # a DNA sequence (ACCAGTTCAGGCTTAGCATG): an id's 16 characters are base32, never all of A, C, G, T
+        (
+            "an AWS access key id (AKIA...)",
+            r"\b(?:AKIA|ASIA|ABIA|ACCA)(?![A-Z0-9]{9}EXAMPLE)(?![ACGT]{16}\b)[A-Z0-9]{16}\b",
+        ),
         ("a Google API key (AIza...)", r"\bAIza[A-Za-z0-9_-]{35}(?![\w-])"),
         ("a JWT (eyJ...)", r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"),
         ("an npm token (npm_...)", r"\bnpm_[A-Za-z0-9]{36}\b"),

@@ -93,7 +93,17 @@ def check_secret_values(c: dict[str, Any]) -> None:
     variable is missing."""
     values = secret_values()
     for key, text in _string_values(c, ""):
-        refuse_secret_in(key, text, values)
+        refuse_secret_in(key, text, values, shapes=not is_path_key(key))
+
+
+# Config keys whose value is a path: a path is never a secret by its shape (a folder may be named
+# sk-learn-... or hold a primer), though a URL's password or a secret's value in it still is.
+PATH_KEYS = ("input.path", "output.dir", "model.path", "prompt.template_file", "cluster.cache_dir")
+
+
+def is_path_key(key: str) -> bool:
+    """Whether the config key holds a path (PATH_KEYS, or one of model.lora.adapters' folders)."""
+    return key in PATH_KEYS or key.startswith("model.lora.adapters.")
 
 
 def refuse_secret_in(
@@ -101,11 +111,12 @@ def refuse_secret_in(
     text: str,
     values: Optional[list[tuple[str, str]]] = None,
     record: str = "the config is stored in DIR/run.yaml",
+    shapes: bool = True,
 ) -> None:
     """ConfigError when a value a record holds exactly (a config value, redo's --where) holds a URL's
     password, a value of a known secret shape, or a secret's value (secret_values), naming the key and
-    the variable or the kind of secret, never the value."""
-    shape = shape_of(text)
+    the variable or the kind of secret, never the value; shapes=False for a path (is_path_key)."""
+    shape = shape_of(text) if shapes else None
     if shape:
         raise ConfigError(
             f"{key} holds what looks like {shape}, and {record} where others may read it (tasks, resume and "

@@ -203,3 +203,30 @@ def test_a_template_file_holding_a_secret_is_refused_before_it_is_copied(
     template.write_text("Answer briefly.\nQ: {text}\n")
     run = prepare(cfg)
     assert [p.read_text() for p in (run.path / "files").rglob("t.txt")] == ["Answer briefly.\nQ: {text}\n"]
+
+
+# Words and paths an attacker found refused as keys (M1, M2): an sk- key is one mixed-case token with
+# digits, never a path's component or a run of lower-case words; an AWS key id is never all of A, C, G, T.
+NOT_KEYS = [
+    "/tmp/atk8/sk-learn-experiments-2024-run-000123/in.jsonl",
+    "sk-learn-experiments-2024-run-000123-and-more-words",
+    "sk-ant-colony-optimization-2024",
+    "Find primer ACCAGTTCAGGCTTAGCATG in {text}",
+    "/data/" + SHAPED["openai"] + "/in.jsonl",  # a folder named like a key is a path's component
+]
+
+
+@pytest.mark.parametrize("text", NOT_KEYS)
+def test_words_paths_and_primers_are_no_keys(text: str) -> None:
+    assert redact_text(text) == text
+    security.check_config_secrets({"prompt": {"system": text}})
+
+
+def test_a_path_key_is_never_refused_by_shape_but_a_prompt_is() -> None:
+    path = "/scratch/sk-Ab3dE6gH9jK2mN5pQ8sT1vW4yZ7bC0eF3hJ6kM9n.d/in.jsonl"
+    for key in ("input.path", "output.dir", "model.path", "prompt.template_file", "cluster.cache_dir"):
+        section, name = key.split(".")
+        security.check_config_secrets({section: {name: path}})
+    security.check_config_secrets({"model": {"lora": {"adapters": {"a": SHAPED["aws"]}}}})
+    with pytest.raises(ConfigError, match=r"^prompt\.system holds what looks like an AWS access key id"):
+        security.check_config_secrets({"prompt": {"system": f"see {SHAPED['aws']}"}})
