@@ -88,6 +88,8 @@ _ECHO = r"\b(?:echo|printf)[ \t]+(?:-\w+[ \t]+|'[^'\n]*%[^'\n]*'[ \t]+|\"[^\"\n]
 # Forms holding a secret in free text and shell lines; a group `name` must be secret-named, a group
 # `file` a file that holds secrets (_secret_file); the group `secret` is struck.
 FORMS: tuple[re.Pattern[str], ...] = (
+    # ${oc.env:HF_TOKEN,X}: a default stands in for the secret's value (a parse error echoes it)
+    re.compile(r"\$\{oc\.env:[ \t]*['\"]?(?P<name>[A-Za-z_]\w*)['\"]?[ \t]*,[ \t]*(?P<secret>[^}\s'\"]+)"),
     # "api_key": "X", 'token': 'X', api_key: "X" (JSON, a Python dict, YAML)
     re.compile(r"(?<![\w.-])(?P<q>[\"']?)(?P<name>[A-Za-z_][\w.-]*)(?P=q)[ \t]*:[ \t]*([\"'])(?P<secret>[^\"'\s]+)\3"),
     # HF_TOKEN: X, Authorization: Bearer X, X-Api-Key: X (a log line, a YAML key in a heredoc, a header)
@@ -119,6 +121,7 @@ FORMS: tuple[re.Pattern[str], ...] = (
 )
 # What each form's text must hold (lower-cased) for the form to be tried: most lines hold none.
 FORM_HINTS: tuple[tuple[str, ...], ...] = (
+    ("oc.env",),
     (":",),
     (":",),
     ("+=",),

@@ -174,6 +174,16 @@ def secret_keys_inside(value: str) -> list[str]:
     return found
 
 
+# `${oc.env:NAME,default}`: the default stands in for NAME's value, so a secret-named NAME's default is a secret (H3).
+_ENV_DEFAULT = re.compile(r"\$\{oc\.env:\s*['\"]?([A-Za-z_]\w*)['\"]?\s*,")
+
+
+def secret_env_defaults(value: str) -> list[str]:
+    """The secret-named variables (redaction.is_secret_name) whose `${oc.env:NAME,default}` in value
+    gives a default: that default is a secret as the variable's value is."""
+    return [n for n in _ENV_DEFAULT.findall(value) if is_secret_name(n)]
+
+
 def secret_parse_error(typed: str) -> Optional[str]:
     """Why an override holding a secret that Hydra's grammar cannot read is refused, naming the key
     and how to write it (None: it parses, or it holds no secret). One home for compose, resume's and
@@ -196,12 +206,32 @@ def _secret_parse_error(given: list[str], quoted: list[str]) -> Optional[str]:
         # the key's name decides, whatever the value's form (a ${oc.decode:...} is no reference to keep)
         secret_key = strike_override(f"{key}=value") != f"{key}=value"
         inside = secret_keys_inside(value)
-        if not sep or not (secret_key or inside or has_url_password(value) or shape_of(value)):
+        defaults = secret_env_defaults(value)
+        secret = secret_key or inside or defaults or has_url_password(value) or shape_of(value)
+        # a value Hydra's lexer cannot read (a fullwidth letter in a dict's key) is echoed whole (H3b)
+        bracketed = any(c in value for c in "{}[]")
+        if not sep or not (secret or bracketed):
             continue
         try:
             parser.parse_override(ov)
-        except HydraException:
+        except HydraException as e:
             name = key.lstrip("+~")
+            if not secret:
+                if not any(w in str(e) for w in ("token recognition error", "LexerNoViableAltException")):
+                    continue
+                return (
+                    f"{name}: Hydra's override grammar cannot read the value given (a character its lexer "
+                    f"does not take, such as a fullwidth letter in a key; the value is not shown: it may "
+                    f"hold a secret); write the keys in ASCII, or give each entry as its own override in "
+                    f"the dot form, \"{key}.KEY='...'\""
+                )
+            if defaults and not secret_key and not inside:
+                return (
+                    f"{name}: Hydra's override grammar cannot read the value given (not shown: it holds the "
+                    f"default of ${{oc.env:{defaults[0]},...}}, a secret, as {defaults[0]}'s value is); "
+                    f"give no default: `export {defaults[0]}=...` in this shell and write ${{oc.env:{defaults[0]}}} "
+                    f"or name it in cluster.env_inherit=[{defaults[0]}]"
+                )
             if inside and not secret_key:
                 entry = f"+{name}.{inside[0]}"  # a dict key of an open map (cluster.env) is new: `+`
                 return (

@@ -100,3 +100,33 @@ def test_an_older_run_yaml_whose_redacted_is_the_users_own_text_runs_once_marked
     assert RunDir(run.path).config.prompt.template == template
     run_task(str(run.path), 0, engine=StandinEngine(cfg))
     assert all(RunDir(run.path).shard_folder(s.index).is_done() for s in RunDir(run.path).shards())
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "cluster.env={X:${oc.env:HF_TOKEN,SEKRITq9x7}{}",  # `no viable alternative at input '{X:${oc.env:...`
+        "+cluster.env.X=${oc.env:HF_TOKEN,SEKRITq9x7}{",  # `Error parsing override '+cluster.env.X=...`
+    ],
+)
+def test_the_default_of_a_secret_env_reference_is_a_secret_in_a_parse_error(override: str, tmp_path: Path) -> None:
+    """H3: the default of ${oc.env:HF_TOKEN,X} stands in for the token; Hydra's parse error echoed it."""
+    key = override.partition("=")[0].lstrip("+")
+    with pytest.raises(ConfigError) as refused:
+        compose([f"input.path={tmp_path / 'in.jsonl'}", "model.path=/x", override])
+    said = str(refused.value)
+    assert said.startswith(f"{key}: Hydra's override grammar cannot read the value given (not shown: it holds the ")
+    assert "${oc.env:HF_TOKEN,...}" in said and "SEKRIT" not in said
+    # and a printed line holding one (Hydra's own echo) is struck
+    echo = f"Error parsing override '{override}'"
+    assert redact_printed(echo) == echo.replace("SEKRITq9x7", REDACTED)
+
+
+@pytest.mark.parametrize("override", ["cluster.env={ＨＦ_TOKEN:SEKRITq9x7{}", "cluster.env={ＨＦ_TOKEN:SEKRITq9x7}"])
+def test_a_value_hydras_lexer_cannot_read_is_not_echoed(override: str) -> None:
+    """H3b: a fullwidth key made Hydra echo the whole override (LexerNoViableAltException)."""
+    with pytest.raises(ConfigError) as refused:
+        compose(["model.path=/x", override])
+    said = str(refused.value)
+    assert said.startswith("cluster.env: Hydra's override grammar cannot read the value given (a character its lexer")
+    assert "SEKRIT" not in said and "ＨＦ" not in said
