@@ -204,6 +204,8 @@ def hub_snapshot(name: str, revision: Optional[str], key: str) -> Path:
     try:
         found = snapshot_download(name, revision=revision, local_files_only=True)
     except (LocalEntryNotFoundError, OSError, ValueError):
+        # a cached ref the hub library could not follow as written (a trailing newline, upper case)
+        _check_ref(Path(constants.HF_HUB_CACHE), name, revision, key)
         raise ConfigError(
             f"{key} {name}: not in the local Hugging Face cache. Compute nodes run offline "
             f"(HF_HUB_OFFLINE=1): download it once on the login node with "
@@ -224,10 +226,7 @@ def checked_snapshot(cache: Path, name: str, revision: Optional[str], found: Pat
     fix = f"remove {repo} and download it again with `huggingface-cli download {name}`"
     if not COMMIT_HASH.fullmatch(ref):
         pointer = revision if revision and COMMIT_HASH.fullmatch(revision) else f"refs/{revision or 'main'}"
-        raise ConfigError(
-            f"{key} {name}: the Hugging Face cache folder {repo} is not sound: {pointer} names the snapshot "
-            f"{ref!r}, not a commit hash (40 hex digits); {fix}"
-        )
+        raise ConfigError(_unsound_ref(repo, pointer, ref, name, key))
     real = found.resolve()
     if not real.is_relative_to(snapshots):
         raise ConfigError(
@@ -235,3 +234,38 @@ def checked_snapshot(cache: Path, name: str, revision: Optional[str], found: Pat
             f"{real}, outside {snapshots}; {fix}"
         )
     return found
+
+
+def _check_ref(cache: Path, name: str, revision: Optional[str], key: str) -> None:
+    """ConfigError when the cached refs/<revision> file of name holds no commit hash (the hub library
+    takes its text as it is, so a trailing newline or upper case names no snapshot folder)."""
+    if revision and COMMIT_HASH.fullmatch(revision):
+        return
+    repo = Path(cache).expanduser().resolve() / f"models--{name.replace('/', '--')}"
+    pointer = f"refs/{revision or 'main'}"
+    try:
+        ref = (repo / pointer).read_bytes().decode("utf-8", errors="replace")  # as read: a CR kept
+    except OSError:
+        return
+    if not COMMIT_HASH.fullmatch(ref):
+        raise ConfigError(_unsound_ref(repo, pointer, ref, name, key))
+
+
+def _unsound_ref(repo: Path, pointer: str, ref: str, name: str, key: str) -> str:
+    """Why the cache folder repo is refused: pointer (refs/main) names ref, which is no commit hash."""
+    if COMMIT_HASH.fullmatch(ref.strip()):
+        why = (
+            f"a commit hash followed by whitespace ({ref[40:]!r}; the hub library does not strip it); write "
+            f"it without: `printf %s {ref.strip()} > {repo / pointer}`, or "
+        )
+    elif COMMIT_HASH.fullmatch(ref.strip().lower()):
+        why = (
+            "not a commit hash (40 lowercase hex digits; the snapshot folders are named in lower case); "
+            "write it in lower case, or "
+        )
+    else:
+        why = "not a commit hash (40 lowercase hex digits); "
+    return (
+        f"{key} {name}: the Hugging Face cache folder {repo} is not sound: {pointer} names the snapshot "
+        f"{ref!r}, {why}remove {repo} and download it again with `huggingface-cli download {name}`"
+    )

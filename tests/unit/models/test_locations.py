@@ -61,7 +61,9 @@ def test_a_cached_ref_that_is_not_a_commit_hash_is_refused_naming_the_cache_fold
         hub_snapshot("org/escape", None, "model.lora.adapters.x")
     said = str(got.value)
     assert said.startswith(f"model.lora.adapters.x org/escape: the Hugging Face cache folder {top.resolve()} "), said
-    assert "refs/main names the snapshot '../../../elsewhere/lora1', not a commit hash (40 hex digits)" in said
+    assert (
+        "refs/main names the snapshot '../../../elsewhere/lora1', not a commit hash (40 lowercase hex digits)" in said
+    )
     assert "huggingface-cli download org/escape" in said
     with pytest.raises(ConfigError, match=r"^model.path org/escape: the Hugging Face cache folder .*not a commit hash"):
         resolve_model("org/escape", None)  # model.path goes through the same check
@@ -77,3 +79,29 @@ def test_a_snapshot_folder_symlinked_out_of_the_cache_is_refused(tmp_path: Path,
         hub_snapshot("org/linked", None, "model.lora.adapters.x")
     said = str(got.value)
     assert f"its snapshot {'c' * 40} leads to {out.resolve()}, outside {top.resolve() / 'snapshots'}" in said, said
+
+
+@pytest.mark.parametrize("tail", ["\n", "\r\n", " "])
+def test_a_cached_ref_with_trailing_whitespace_is_refused_saying_so(tmp_path: Path, monkeypatch, tail: str) -> None:
+    """L1: the hub library takes refs/main's text as it is; the refusal said "not in the local cache"."""
+    from batchinfer.models.locations import hub_snapshot
+
+    top = fake_hub(tmp_path, monkeypatch, "org/nl", "d" * 40 + tail)
+    (top / "snapshots" / ("d" * 40)).mkdir()
+    with pytest.raises(ConfigError) as got:
+        hub_snapshot("org/nl", None, "model.path")
+    said = str(got.value)
+    assert f"refs/main names the snapshot {'d' * 40 + tail!r}, a commit hash followed by whitespace ({tail!r}" in said
+    assert f"printf %s {'d' * 40} > {top.resolve() / 'refs' / 'main'}" in said and "not in the local" not in said
+
+
+def test_an_upper_case_cached_ref_is_refused_asking_for_lower_case(tmp_path: Path, monkeypatch) -> None:
+    """L2: an upper-case hash was said to be no commit hash "(40 hex digits)", which it is."""
+    from batchinfer.models.locations import hub_snapshot
+
+    top = fake_hub(tmp_path, monkeypatch, "org/up", "AB" * 20)
+    (top / "snapshots" / ("ab" * 20)).mkdir()
+    with pytest.raises(ConfigError) as got:
+        hub_snapshot("org/up", None, "model.path")
+    assert f"refs/main names the snapshot {'AB' * 20!r}, not a commit hash (40 lowercase hex digits" in str(got.value)
+    assert "write it in lower case" in str(got.value)
