@@ -192,6 +192,7 @@ def run_pass(run: RunDir, engine: Any = None) -> RunDir:
         run_shards(run, todo, engine)
     merge(run)
     root = passes.root_of(run)
+    image_files.image_changes(root.path)  # the redone rows' answers from new image bytes are merged: recorded
     print(f"done: {root.output_path} (pass {run.path.name} merged)")
     return run
 

@@ -195,44 +195,98 @@ def _max_bytes(run_path: Path) -> int:
 
 def image_changes(run_path: Path, redone: Optional[Collection[int]] = None) -> list[str]:
     """The image files of DIR/images.json whose bytes differ now (or that are gone or appeared), each
-    with what changed; files only touched are recorded with their new stat. With `redone` (a redo's
-    row numbers), a file only those rows name is no change: the redo reads its new bytes for each of
-    them, and it is recorded so."""
+    with what changed. A changed file is no change where every row naming it is redone (`redone`, a
+    redo's row numbers: the redo reads its new bytes), or holds a committed result that read no old
+    bytes: an image error row, or an answer from a pass whose own images.json holds the new bytes.
+    Only files touched (same bytes) or answered from their new bytes by committed rows are recorded
+    with their new stat: a file let through for the redone rows keeps its old entry until the pass
+    that reads it is merged (a redo that fails, or is stopped, leaves the record as it was)."""
     old = read_record(run_path)
     if not old:
         return []
     now = scan([f.path for f in old], _max_bytes(run_path), {f.path: f for f in old})
     changed = {a.path: c for a, b in zip(old, now, strict=True) if (c := _change(a, b)) is not None}
-    if changed and redone is not None:
-        kept = _named_by_other_rows(run_path, redone, set(changed))
-        changed = {p: c for p, c in changed.items() if p in kept}
-    if not changed and now != old:
-        write_record(run_path, now)  # touched (same bytes), or read again by every row naming it
+    pending: set[str] = set()  # changed files only redone rows still have to read
+    if changed:
+        digests = {f.path: f.digest for f in now if f.path in changed}
+        unread, by_redone = _rows_from_old_bytes(run_path, digests, redone or ())
+        pending = by_redone - unread
+        changed = {p: c for p, c in changed.items() if p in unread}
+    if not changed:
+        record = [a if a.path in pending else b for a, b in zip(old, now, strict=True)]
+        if record != old:
+            write_record(run_path, record)  # touched (same bytes), or answered from the new bytes
     return list(changed.values())
 
 
-def _named_by_other_rows(run_path: Path, redone: Collection[int], paths: set[str]) -> set[str]:
-    """Those of paths that a row outside `redone` names (its answer, kept, came from the old bytes)."""
+def _rows_from_old_bytes(
+    run_path: Path, digests: dict[str, Optional[str]], redone: Collection[int]
+) -> tuple[set[str], set[str]]:
+    """Of the changed files (path: digest now): those a row outside `redone` names whose committed
+    result may come from the old bytes (or that has none yet), and those a row in `redone` names."""
     from batchinfer.inputs.convert import open_input
 
     run = RunDir(run_path)
     ds = open_input(run.input_dir)
     column = image_column_of(run.config.prompt.image_column, ds.column_names)
     if column is None or column not in ds.column_names:
-        return set()
+        return set(), set()
     limits = ImageLimits.of(run.config.prompt, run.config.input.path)
     rows = set(int(r) for r in redone)
-    named: set[str] = set()
+    kept: dict[int, str] = {}  # row: the changed file it names
+    by_redone: set[str] = set()
     for i, value in enumerate(column_values(ds, column)):
-        if i in rows or value is None:
+        if value is None:
             continue
         try:
             ref = image_ref(value, column, limits)
         except RowError:
             continue
-        if ref.path is not None and str(ref.path) in paths:
-            named.add(str(ref.path))
-    return named
+        if ref.path is not None and str(ref.path) in digests:
+            if i in rows:
+                by_redone.add(str(ref.path))
+            else:
+                kept[i] = str(ref.path)
+    unread = set(kept.values())
+    # DIR's committed results say which rows read no old bytes once its own shards are done (a
+    # redo's are; a reopen or resume of a run half done has rows still to read: any change counts)
+    if kept and all(run.shard_folder(s.index).is_done() for s in run.shards()):
+        unread = _answered_from_old_bytes(run, kept, digests)
+    return unread, by_redone
+
+
+def _answered_from_old_bytes(run: RunDir, kept: dict[int, str], digests: dict[str, Optional[str]]) -> set[str]:
+    """The files of `kept` (row: file) some row of which has no committed result read from the
+    file's bytes now: an answer of DIR's own shards or of a pass that read other bytes, or none yet."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from batchinfer.rundir import passes
+    from batchinfer.rundir.splice import merged_view
+
+    seen: set[int] = set()
+    out: set[str] = set()
+    records: dict[int, dict[str, Optional[str]]] = {}
+    rows = pa.array(list(kept), pa.int64())
+    for table in merged_view(run):
+        table = table.filter(pc.is_in(table.column("row"), value_set=rows))
+        if not table.num_rows:
+            continue
+        kinds = pc.struct_field(table.column("error"), "kind").to_pylist()
+        for row, number, kind in zip(
+            table.column("row").to_pylist(), table.column(passes.PASS_COLUMN).to_pylist(), kinds, strict=True
+        ):
+            seen.add(row)
+            path = kept[row]
+            if kind == "image":  # an error row: it read no bytes to answer from
+                continue
+            if number not in records:
+                got = read_record(passes.pass_path(run, number)) if number else None
+                records[number] = {f.path: f.digest for f in got or []}
+            if digests[path] is None or records[number].get(path) != digests[path]:
+                out.add(path)
+    out.update(path for row, path in kept.items() if row not in seen)
+    return out
 
 
 def refuse_changed_images(run_path: Path, redone: Optional[Collection[int]] = None) -> None:

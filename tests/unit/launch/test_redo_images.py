@@ -108,3 +108,81 @@ def test_report_counts_a_redos_image_rows_as_merged(tmp_path: Path) -> None:
     counts = build_report(run)["images"]
     assert counts is not None
     assert (counts["rows"], counts["image_error_rows"], counts["distinct_images"]) == (3, 0, 3), counts
+
+
+def _three_rows(tmp_path: Path, names: list[str]) -> tuple[Path, object]:
+    """A run over rows naming these files (img/NAME), on the fake engine."""
+    rows = [{"id": i, "text": "what colour", "image": f"img/{n}"} for i, n in enumerate(names)]
+    write_rows(tmp_path / "c.jsonl", rows)
+    cfg = compose(fake_overrides(tmp_path, tmp_path / "c.jsonl", "input.id_column=id", "prompt.image_column=image"))
+    return tmp_path / "img", run_local(cfg, engine=keyed(FakeEngine(), _prepared(cfg)))
+
+
+def test_a_failed_redo_of_the_rows_naming_a_changed_image_leaves_its_record_as_it_was(tmp_path: Path) -> None:
+    # attack H1: the check recorded a.png's new stat before the pass was made; the redo refused,
+    # a redo of other rows then went through, row 0's answer from the old a.png kept silently
+    import os
+    import shutil
+
+    import pytest
+
+    from batchinfer.errors import BatchinferError, RunDirError
+    from batchinfer.rundir.image_files import read_record
+
+    tiny_vlm.write_image(tmp_path / "img" / "a.png", 0, size=32)
+    tiny_vlm.write_image(tmp_path / "img" / "b.png", 1, size=32)
+    img, run = _three_rows(tmp_path, ["a.png", "b.png", "b.png"])
+    before = read_record(run.path)  # type: ignore[attr-defined]
+    mtime = (img / "a.png").stat().st_mtime_ns
+    shutil.copy(img / "b.png", img / "a.png")
+    os.utime(img / "a.png", ns=(mtime + 10**9, mtime + 10**9))
+    with pytest.raises(BatchinferError, match="temperature"):
+        redo(str(run.path), "id == 0", ["sampling.temperature=-3"], engine=keyed(FakeEngine(), run))
+    assert read_record(run.path) == before  # type: ignore[attr-defined]
+    with pytest.raises(RunDirError, match=r"1 image file rows this redo keeps name changed") as e:
+        redo(str(run.path), "id == 1", [], engine=keyed(FakeEngine(), run))
+    assert f"{img / 'a.png'} (contents changed" in str(e.value)
+    # the redo of row 0 made and merged: the record holds the new bytes, other rows may be redone
+    redo(str(run.path), "id == 0", [], engine=keyed(FakeEngine(), run))
+    digest = image_digest((img / "a.png").read_bytes())
+    assert {f.path: f.digest for f in read_record(run.path) or []}[str(img / "a.png")] == digest  # type: ignore[attr-defined]
+    redo(str(run.path), "id == 1", [], engine=keyed(FakeEngine(), run))
+    assert [r["pass"] for r in read_output(run.path)] == [1, 2, 0]  # type: ignore[attr-defined]
+
+
+def test_a_stopped_redo_pass_keeps_the_changed_image_refused_for_other_rows(tmp_path: Path) -> None:
+    # the pass made, its run stopped before merge: its rows are not answered from the new bytes yet
+    import os
+    import shutil
+
+    import pytest
+
+    from batchinfer.errors import RunDirError
+    from batchinfer.launch import redo as redo_mod
+    from batchinfer.rundir import passes
+
+    tiny_vlm.write_image(tmp_path / "img" / "a.png", 0, size=32)
+    tiny_vlm.write_image(tmp_path / "img" / "b.png", 1, size=32)
+    img, run = _three_rows(tmp_path, ["a.png", "b.png", "b.png"])
+    mtime = (img / "a.png").stat().st_mtime_ns
+    shutil.copy(img / "b.png", img / "a.png")
+    os.utime(img / "a.png", ns=(mtime + 10**9, mtime + 10**9))
+    made = redo_mod.new_pass(run, "id == 0", [])  # type: ignore[arg-type]
+    assert made is not None and not passes.is_finished(made.path)
+    with pytest.raises(RunDirError, match=r"a\.png \(contents changed"):
+        redo_mod.new_pass(run, "id == 1", [])  # type: ignore[arg-type]
+
+
+def test_a_kept_image_error_row_does_not_refuse_a_redo_once_its_file_is_there(tmp_path: Path) -> None:
+    # attack M3: img/m.png missing at prepare (row 1 an error row), put there later; a redo of
+    # another row was refused "unreadable at prepare, there now" though row 1 read no bytes
+    tiny_vlm.write_image(tmp_path / "img" / "a.png", 0, size=32)
+    img, run = _three_rows(tmp_path, ["a.png", "m.png", "a.png"])
+    before = {r["id"]: r for r in read_output(run.path)}  # type: ignore[attr-defined]
+    assert before[1]["error"]["kind"] == "image"
+    tiny_vlm.write_image(img / "m.png", 2, size=32)
+    redo(str(run.path), "id == 0", ["sampling.seed=5"], engine=keyed(FakeEngine(), run))
+    after = {r["id"]: r for r in read_output(run.path)}  # type: ignore[attr-defined]
+    assert (after[0]["pass"], after[1]["pass"], after[1]["error"]["kind"]) == (1, 0, "image")
+    redo(str(run.path), "error is not null", [], engine=keyed(FakeEngine(), run))  # the row answered now
+    assert {r["id"]: r for r in read_output(run.path)}[1]["error"] is None  # type: ignore[attr-defined]
