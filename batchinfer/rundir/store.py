@@ -3,6 +3,7 @@ shard_folder.py; locks: locks/)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Optional, TypedDict
@@ -189,11 +190,19 @@ def refuse_struck(path: Path, record: RunRecord) -> None:
     else:
         given = " ".join(f"{k}=..." for k in keys)
         how = f"give the original values again: `batchinfer resume {path} {given}`"
+    mark = f"add the line `redaction: {EXACT_RECORD}` to {path}/run.yaml"
+    if "redaction" in record:  # a line is there, with another value (EXACT, true): say which
+        value = record.get("redaction")
+        shown = value if isinstance(value, str) else json.dumps(value)
+        mark = (
+            f"change the line `redaction: {shown}` of {path}/run.yaml to `redaction: {EXACT_RECORD}` "
+            f"(exactly, in lower case)"
+        )
     raise RunDirError(
         f"{path}/run.yaml was written by an older batchinfer, which struck text out of {', '.join(keys)} "
         f"({REDACTED} or ${{oc.env:...}} in place of what was typed), so a task would run that text; {how}; "
-        f"or, if that text is what you typed (a prompt that asks for {REDACTED}), add the line "
-        f"`redaction: {EXACT_RECORD}` to {path}/run.yaml and the run takes it as it is"
+        f"or, if that text is what you typed (a prompt that asks for {REDACTED}), {mark} and the run takes "
+        f"it as it is"
     )
 
 

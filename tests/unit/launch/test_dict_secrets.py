@@ -130,3 +130,16 @@ def test_a_value_hydras_lexer_cannot_read_is_not_echoed(override: str) -> None:
     said = str(refused.value)
     assert said.startswith("cluster.env: Hydra's override grammar cannot read the value given (a character its lexer")
     assert "SEKRIT" not in said and "ＨＦ" not in said
+
+
+@pytest.mark.parametrize(("line", "shown"), [("EXACT", "EXACT"), ("true", "true"), ("'yes'", "yes")])
+def test_a_redaction_line_of_another_value_is_named_not_asked_for(line: str, shown: str, tmp_path: Path) -> None:
+    """L3: with `redaction: EXACT` (or true) in run.yaml, the refusal asked to add a line that is there."""
+    from batchinfer.rundir.store import refuse_struck
+
+    record = yaml.safe_load(f"redaction: {line}\nconfig:\n  prompt:\n    template: 'Mask as {REDACTED}: {{text}}'\n")
+    with pytest.raises(RunDirError) as refused:
+        refuse_struck(tmp_path, record)
+    said = str(refused.value)
+    assert f"change the line `redaction: {shown}` of {tmp_path}/run.yaml to `redaction: exact`" in said
+    assert "add the line" not in said
