@@ -48,7 +48,9 @@ OVERRIDE_LISTS = frozenset({"overrides", "tries"})
 # scheme://user:password@: one slash or more, as a path's normalisation leaves it (https:/bob:pw@host).
 # The user may be empty (redis://:PASSWORD@host); the password runs to the last @ before the host
 # (postgres://bob:p@ss@db: a password may hold an @).
-_URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*:/+[^\s:/@'\"${}]*):([^\s/'\"]+)@")
+# A scheme is at most 32 characters (git+ssh, postgresql+psycopg2): unbounded, the scheme would be
+# rescanned to the end of the text from every word boundary ('a-a-a-...' took quadratic time).
+_URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]{0,31}:/+[^\s:/@'\"${}]*):([^\s/'\"]+)@")
 # NAME=value as a shell line or an override writes it (+cluster.env.DB_PASS=x); $NAME values are references.
 # An unquoted value ends at a quote: the quote closes the text around it ('token=abc' keeps its closing
 # quote); a quote never closed opens the value up to a space (a parse error's TOKEN='abc); a `{name}`
@@ -60,6 +62,15 @@ _ASSIGNMENT = re.compile(
 _FLAG = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*)(=|[ \t]+)(\"[^\"]*\"|'[^']*'|[\"'][^\s'\"]*|[^\s;&|`'\"]+)")
 # A value in a command line: up to a space, a quote or a shell separator.
 _VALUE = r"(?P<secret>[^\s'\";&|`]+)"
+
+
+def _tail(word: str) -> str:
+    """The rest of a command after its name `word`, up to a shell separator, never past the next
+    `word`: each occurrence then scans only up to the next one, so text repeating the word
+    ('curl curl curl ...') is scanned once, not from every occurrence to its end."""
+    return rf"(?:(?!\b(?:{word})\b)[^;&|\n])*?"
+
+
 # Commands that take a secret in their own syntax: the secret (and a header's name or a setting's
 # name, where the form has one: it must name a secret) found as a secret scanner finds it.
 _COMMAND_SECRETS = (
@@ -69,13 +80,16 @@ _COMMAND_SECRETS = (
         r"(?:(?i:bearer|basic|token|bot|digest|apikey)[ \t]+)?" + _VALUE
     ),
     # mysql -pX, -p'X': the password glued to -p
-    re.compile(r"\b(?:mysql\w*|mariadb[\w-]*)\b[^;&|\n]*?[ \t]-p['\"]?" + _VALUE),
+    re.compile(r"\b(?:mysql\w*|mariadb[\w-]*)\b" + _tail(r"mysql\w*|mariadb[\w-]*") + r"[ \t]-p['\"]?" + _VALUE),
     # curl -u alice:X, -ualice:X (--user, --proxy-user, -U): the part after the user name
     re.compile(
-        r"\bcurl\b[^;&|\n]*?[ \t](?:-[uU][ \t=]*|(?:--user|--proxy-user)(?:[ \t]+|=))['\"]?[^\s:'\"]*:" + _VALUE
+        r"\bcurl\b"
+        + _tail("curl")
+        + r"[ \t](?:-[uU][ \t=]*|(?:--user|--proxy-user)(?:[ \t]+|=))['\"]?[^\s:'\"]*:"
+        + _VALUE
     ),
     # sshpass -p X
-    re.compile(r"\bsshpass\b[^;&|\n]*?[ \t]-p[ \t]*" + _VALUE),
+    re.compile(r"\bsshpass\b" + _tail("sshpass") + r"[ \t]-p[ \t]*" + _VALUE),
     # aws configure set aws_secret_access_key X, git config user.password X, npm config set //r/:_authToken X
     # (a tool's command only: a prompt saying "the config key is ..." stays as written)
     re.compile(

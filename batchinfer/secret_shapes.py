@@ -84,7 +84,17 @@ _VALUE = r"(?P<secret>[^\s'\";&|`<>]+)"
 # digit or a symbol, or 20 characters): `HF_TOKEN: not set` and `password required` stay as written.
 _LIKE_SECRET = r"(?=[^\s'\";&|`<>,}\]]*[\d_+/=.@!#%^*~-]|[^\s'\";&|`<>,}\]]{20})"
 # echo's options or printf's format before the value echoed
-_ECHO = r"\b(?:echo|printf)[ \t]+(?:-\w+[ \t]+|'[^'\n]*%[^'\n]*'[ \t]+|\"[^\"\n]*%[^\"\n]*\"[ \t]+)*['\"]?"
+_ECHO = r"\b(?:echo|printf)[ \t]+(?:-\w+[ \t]+|'[^'\n%]*%[^'\n]*'[ \t]+|\"[^\"\n%]*%[^\"\n]*\"[ \t]+)*['\"]?"
+
+
+def _tail(words: str) -> str:
+    """The rest of a command up to a shell separator, never past one of `words`: each
+    occurrence then scans only up to the next one, so text repeating a word ('echo x | echo x | ...',
+    'docker login login ...') is scanned once, not from every occurrence to its end."""
+    return rf"(?:(?!\b(?:{words})\b)[^;&|\n])*?"
+
+
+_LOGIN_TOOLS = r"docker|podman|buildah|skopeo|nerdctl|helm|oras|apptainer|singularity|az"
 # Forms holding a secret in free text and shell lines; a group `name` must be secret-named, a group
 # `file` a file that holds secrets (_secret_file); the group `secret` is struck.
 FORMS: tuple[re.Pattern[str], ...] = (
@@ -106,8 +116,12 @@ FORMS: tuple[re.Pattern[str], ...] = (
     re.compile(r"(?:^|\n|\b(?:login|machine)[ \t]+\S+)[ \t]*\bpassword[ \t]+" + _LIKE_SECRET + _VALUE),
     # docker login -p X (podman, helm registry, oras, apptainer, az login -p X)
     re.compile(
-        r"\b(?:docker|podman|buildah|skopeo|nerdctl|helm|oras|apptainer|singularity|az)\b[^;&|\n]*?\blogin\b"
-        r"[^;&|\n]*?[ \t]-p(?:[ \t]+|=)?['\"]?(?!-)" + _VALUE
+        rf"\b(?:{_LOGIN_TOOLS})\b"
+        + _tail(_LOGIN_TOOLS)
+        + r"\blogin\b"
+        + _tail(_LOGIN_TOOLS + "|login")
+        + r"[ \t]-p(?:[ \t]+|=)?['\"]?(?!-)"
+        + _VALUE
     ),
     # wandb login KEY (its options before the key)
     re.compile(r"\bwandb[ \t]+login(?:[ \t]+--?[\w-]+(?:=\S+)?)*[ \t]+['\"]?(?!-)" + _VALUE),
@@ -115,7 +129,7 @@ FORMS: tuple[re.Pattern[str], ...] = (
     re.compile(_ECHO + _VALUE + r"['\"]?[ \t]*>>?[ \t]*['\"]?(?P<file>[^\s'\";&|`]+)"),
     # echo X | docker login --password-stdin, | huggingface-cli login, | chpasswd
     re.compile(
-        _ECHO + _VALUE + r"['\"]?[ \t]*\|[^;&\n]*?"
+        _ECHO + _VALUE + r"['\"]?[ \t]*\|(?:(?!\b(?:echo|printf)\b)[^;&\n])*?"
         r"(?:\blogin\b|--password-stdin|\bchpasswd\b|\bpasswd\b)"
     ),
 )
