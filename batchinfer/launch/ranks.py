@@ -32,6 +32,7 @@ from batchinfer.config.nodes import NodeGroup
 from batchinfer.engine.dtype import settle
 from batchinfer.errors import ConfigError
 from batchinfer.launch import slurm
+from batchinfer.launch.executor import STEP_BOOT
 from batchinfer.rundir.store import RunDir
 
 log = logging.getLogger("batchinfer")
@@ -46,7 +47,10 @@ RANK_EXIT_GRACE_S = 3.0
 # the rows in flight are charged: a lost node often fails the head's engine (its collective cut off)
 # before `srun` has noticed and ended the step.
 NODE_FAULT_WAIT_S = 15.0
-HEADLESS = [sys.executable, "-m", "batchinfer.engine.headless"]  # + DIR ADDR PORT NNODES DTYPE ENGINE_ARGS
+# + DIR ADDR PORT NNODES DTYPE ENGINE_ARGS. USR2 blocked by the interpreter's first statement (STEP_BOOT,
+# as the head's step): Slurm signals every step of the job, and a notice while the rank's Python still
+# imports batchinfer would kill the rank by USR2's default action (seen: a rank killed 3 s after its srun).
+HEADLESS = [sys.executable, "-u", "-c", STEP_BOOT, "-m", "batchinfer.engine.headless"]
 
 
 def allocation_nodes() -> list[str]:
