@@ -159,9 +159,8 @@ def changes(seq: list) -> int:
     return sum(a != b for a, b in zip(seq, seq[1:], strict=False))
 
 
-def test_rows_go_adapter_by_adapter_never_more_adapters_in_flight_than_slots(
-    tmp_path: Path, adapters: list[str]
-) -> None:
+def interleaved(tmp_path: Path, adapters: list[str]) -> tuple[list[dict], list[str]]:
+    """40 rows asking for alpha, beta, gamma and the base model interleaved, and their overrides."""
     gamma = adapter(tmp_path, "gamma", 8)
     names = ["alpha", None, "beta", "gamma", "beta", "alpha", None, "gamma"]
     rows = [{"id": f"r{i}", "text": f"text {i}", "task": names[i % len(names)]} for i in range(40)]
@@ -174,6 +173,13 @@ def test_rows_go_adapter_by_adapter_never_more_adapters_in_flight_than_slots(
         *adapters,
         f"+model.lora.adapters.gamma={gamma}",
     )
+    return rows, ov
+
+
+def test_rows_go_adapter_by_adapter_never_more_adapters_in_flight_than_slots(
+    tmp_path: Path, adapters: list[str]
+) -> None:
+    rows, ov = interleaved(tmp_path, adapters)
     run = prepare(compose([*ov, "model.lora.max_loras=1"]))
     eng = keyed(FakeEngine(), run)
     eng.max_loras = 1
@@ -291,18 +297,7 @@ def test_adapter_loads_are_recorded_per_shard_and_shown_in_report_and_status(
     from batchinfer.insight.status import format_status, shard_status, summarize
     from batchinfer.rundir.progress import read_progress
 
-    gamma = adapter(tmp_path, "gamma", 8)
-    names = ["alpha", None, "beta", "gamma", "beta", "alpha", None, "gamma"]
-    rows = [{"id": f"r{i}", "text": f"text {i}", "task": names[i % len(names)]} for i in range(40)]
-    corpus = write_rows(tmp_path / "c.jsonl", rows)
-    ov = fake_overrides(
-        tmp_path,
-        corpus,
-        "input.id_column=id",
-        "input.adapter_column=task",
-        *adapters,
-        f"+model.lora.adapters.gamma={gamma}",
-    )
+    rows, ov = interleaved(tmp_path, adapters)
     run = prepare(compose([*ov, "model.lora.max_loras=1", "sharding.num_shards=2", "output.commit_every_rows=4"]))
     eng = keyed(FakeEngine(), run)
     eng.max_loras = 1
