@@ -3,7 +3,6 @@ shard_folder.py; locks: locks/)."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Optional, TypedDict
@@ -193,7 +192,8 @@ def refuse_struck(path: Path, record: RunRecord) -> None:
     mark = f"add the line `redaction: {EXACT_RECORD}` to {path}/run.yaml"
     if "redaction" in record:  # a line is there, with another value (EXACT, true): say which
         value = record.get("redaction")
-        shown = value if isinstance(value, str) else json.dumps(value)
+        # as YAML writes the scalar: true, false, null, 2
+        shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
         mark = (
             f"change the line `redaction: {shown}` of {path}/run.yaml to `redaction: {EXACT_RECORD}` "
             f"(exactly, in lower case)"
