@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +25,13 @@ from typing import Any, Optional
 from batchinfer.config.schema import PromptConfig
 from batchinfer.durable import read_json, write_json
 from batchinfer.errors import RunDirError
-from batchinfer.inputs.openai_batch import IMAGE_URL
 from batchinfer.logs import plural
 from batchinfer.requests.images import ImageLimits, image_hasher, image_ref, open_regular
 from batchinfer.requests.prompts import RowError
+from batchinfer.rundir.image_cells import column_values as column_values
+from batchinfer.rundir.image_cells import image_cells as image_cells
+from batchinfer.rundir.image_cells import image_column_of as image_column_of
+from batchinfer.rundir.image_cells import is_json_text as is_json_text
 from batchinfer.rundir.store import IMAGES_FILE as RECORD
 from batchinfer.rundir.store import RunDir
 
@@ -60,13 +63,6 @@ class ImageFile:
         return cls(str(path), int(size), int(mtime_ns), digest)
 
 
-def image_column_of(prompt_image_column: Optional[str], columns: list[str]) -> Optional[str]:
-    """The input column holding rows' images: prompt.image_column, else an OpenAI input's image_url column."""
-    if prompt_image_column:
-        return prompt_image_column
-    return IMAGE_URL if IMAGE_URL in columns else None
-
-
 def image_paths(values: Iterable[Any], column: str, limits: ImageLimits) -> list[str]:
     """The distinct files the column's values name (paths, file:// URLs, `datasets` {path} without
     bytes), sorted; values that name no file (bytes, data: URLs, http URLs, nulls) are left out."""
@@ -81,34 +77,6 @@ def image_paths(values: Iterable[Any], column: str, limits: ImageLimits) -> list
         if ref.path is not None:
             paths.add(str(ref.path))
     return sorted(paths)
-
-
-def is_json_text(ds: Any, column: str) -> bool:
-    """Whether `datasets` keeps the column as JSON text (its Json feature: a JSON lines column whose
-    values are of mixed types, "0.png" beside 7); the worker's rows hold the decoded values."""
-    from datasets import Json
-
-    features = getattr(ds, "features", None)  # a referenced corpus has no JSON text columns
-    return features is not None and isinstance(features.get(column), Json)
-
-
-def image_cells(values: list[Any], json_text: bool) -> list[Any]:
-    """An image column's stored values as the worker's rows hold them: JSON text decoded (`datasets`'
-    own decode, as its rows are read), other values as they are."""
-    if not json_text:
-        return values
-    from datasets import Json
-
-    decode = Json().decode_example
-    return [decode(v) if v is not None else None for v in values]
-
-
-def column_values(ds: Any, column: str) -> Iterator[Any]:
-    """The column's values of a converted input (DIR/input) as the worker sees them (image_cells),
-    one Arrow chunk in memory at a time."""
-    json_text = is_json_text(ds, column)
-    for chunk in ds.data.column(column).chunks:
-        yield from image_cells(chunk.to_pylist(), json_text)
 
 
 def _stat(path: str) -> tuple[int, int]:

@@ -213,7 +213,7 @@ def _with_absolute_images(root: RunDir, ds: Any, table: pa.Table) -> pa.Table:
     and the pass's input (its selection) is in another folder. A column kept as JSON text is
     decoded first (the worker's values: image_cells) and written back as JSON text."""
     from batchinfer.requests.images import absolute_image_paths
-    from batchinfer.rundir.image_files import image_cells, image_column_of, is_json_text
+    from batchinfer.rundir.image_cells import image_cells, image_column_of, is_json_text
 
     c = root.config
     column = image_column_of(c.prompt.image_column, table.column_names)
