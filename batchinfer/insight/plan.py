@@ -163,14 +163,12 @@ def model_section(c: Config, folder: Path) -> tuple[sizing.ModelSize, ModelSecti
 
 def _vision(folder: Path, model: sizing.ModelSize, dtype: str) -> Optional[VisionSection]:
     """The vision encoder of a vision-language model from its config.json (None: a text model)."""
-    import json
-
     from batchinfer.models.image_tokens import image_tokens
+    from batchinfer.models.model_files import read_model_json
     from batchinfer.models.vision_sizing import vision_encoder
 
-    try:
-        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    cfg = read_model_json(folder / "config.json")  # read_model sized the model from it already
+    if not isinstance(cfg, dict):
         return None
     v = vision_encoder(folder, cfg, sizing.kv_dtype_bytes("auto", dtype))
     if v is None:

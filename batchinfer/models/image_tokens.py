@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import enum
 import functools
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+from batchinfer.models.model_files import read_model_json
 
 IDEFICS3 = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 FIXED_KEYS = ("image_seq_length", "num_image_tokens", "mm_tokens_per_image", "image_seq_len", "num_query_tokens")
@@ -97,10 +98,8 @@ def _scale_below(height: int, width: int, max_len: int) -> tuple[int, int]:
 
 
 def _json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    """A JSON file of the model folder (models/model_files.py reads it; a missing one is empty)."""
+    value = read_model_json(path) if path.is_file() else {}
     return value if isinstance(value, dict) else {}
 
 
